@@ -1,0 +1,383 @@
+//! The Qwen3.6-35B-A3B text model: weights bound from a Hugging Face snapshot, per-sequence
+//! state, and the forward pass written once, in the order of the reference
+//! (transformers `Qwen3_5MoeForCausalLM`; docs/MODEL.md §3).
+//!
+//! This is the reference path: f32 compute over weights upcast exactly from BF16/F16/F32, plain
+//! loops from [`reference`]. Prefill runs the chunked Gated DeltaNet (chunk 64) and decode the
+//! recurrent step, as the reference does; both give the same numbers to f32 round-off.
+
+pub mod linear;
+pub mod load;
+pub mod reference;
+mod state;
+pub mod synth;
+
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use spec::TextConfig;
+
+pub use load::{open_dir, Weights};
+pub use state::{LayerState, State};
+
+use load::{AttnWeights, Expert, GdnWeights, Mixer, MoeWeights};
+use reference as r;
+
+/// Chunk length of the chunked Gated DeltaNet prefill (as in transformers and FLA).
+pub const GDN_CHUNK: usize = spec::production::GDN_CHUNK;
+
+/// Why a model could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The model path is not a folder.
+    #[error("model path {0} is not a folder (expected a Hugging Face snapshot folder with config.json and *.safetensors)")]
+    NotADir(PathBuf),
+    /// `config.json` is invalid.
+    #[error(transparent)]
+    Config(#[from] spec::ConfigError),
+    /// A weight file or tensor is unusable.
+    #[error(transparent)]
+    Load(#[from] weights::LoadError),
+    /// The checkpoint disagrees with a config field.
+    #[error("config field `{field}` does not match the checkpoint: {reason}")]
+    Mismatch {
+        /// The config field (JSON path).
+        field: String,
+        /// What disagrees.
+        reason: String,
+    },
+    /// A token id outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    BadToken {
+        /// The id.
+        id: u32,
+        /// Vocabulary rows.
+        vocab: usize,
+    },
+    /// The sequence would exceed the context limit.
+    #[error("sequence of {needed} tokens exceeds the context limit of {limit} tokens")]
+    ContextFull {
+        /// Tokens the call needs in total.
+        needed: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// An empty token list was given to a forward pass.
+    #[error("no tokens to process")]
+    Empty,
+}
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// One row per input position: [T, vocab].
+    All,
+    /// Only the last position: [vocab].
+    Last,
+    /// None (prefill of a prefix whose continuation follows).
+    None,
+}
+
+/// Receives named intermediates (`blk.{l}.mixer_out`, ...), [T, width] row-major, when tracing.
+pub type Tracer<'a> = &'a mut dyn FnMut(&str, &[f32]);
+
+/// A loaded model.
+pub struct Model {
+    /// The validated config.
+    pub cfg: TextConfig,
+    /// Bound weights (views into the memory-mapped checkpoint).
+    pub weights: Weights,
+    inv_freq: Vec<f32>,
+}
+
+impl Model {
+    /// Loads a Hugging Face snapshot folder.
+    ///
+    /// # Errors
+    /// [`ModelError`] naming the file, tensor or config field at fault.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let (cfg, weights) = open_dir(dir)?;
+        Ok(Self::new(cfg, weights))
+    }
+
+    /// A model from bound weights.
+    pub fn new(cfg: TextConfig, weights: Weights) -> Self {
+        let inv_freq = r::rope_inv_freq(cfg.rope_theta, cfg.rotary_dim());
+        Model { cfg, weights, inv_freq }
+    }
+
+    /// A fresh per-sequence state (empty KV cache, zero GDN state) with a context limit in
+    /// tokens (clamped to the config's `max_position_embeddings`).
+    pub fn new_state(&self, max_ctx_tokens: usize) -> State {
+        State::new(&self.cfg, max_ctx_tokens.min(self.cfg.max_position_embeddings))
+    }
+
+    /// Runs `tokens` on top of `state` (prefill when several, decode when one) and returns the
+    /// requested logits in f32: [T, vocab] for [`Logits::All`], [vocab] for [`Logits::Last`].
+    ///
+    /// # Errors
+    /// [`ModelError::Empty`], [`ModelError::BadToken`], [`ModelError::ContextFull`]; the state
+    /// is unchanged on error.
+    pub fn forward(&self, state: &mut State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, ModelError> {
+        self.forward_traced(state, tokens, logits, None)
+    }
+
+    /// [`Model::forward`] with an optional tracer for named intermediates.
+    ///
+    /// # Errors
+    /// As [`Model::forward`].
+    pub fn forward_traced(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        logits: Logits,
+        mut trace: Option<Tracer<'_>>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let cfg = &self.cfg;
+        let (t, d) = (tokens.len(), cfg.hidden_size);
+        if t == 0 {
+            return Err(ModelError::Empty);
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+            return Err(ModelError::BadToken { id, vocab: cfg.vocab_size });
+        }
+        if state.pos + t > state.max_ctx {
+            return Err(ModelError::ContextFull { needed: state.pos + t, limit: state.max_ctx });
+        }
+        let mut emit = |name: String, x: &[f32]| {
+            if let Some(tr) = trace.as_mut() {
+                tr(&name, x)
+            }
+        };
+        // x: [T, d] residual stream.
+        let mut x = vec![0.0f32; t * d];
+        for (row, &id) in x.chunks_exact_mut(d).zip(tokens) {
+            self.weights.embed.row_f32(id as usize, row);
+        }
+        emit("embed".into(), &x);
+        let mut u = vec![0.0f32; t * d];
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            r::zrms_norm(&mut u, &x, &lw.input_norm, cfg.rms_norm_eps);
+            let m = match (&lw.mixer, &mut state.layers[l]) {
+                (Mixer::Gdn(w), LayerState::Gdn { conv, s }) => self.gdn(w, conv, s, &u, t),
+                (Mixer::Attn(w), LayerState::Attn { k, v }) => self.attention(w, k, v, &u, t, state.pos),
+                _ => unreachable!("state built from the same config"),
+            };
+            emit(format!("blk.{l}.mixer_out"), &m);
+            x.iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+            r::zrms_norm(&mut u, &x, &lw.post_norm, cfg.rms_norm_eps);
+            let moe = self.moe(&lw.moe, &u, t, l, &mut emit);
+            emit(format!("blk.{l}.moe_out"), &moe);
+            x.iter_mut().zip(&moe).for_each(|(a, b)| *a += b);
+            emit(format!("blk.{l}.out"), &x);
+        }
+        state.pos += t;
+        let rows: &[f32] = match logits {
+            Logits::None => return Ok(Vec::new()),
+            Logits::All => &x,
+            Logits::Last => &x[(t - 1) * d..],
+        };
+        let n = rows.len() / d;
+        let mut h = vec![0.0f32; n * d];
+        r::zrms_norm(&mut h, rows, &self.weights.final_norm, cfg.rms_norm_eps);
+        emit("final_norm".into(), &h);
+        let mut out = vec![0.0f32; n * cfg.vocab_size];
+        self.weights.lm_head.forward(&mut out, &h, n);
+        Ok(out)
+    }
+
+    /// Gated DeltaNet mixer over `t` tokens (MODEL.md §3.5). `conv`: [k-1, conv_dim] cached
+    /// pre-conv inputs, oldest first; `s`: [n_v, d_k, d_v] recurrent state. Returns [t, d].
+    fn gdn(&self, w: &GdnWeights, conv: &mut Vec<f32>, s: &mut [f32], u: &[f32], t: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (nk, nv, dk, dv, kk) = (
+            cfg.linear_num_key_heads,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim,
+        );
+        let (key_dim, conv_dim) = (nk * dk, cfg.gdn_conv_dim());
+        let mut qkv = vec![0.0f32; t * conv_dim];
+        w.in_proj_qkv.forward(&mut qkv, u, t);
+        let mut z = vec![0.0f32; t * nv * dv];
+        w.in_proj_z.forward(&mut z, u, t);
+        let mut b = vec![0.0f32; t * nv];
+        w.in_proj_b.forward(&mut b, u, t);
+        let mut a = vec![0.0f32; t * nv];
+        w.in_proj_a.forward(&mut a, u, t);
+
+        // Causal conv over [cached k-1 rows ‖ new rows]; the last k-1 rows become the cache.
+        let mut window = std::mem::take(conv);
+        window.extend_from_slice(&qkv);
+        let mut mixed = vec![0.0f32; t * conv_dim];
+        r::causal_conv_silu(&mut mixed, &window, &w.conv1d, conv_dim, kk);
+        *conv = window[t * conv_dim..].to_vec();
+
+        // Split into q [t, nk, dk], k [t, nk, dk], v [t, nv, dv]; L2-normalise q, k; scale q.
+        let mut q = Vec::with_capacity(t * key_dim);
+        let mut k = Vec::with_capacity(t * key_dim);
+        let mut v = Vec::with_capacity(t * nv * dv);
+        for row in mixed.chunks_exact(conv_dim) {
+            q.extend_from_slice(&row[..key_dim]);
+            k.extend_from_slice(&row[key_dim..2 * key_dim]);
+            v.extend_from_slice(&row[2 * key_dim..]);
+        }
+        r::l2norm_inplace(&mut q, dk, 1e-6);
+        r::l2norm_inplace(&mut k, dk, 1e-6);
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        q.iter_mut().for_each(|x| *x *= q_scale);
+        // Gates per token and value head: g = -exp(A_log)·softplus(a + dt_bias), β = σ(b).
+        let g: Vec<f32> = (0..t * nv).map(|i| w.a_neg_exp[i % nv] * r::softplus(a[i] + w.dt_bias[i % nv])).collect();
+        let beta: Vec<f32> = b.iter().map(|&x| r::sigmoid(x)).collect();
+
+        // Value head j reads key head j / (nv / nk) (consecutive grouping).
+        let ratio = nv / nk;
+        let mut o = vec![0.0f32; t * nv * dv];
+        let mut o_heads = vec![0.0f32; nv * t * dv]; // [nv, t, dv]
+        s.par_chunks_mut(dk * dv).zip(o_heads.par_chunks_mut(t * dv)).enumerate().for_each(|(j, (sj, oj))| {
+            let hk = j / ratio;
+            let gather = |src: &[f32], width: usize, heads: usize, h: usize, t0: usize, n: usize| -> Vec<f32> {
+                (t0..t0 + n).flat_map(|tt| src[(tt * heads + h) * width..(tt * heads + h + 1) * width].iter().copied()).collect()
+            };
+            if t == 1 {
+                r::gdn_step(sj, &q[hk * dk..(hk + 1) * dk], &k[hk * dk..(hk + 1) * dk], &v[j * dv..(j + 1) * dv], g[j].exp(), beta[j], oj);
+            } else {
+                let mut t0 = 0;
+                while t0 < t {
+                    let n = GDN_CHUNK.min(t - t0);
+                    let qc = gather(&q, dk, nk, hk, t0, n);
+                    let kc = gather(&k, dk, nk, hk, t0, n);
+                    let vc = gather(&v, dv, nv, j, t0, n);
+                    let gc = gather(&g, 1, nv, j, t0, n);
+                    let bc = gather(&beta, 1, nv, j, t0, n);
+                    r::gdn_chunk(sj, &qc, &kc, &vc, &gc, &bc, dk, dv, &mut oj[t0 * dv..(t0 + n) * dv]);
+                    t0 += n;
+                }
+            }
+        });
+        for j in 0..nv {
+            for tt in 0..t {
+                o[(tt * nv + j) * dv..(tt * nv + j + 1) * dv].copy_from_slice(&o_heads[(j * t + tt) * dv..(j * t + tt + 1) * dv]);
+            }
+        }
+        r::gated_rms_norm(&mut o, &z, &w.norm, cfg.rms_norm_eps);
+        let mut out = vec![0.0f32; t * cfg.hidden_size];
+        w.out_proj.forward(&mut out, &o, t);
+        out
+    }
+
+    /// Gated full attention over `t` tokens at positions `pos..pos+t` (MODEL.md §3.6).
+    /// `kc`, `vc`: [pos, n_kv, head_dim] caches, extended here. Returns [t, d].
+    fn attention(&self, w: &AttnWeights, kc: &mut Vec<f32>, vc: &mut Vec<f32>, u: &[f32], t: usize, pos: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let mut qg = vec![0.0f32; t * nq * 2 * hd];
+        w.q_proj.forward(&mut qg, u, t);
+        let mut k = vec![0.0f32; t * nkv * hd];
+        w.k_proj.forward(&mut k, u, t);
+        let mut v = vec![0.0f32; t * nkv * hd];
+        w.v_proj.forward(&mut v, u, t);
+        // q_proj rows are per head [query | gate].
+        let mut q = vec![0.0f32; t * nq * hd];
+        let mut gate = vec![0.0f32; t * nq * hd];
+        for i in 0..t * nq {
+            q[i * hd..(i + 1) * hd].copy_from_slice(&qg[i * 2 * hd..i * 2 * hd + hd]);
+            gate[i * hd..(i + 1) * hd].copy_from_slice(&qg[i * 2 * hd + hd..(i + 1) * 2 * hd]);
+        }
+        r::zrms_norm_inplace(&mut q, &w.q_norm, cfg.rms_norm_eps);
+        r::zrms_norm_inplace(&mut k, &w.k_norm, cfg.rms_norm_eps);
+        for tt in 0..t {
+            r::rope_inplace(&mut q[tt * nq * hd..(tt + 1) * nq * hd], hd, &self.inv_freq, pos + tt);
+            r::rope_inplace(&mut k[tt * nkv * hd..(tt + 1) * nkv * hd], hd, &self.inv_freq, pos + tt);
+        }
+        kc.extend_from_slice(&k);
+        vc.extend_from_slice(&v);
+        let group = nq / nkv;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut att = vec![0.0f32; t * nq * hd];
+        let (kc, vc) = (&*kc, &*vc);
+        att.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
+            let (tt, h) = (i / nq, i % nq);
+            let m = h / group;
+            let stride = nkv * hd;
+            r::attend(out, &q[i * hd..(i + 1) * hd], &kc[m * hd..], &vc[m * hd..], pos + tt + 1, stride, scale);
+        });
+        att.iter_mut().zip(&gate).for_each(|(a, g)| *a *= r::sigmoid(*g));
+        let mut out = vec![0.0f32; t * cfg.hidden_size];
+        w.o_proj.forward(&mut out, &att, t);
+        out
+    }
+
+    /// Sparse MoE over `t` tokens (MODEL.md §3.7): softmax router, top-k, renormalise, SiLU
+    /// experts summed in ascending expert order, plus the sigmoid-gated shared expert.
+    fn moe(&self, w: &MoeWeights, u: &[f32], t: usize, l: usize, emit: &mut impl FnMut(String, &[f32])) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (d, ne, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+        let mut logits = vec![0.0f32; t * ne];
+        w.router.forward(&mut logits, u, t);
+        emit(format!("blk.{l}.moe.router_logits"), &logits);
+        // Per token: chosen experts (descending weight) and renormalised weights.
+        let mut chosen: Vec<Vec<(usize, f32)>> = Vec::with_capacity(t);
+        for row in logits.chunks_exact(ne) {
+            let mut p = row.to_vec();
+            r::softmax_inplace(&mut p);
+            chosen.push(top_k_renorm(&p, k));
+        }
+        let ids: Vec<f32> = chosen.iter().flat_map(|c| c.iter().map(|&(e, _)| e as f32)).collect();
+        emit(format!("blk.{l}.moe.topk_idx"), &ids);
+        let wts: Vec<f32> = chosen.iter().flat_map(|c| c.iter().map(|&(_, w)| w)).collect();
+        emit(format!("blk.{l}.moe.topk_w"), &wts);
+
+        let mut out = vec![0.0f32; t * d];
+        for e in 0..ne {
+            let rows: Vec<(usize, f32)> = chosen
+                .iter()
+                .enumerate()
+                .filter_map(|(tt, c)| c.iter().find(|&&(x, _)| x == e).map(|&(_, wt)| (tt, wt)))
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = rows.iter().flat_map(|&(tt, _)| u[tt * d..(tt + 1) * d].iter().copied()).collect();
+            let y = expert_forward(&w.experts[e], &xs, rows.len());
+            for (i, &(tt, wt)) in rows.iter().enumerate() {
+                for j in 0..d {
+                    out[tt * d + j] += wt * y[i * d + j];
+                }
+            }
+        }
+        let shared = expert_forward(&w.shared, u, t);
+        let mut sg = vec![0.0f32; t];
+        w.shared_gate.forward(&mut sg, u, t);
+        for tt in 0..t {
+            let c = r::sigmoid(sg[tt]);
+            for j in 0..d {
+                out[tt * d + j] += c * shared[tt * d + j];
+            }
+        }
+        out
+    }
+}
+
+/// Top-k of a probability row, descending (ties: lower id first), renormalised to sum 1.
+pub fn top_k_renorm(p: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    let sum: f32 = idx.iter().map(|&i| p[i]).sum();
+    idx.into_iter().map(|i| (i, p[i] / sum)).collect()
+}
+
+/// `down(silu(gate(x)) * up(x))` for `t` rows of `x` ([t, d_model]). Returns [t, d_model].
+pub fn expert_forward(e: &Expert, x: &[f32], t: usize) -> Vec<f32> {
+    let i = e.gate.rows;
+    let mut g = vec![0.0f32; t * i];
+    e.gate.forward(&mut g, x, t);
+    let mut up = vec![0.0f32; t * i];
+    e.up.forward(&mut up, x, t);
+    g.iter_mut().zip(&up).for_each(|(a, b)| *a = r::silu(*a) * b);
+    let mut y = vec![0.0f32; t * e.down.rows];
+    e.down.forward(&mut y, &g, t);
+    y
+}
