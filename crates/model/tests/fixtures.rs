@@ -162,6 +162,30 @@ fn split_prefill_equals_one_pass() {
     }
 }
 
+/// The reference's own two-piece prefill (`p{i}.split_logits`, split at `prompts[i].split_at`),
+/// where the fixture has it.
+#[test]
+fn split_prefill_matches_transformers() {
+    for dir in fixtures() {
+        let refs = Refs::open(&dir);
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("references.json")).unwrap()).unwrap();
+        let m = Model::open(&dir).unwrap();
+        for i in 0..refs.n_prompts() {
+            let Some(split) = meta["prompts"][i]["split_at"].as_u64().map(|s| s as usize) else { continue };
+            if !refs.has(&format!("p{i}.split_logits")) {
+                continue;
+            }
+            let ids = refs.ids(&format!("p{i}.prompt_ids"));
+            let (_, want) = refs.f32(&format!("p{i}.split_logits"));
+            let mut st = m.new_state(4096);
+            let mut got = m.forward(&mut st, &ids[..split], Logits::All).unwrap();
+            got.extend(m.forward(&mut st, &ids[split..], Logits::All).unwrap());
+            let e = max_abs(&got, &want);
+            assert!(e <= TOL, "{}: p{i} split at {split}: max |Δ| {e}", dir.display());
+        }
+    }
+}
+
 /// Layer-by-layer intermediates of tiny-a against transformers' debug arrays (localises bugs).
 #[test]
 fn tiny_a_intermediates() {
