@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use spec::TextConfig;
 
-pub use load::{open_dir, Weights};
+pub use linear::Backend;
+pub use load::{open_dir, Layout, Weights};
 pub use state::{LayerState, State};
 
 use load::{AttnWeights, Expert, GdnWeights, Mixer, MoeWeights};
@@ -87,6 +88,8 @@ pub struct Model {
     pub cfg: TextConfig,
     /// Bound weights (views into the memory-mapped checkpoint).
     pub weights: Weights,
+    /// Which kernels run the matrix products.
+    pub backend: Backend,
     inv_freq: Vec<f32>,
 }
 
@@ -103,7 +106,7 @@ impl Model {
     /// A model from bound weights.
     pub fn new(cfg: TextConfig, weights: Weights) -> Self {
         let inv_freq = r::rope_inv_freq(cfg.rope_theta, cfg.rotary_dim());
-        Model { cfg, weights, inv_freq }
+        Model { cfg, weights, backend: Backend::default(), inv_freq }
     }
 
     /// A fresh per-sequence state (empty KV cache, zero GDN state) with a context limit in
@@ -182,7 +185,7 @@ impl Model {
         r::zrms_norm(&mut h, rows, &self.weights.final_norm, cfg.rms_norm_eps);
         emit("final_norm".into(), &h);
         let mut out = vec![0.0f32; n * cfg.vocab_size];
-        self.weights.lm_head.forward(&mut out, &h, n);
+        self.weights.lm_head.forward(&mut out, &h, n, self.backend);
         Ok(out)
     }
 
@@ -199,13 +202,13 @@ impl Model {
         );
         let (key_dim, conv_dim) = (nk * dk, cfg.gdn_conv_dim());
         let mut qkv = vec![0.0f32; t * conv_dim];
-        w.in_proj_qkv.forward(&mut qkv, u, t);
+        w.in_proj_qkv.forward(&mut qkv, u, t, self.backend);
         let mut z = vec![0.0f32; t * nv * dv];
-        w.in_proj_z.forward(&mut z, u, t);
+        w.in_proj_z.forward(&mut z, u, t, self.backend);
         let mut b = vec![0.0f32; t * nv];
-        w.in_proj_b.forward(&mut b, u, t);
+        w.in_proj_b.forward(&mut b, u, t, self.backend);
         let mut a = vec![0.0f32; t * nv];
-        w.in_proj_a.forward(&mut a, u, t);
+        w.in_proj_a.forward(&mut a, u, t, self.backend);
 
         // Causal conv over [cached k-1 rows ‖ new rows]; the last k-1 rows become the cache.
         let mut window = std::mem::take(conv);
@@ -263,7 +266,7 @@ impl Model {
         }
         r::gated_rms_norm(&mut o, &z, &w.norm, cfg.rms_norm_eps);
         let mut out = vec![0.0f32; t * cfg.hidden_size];
-        w.out_proj.forward(&mut out, &o, t);
+        w.out_proj.forward(&mut out, &o, t, self.backend);
         out
     }
 
@@ -273,11 +276,11 @@ impl Model {
         let cfg = &self.cfg;
         let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let mut qg = vec![0.0f32; t * nq * 2 * hd];
-        w.q_proj.forward(&mut qg, u, t);
+        w.q_proj.forward(&mut qg, u, t, self.backend);
         let mut k = vec![0.0f32; t * nkv * hd];
-        w.k_proj.forward(&mut k, u, t);
+        w.k_proj.forward(&mut k, u, t, self.backend);
         let mut v = vec![0.0f32; t * nkv * hd];
-        w.v_proj.forward(&mut v, u, t);
+        w.v_proj.forward(&mut v, u, t, self.backend);
         // q_proj rows are per head [query | gate].
         let mut q = vec![0.0f32; t * nq * hd];
         let mut gate = vec![0.0f32; t * nq * hd];
@@ -305,7 +308,7 @@ impl Model {
         });
         att.iter_mut().zip(&gate).for_each(|(a, g)| *a *= r::sigmoid(*g));
         let mut out = vec![0.0f32; t * cfg.hidden_size];
-        w.o_proj.forward(&mut out, &att, t);
+        w.o_proj.forward(&mut out, &att, t, self.backend);
         out
     }
 
@@ -315,7 +318,7 @@ impl Model {
         let cfg = &self.cfg;
         let (d, ne, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
         let mut logits = vec![0.0f32; t * ne];
-        w.router.forward(&mut logits, u, t);
+        w.router.forward(&mut logits, u, t, self.backend);
         emit(format!("blk.{l}.moe.router_logits"), &logits);
         // Per token: chosen experts (descending weight) and renormalised weights.
         let mut chosen: Vec<Vec<(usize, f32)>> = Vec::with_capacity(t);
@@ -340,16 +343,16 @@ impl Model {
                 continue;
             }
             let xs: Vec<f32> = rows.iter().flat_map(|&(tt, _)| u[tt * d..(tt + 1) * d].iter().copied()).collect();
-            let y = expert_forward(&w.experts[e], &xs, rows.len());
+            let y = expert_forward(&w.experts[e], &xs, rows.len(), self.backend);
             for (i, &(tt, wt)) in rows.iter().enumerate() {
                 for j in 0..d {
                     out[tt * d + j] += wt * y[i * d + j];
                 }
             }
         }
-        let shared = expert_forward(&w.shared, u, t);
+        let shared = expert_forward(&w.shared, u, t, self.backend);
         let mut sg = vec![0.0f32; t];
-        w.shared_gate.forward(&mut sg, u, t);
+        w.shared_gate.forward(&mut sg, u, t, self.backend);
         for tt in 0..t {
             let c = r::sigmoid(sg[tt]);
             for j in 0..d {
@@ -370,14 +373,14 @@ pub fn top_k_renorm(p: &[f32], k: usize) -> Vec<(usize, f32)> {
 }
 
 /// `down(silu(gate(x)) * up(x))` for `t` rows of `x` ([t, d_model]). Returns [t, d_model].
-pub fn expert_forward(e: &Expert, x: &[f32], t: usize) -> Vec<f32> {
-    let i = e.gate.rows;
+pub fn expert_forward(e: &Expert, x: &[f32], t: usize, backend: Backend) -> Vec<f32> {
+    let i = e.gate.rows();
     let mut g = vec![0.0f32; t * i];
-    e.gate.forward(&mut g, x, t);
+    e.gate.forward(&mut g, x, t, backend);
     let mut up = vec![0.0f32; t * i];
-    e.up.forward(&mut up, x, t);
+    e.up.forward(&mut up, x, t, backend);
     g.iter_mut().zip(&up).for_each(|(a, b)| *a = r::silu(*a) * b);
-    let mut y = vec![0.0f32; t * e.down.rows];
-    e.down.forward(&mut y, &g, t);
+    let mut y = vec![0.0f32; t * e.down.rows()];
+    e.down.forward(&mut y, &g, t, backend);
     y
 }

@@ -1,21 +1,75 @@
-//! Weight matrices as views into the memory-mapped checkpoint.
+//! Weight matrices as views into the memory-mapped checkpoint: dense float tensors, or MLX
+//! affine group-wise quantized triples (`weight` U32 packed, `scales`, `biases`).
 
+use half::bf16;
+use quant::{QMatRef, QuantSpec};
 use rayon::prelude::*;
-use weights::{LoadError, Tensor};
+use weights::{DType, LoadError, Tensor};
 
 use crate::reference::dot;
 
-/// A dense matrix `W` [rows, cols] (PyTorch `nn.Linear` orientation: y = x·Wᵀ), viewing
-/// `rows` consecutive rows of a stored float tensor starting at row `row0`. The fused 3-D expert
-/// tensors are viewed this way, one expert (and one of gate/up) at a time.
+/// Which implementation runs the matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// Plain loops: the definition (`reference::dot`, `quant::reference`).
+    Reference,
+    /// SIMD kernels with runtime CPU detection and threads (`quant::fast`); dense float
+    /// weights use the reference loops, which are already threaded.
+    #[default]
+    Fast,
+}
+
+/// A matrix `W` [rows, cols] (PyTorch `nn.Linear` orientation: y = x·Wᵀ), viewing `rows`
+/// consecutive rows starting at row `row0` of a stored tensor (so one expert of a stacked or
+/// fused expert tensor is a view too).
 #[derive(Clone, Debug)]
-pub struct Linear {
-    tensor: Tensor,
-    row0: usize,
-    /// Output features.
-    pub rows: usize,
-    /// Input features.
-    pub cols: usize,
+pub enum Linear {
+    /// A float tensor (BF16, F16 or F32), upcast exactly to f32.
+    Dense {
+        /// The stored tensor.
+        tensor: Tensor,
+        /// First row of the view.
+        row0: usize,
+        /// Output features.
+        rows: usize,
+        /// Input features.
+        cols: usize,
+    },
+    /// MLX affine quantization: `w = scale·q + bias` per group of `spec.group_size` columns.
+    Quant {
+        /// `[.., rows, cols·bits/32]` U32.
+        packed: Tensor,
+        /// `[.., rows, cols/group_size]` BF16.
+        scales: Tensor,
+        /// `[.., rows, cols/group_size]` BF16.
+        biases: Tensor,
+        /// Bits and group size.
+        spec: QuantSpec,
+        /// First row of the view.
+        row0: usize,
+        /// Output features.
+        rows: usize,
+        /// Input features.
+        cols: usize,
+    },
+}
+
+fn as_u32(t: &Tensor) -> Result<&[u32], LoadError> {
+    bytemuck::try_cast_slice(t.bytes()).map_err(|_| LoadError::DTypeMismatch {
+        tensor: t.name().to_string(),
+        file: t.file().to_path_buf(),
+        expected: "U32 data aligned to 4 bytes".into(),
+        found: "misaligned U32 data".into(),
+    })
+}
+
+fn as_bf16(t: &Tensor) -> Result<&[bf16], LoadError> {
+    bytemuck::try_cast_slice(t.bytes()).map_err(|_| LoadError::DTypeMismatch {
+        tensor: t.name().to_string(),
+        file: t.file().to_path_buf(),
+        expected: "BF16 data aligned to 2 bytes".into(),
+        found: "misaligned BF16 data".into(),
+    })
 }
 
 impl Linear {
@@ -26,7 +80,7 @@ impl Linear {
     pub fn new(t: &Tensor, rows: usize, cols: usize) -> Result<Self, LoadError> {
         t.expect_shape(&[rows, cols])?;
         t.expect_float()?;
-        Ok(Linear { tensor: t.clone(), row0: 0, rows, cols })
+        Ok(Linear::Dense { tensor: t.clone(), row0: 0, rows, cols })
     }
 
     /// Rows `[row0, row0 + rows)` of a float tensor whose trailing dimension is `cols` (the
@@ -37,33 +91,109 @@ impl Linear {
     pub fn slice(t: &Tensor, row0: usize, rows: usize, cols: usize) -> Result<Self, LoadError> {
         t.expect_float()?;
         assert!((row0 + rows) * cols <= t.numel(), "slice outside tensor {}", t.name());
-        Ok(Linear { tensor: t.clone(), row0, rows, cols })
+        Ok(Linear::Dense { tensor: t.clone(), row0, rows, cols })
     }
 
-    /// The stored tensor this view reads.
-    pub fn tensor(&self) -> &Tensor {
-        &self.tensor
+    /// Rows `[row0, row0 + rows)` of a quantized triple whose logical trailing dimension is
+    /// `cols`; shapes and dtypes have been checked by the caller with
+    /// [`quant::check_tensor_shapes`]; alignment is checked here.
+    ///
+    /// # Errors
+    /// Misaligned data, naming the tensor and file.
+    pub fn quant(packed: &Tensor, scales: &Tensor, biases: &Tensor, spec: QuantSpec, row0: usize, rows: usize, cols: usize) -> Result<Self, LoadError> {
+        as_u32(packed)?;
+        as_bf16(scales)?;
+        as_bf16(biases)?;
+        let l = Linear::Quant { packed: packed.clone(), scales: scales.clone(), biases: biases.clone(), spec, row0, rows, cols };
+        // Bounds: the view must lie inside the stored tensors.
+        if let Linear::Quant { .. } = &l {
+            let words = spec.words_per_row(cols);
+            let groups = spec.groups_per_row(cols);
+            assert!((row0 + rows) * words * 4 <= packed.bytes().len(), "quant view outside {}", packed.name());
+            assert!((row0 + rows) * groups * 2 <= scales.bytes().len(), "quant view outside {}", scales.name());
+        }
+        Ok(l)
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        match self {
+            Linear::Dense { rows, .. } | Linear::Quant { rows, .. } => *rows,
+        }
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            Linear::Dense { cols, .. } | Linear::Quant { cols, .. } => *cols,
+        }
+    }
+
+    /// Bytes of weight data one full product reads (packed codes, scales and biases included).
+    pub fn stored_bytes(&self) -> usize {
+        match self {
+            Linear::Dense { tensor, rows, cols, .. } => rows * cols * tensor.dtype().map(DType::size_bytes).unwrap_or(4),
+            Linear::Quant { spec, rows, cols, .. } => spec.stored_bytes(*rows, *cols),
+        }
+    }
+
+    /// The quantized view, for `Quant`.
+    pub fn qref(&self) -> Option<QMatRef<'_>> {
+        match self {
+            Linear::Dense { .. } => None,
+            Linear::Quant { packed, scales, biases, spec, row0, rows, cols } => {
+                let (w, g) = (spec.words_per_row(*cols), spec.groups_per_row(*cols));
+                let p = as_u32(packed).expect("checked at load");
+                let s = as_bf16(scales).expect("checked at load");
+                let b = as_bf16(biases).expect("checked at load");
+                Some(QMatRef {
+                    rows: *rows,
+                    cols: *cols,
+                    spec: *spec,
+                    packed: &p[row0 * w..(row0 + rows) * w],
+                    scales: &s[row0 * g..(row0 + rows) * g],
+                    biases: &b[row0 * g..(row0 + rows) * g],
+                })
+            }
+        }
+    }
+
+    /// Rows `[r0, r0 + n)` as f32 into `out` ([n, cols]); quantized rows are dequantized.
+    pub fn rows_f32(&self, r0: usize, out: &mut [f32]) {
+        match self {
+            Linear::Dense { tensor, row0, cols, .. } => tensor.read_f32((row0 + r0) * cols, out),
+            Linear::Quant { .. } => {
+                let q = self.qref().expect("quant");
+                let n = out.len() / q.cols;
+                quant::dequantize(q.slice_rows(r0, r0 + n), out);
+            }
+        }
     }
 
     /// Row `r` as f32 into `out` ([cols]).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        self.tensor.read_f32((self.row0 + r) * self.cols, out);
+        self.rows_f32(r, out);
     }
 
-    /// Rows `[r0, r0 + n)` as f32 into `out` ([n, cols]).
-    pub fn rows_f32(&self, r0: usize, out: &mut [f32]) {
-        self.tensor.read_f32((self.row0 + r0) * self.cols, out);
-    }
-
-    /// `out[t, rows] = x[t, cols] · Wᵀ` in f32 (weights upcast exactly). Rows are processed in
-    /// parallel; each output element is one [`dot`], so the result does not depend on threads.
-    pub fn forward(&self, out: &mut [f32], x: &[f32], t: usize) {
-        assert_eq!(x.len(), t * self.cols);
-        assert_eq!(out.len(), t * self.rows);
+    /// `out[t, rows] = x[t, cols] · Wᵀ` in f32.
+    ///
+    /// Dense: rows in parallel, each output one [`dot`] (thread-count independent).
+    /// Quantized: `quant::reference::gemm` or `quant::fast::gemm` by `backend`.
+    pub fn forward(&self, out: &mut [f32], x: &[f32], t: usize, backend: Backend) {
+        let (rows, cols) = (self.rows(), self.cols());
+        assert_eq!(x.len(), t * cols);
+        assert_eq!(out.len(), t * rows);
+        if let Some(q) = self.qref() {
+            match (backend, t) {
+                (Backend::Reference, _) => quant::reference::gemm(out, q, x, t),
+                (Backend::Fast, 1) => quant::fast::gemv(out, q, x),
+                (Backend::Fast, _) => quant::fast::gemm(out, q, x, t),
+            }
+            return;
+        }
         const BLOCK: usize = 16;
-        let cols = self.cols;
         // Column-major partial results [rows, t], transposed at the end.
-        let mut out_t = vec![0.0f32; self.rows * t];
+        let mut out_t = vec![0.0f32; rows * t];
         out_t.par_chunks_mut(BLOCK * t).enumerate().for_each(|(bi, chunk)| {
             let r0 = bi * BLOCK;
             let n = chunk.len() / t;
@@ -76,9 +206,9 @@ impl Linear {
                 }
             }
         });
-        for r in 0..self.rows {
+        for r in 0..rows {
             for tt in 0..t {
-                out[tt * self.rows + r] = out_t[r * t + tt];
+                out[tt * rows + r] = out_t[r * t + tt];
             }
         }
     }
