@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 pub const DESCRIPTION: &str = "random weights of this architecture at 4 layers and width 64, real tokenizer: expect noise";
 
 /// Bump when the default model's recipe changes, so stale caches are not reused.
-const VERSION: &str = "random-v1";
+const VERSION: &str = "random-v2";
 const SEED: u64 = 20261129;
 
 static TOKENIZER_JSON: &[u8] = include_bytes!("../../../assets/tokenizer/tokenizer.json");
@@ -45,16 +45,7 @@ pub fn ensure() -> Result<PathBuf> {
     eprintln!("note: writing the built-in default model to {} (first run only)", dir.display());
     model::synth::write_checkpoint(&tmp, &model::synth::default_model_config(), SEED, true, usize::MAX)
         .map_err(anyhow::Error::msg)?;
-    std::fs::write(tmp.join("tokenizer.json"), TOKENIZER_JSON)?;
-    std::fs::write(tmp.join("chat_template.jinja"), CHAT_TEMPLATE)?;
-    let gen = serde_json::json!({
-        "bos_token_id": spec::tokens::ENDOFTEXT,
-        "do_sample": true,
-        "eos_token_id": [spec::tokens::IM_END, spec::tokens::ENDOFTEXT],
-        "pad_token_id": spec::tokens::ENDOFTEXT,
-        "temperature": 1.0, "top_k": 20, "top_p": 0.95
-    });
-    std::fs::write(tmp.join("generation_config.json"), serde_json::to_string_pretty(&gen)?)?;
+    write_side_files(&tmp)?;
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another process won the race: use its folder.
@@ -64,4 +55,19 @@ pub fn ensure() -> Result<PathBuf> {
         }
         Err(e) => Err(e).with_context(|| format!("cannot move the default model into {}", dir.display())),
     }
+}
+
+/// Writes the real tokenizer, chat template and the published generation config into `dir`.
+pub fn write_side_files(dir: &std::path::Path) -> Result<()> {
+    std::fs::write(dir.join("tokenizer.json"), TOKENIZER_JSON)?;
+    std::fs::write(dir.join("chat_template.jinja"), CHAT_TEMPLATE)?;
+    let gen = serde_json::json!({
+        "bos_token_id": spec::tokens::ENDOFTEXT,
+        "do_sample": true,
+        "eos_token_id": [spec::tokens::IM_END, spec::tokens::ENDOFTEXT],
+        "pad_token_id": spec::tokens::ENDOFTEXT,
+        "temperature": 1.0, "top_k": 20, "top_p": 0.95
+    });
+    std::fs::write(dir.join("generation_config.json"), serde_json::to_string_pretty(&gen)?)?;
+    Ok(())
 }

@@ -10,6 +10,7 @@ use std::path::Path;
 
 use half::bf16;
 use rand::{Rng, SeedableRng};
+
 use rand_chacha::ChaCha8Rng;
 use safetensors::tensor::TensorView;
 use serde_json::{json, Value};
@@ -106,34 +107,64 @@ pub fn tensor_specs(cfg: &TextConfig, fused_experts: bool) -> Vec<TensorSpec> {
     out
 }
 
-/// Standard normal by Box–Muller (two uniforms per pair of draws; we keep one).
-fn normal(rng: &mut ChaCha8Rng) -> f32 {
-    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
-    let u2: f64 = rng.random::<f64>();
-    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+/// Elements per independently seeded stream, so any range of a tensor can be generated alone
+/// and in parallel with the same result.
+pub const INIT_CHUNK: usize = 1 << 16;
+
+/// An approximately standard normal draw from one 64-bit word: the Irwin–Hall sum of four
+/// 16-bit uniforms, centred and scaled to unit variance (bounded at ±3.46σ; cheap enough to
+/// generate a 35-billion-parameter checkpoint in minutes).
+#[inline]
+fn normal_from(w: u64) -> f32 {
+    let u = |k: u32| (((w >> k) & 0xffff) as f32 + 0.5) * (1.0 / 65536.0);
+    ((u(0) + u(16) + u(32) + u(48)) - 2.0) * 3f32.sqrt()
 }
 
-/// Values of one tensor, from a stream seeded by (seed, name) so every tensor is independent of
-/// the order in which tensors are written.
-pub fn init_values(spec: &TensorSpec, seed: u64) -> Vec<f32> {
+fn tensor_seed(seed: u64, name: &str) -> u64 {
     use sha2::{Digest, Sha256};
-    let h = Sha256::digest(format!("{seed}/{}", spec.name).as_bytes());
-    let mut rng = ChaCha8Rng::seed_from_u64(u64::from_le_bytes(h[..8].try_into().expect("8 bytes")));
-    let n: usize = spec.shape.iter().product();
-    (0..n)
-        .map(|_| match spec.init {
-            Init::Normal(s) => normal(&mut rng) * s,
-            Init::OnePlusNormal(s) => 1.0 + normal(&mut rng) * s,
-            Init::Uniform(lo, hi) => lo + (hi - lo) * rng.random::<f32>(),
-            Init::ALog => (1.0 + 15.0 * rng.random::<f32>()).ln(),
-            Init::DtBias => {
-                let ln_dt = (1e-3f32).ln() + ((1e-1f32).ln() - (1e-3f32).ln()) * rng.random::<f32>();
-                let dt = ln_dt.exp();
-                // softplus⁻¹(dt) = ln(eᵈᵗ − 1)
-                dt.exp_m1().ln()
-            }
-        })
-        .collect()
+    let h = Sha256::digest(format!("{seed}/{name}").as_bytes());
+    u64::from_le_bytes(h[..8].try_into().expect("8 bytes"))
+}
+
+/// Elements `[offset, offset + out.len())` of a tensor's initial values. Element i comes from
+/// stream `i / INIT_CHUNK` of a ChaCha8 generator seeded by (seed, name), so the values do not
+/// depend on how the tensor is split or in which order tensors are written.
+pub fn fill_values(spec: &TensorSpec, seed: u64, offset: usize, out: &mut [f32]) {
+    let base = tensor_seed(seed, &spec.name);
+    let mut i = 0;
+    while i < out.len() {
+        let pos = offset + i;
+        let chunk = pos / INIT_CHUNK;
+        let within = pos % INIT_CHUNK;
+        let n = (INIT_CHUNK - within).min(out.len() - i);
+        let mut rng = ChaCha8Rng::seed_from_u64(base);
+        rng.set_stream(chunk as u64);
+        // Skip to `within`: one u64 per element.
+        rng.set_word_pos(2 * within as u128);
+        for o in &mut out[i..i + n] {
+            let w: u64 = rng.random();
+            *o = match spec.init {
+                Init::Normal(s) => normal_from(w) * s,
+                Init::OnePlusNormal(s) => 1.0 + normal_from(w) * s,
+                Init::Uniform(lo, hi) => lo + (hi - lo) * ((w >> 40) as f32 * (1.0 / (1u64 << 24) as f32)),
+                Init::ALog => (1.0 + 15.0 * ((w >> 40) as f32 * (1.0 / (1u64 << 24) as f32))).ln(),
+                Init::DtBias => {
+                    let u = (w >> 40) as f32 * (1.0 / (1u64 << 24) as f32);
+                    let ln_dt = (1e-3f32).ln() + ((1e-1f32).ln() - (1e-3f32).ln()) * u;
+                    // softplus⁻¹(dt) = ln(eᵈᵗ − 1)
+                    ln_dt.exp().exp_m1().ln()
+                }
+            };
+        }
+        i += n;
+    }
+}
+
+/// All initial values of one tensor.
+pub fn init_values(spec: &TensorSpec, seed: u64) -> Vec<f32> {
+    let mut v = vec![0.0; spec.shape.iter().product()];
+    fill_values(spec, seed, 0, &mut v);
+    v
 }
 
 /// Writes a bf16 checkpoint for the config JSON `config` into `dir`: `config.json`, the
