@@ -189,30 +189,7 @@ impl Engine {
     /// Sampling settings from `generation_config.json` (greedy when `do_sample` is false),
     /// before any per-request override.
     pub fn default_sampling(&self) -> SamplingParams {
-        let g = &self.generation;
-        let mut p = SamplingParams::default();
-        if let Some(t) = g.temperature {
-            p.temperature = t;
-        }
-        if let Some(k) = g.top_k {
-            p.top_k = k;
-        }
-        if let Some(x) = g.top_p {
-            p.top_p = x;
-        }
-        if let Some(x) = g.min_p {
-            p.min_p = x;
-        }
-        if let Some(x) = g.repetition_penalty {
-            p.repetition_penalty = x;
-        }
-        if let Some(x) = g.presence_penalty {
-            p.presence_penalty = x;
-        }
-        if g.do_sample == Some(false) {
-            p.temperature = 0.0;
-        }
-        p
+        sampling_defaults(&self.generation)
     }
 
     /// A fresh sequence state sized to this engine's context limit.
@@ -302,4 +279,32 @@ impl Engine {
         }
         Ok((ids, stats))
     }
+}
+
+/// Sampling settings from a `generation_config.json` (greedy when `do_sample` is false); what
+/// [`Engine::default_sampling`] returns, usable before a model is loaded.
+pub fn sampling_defaults(g: &GenerationConfig) -> SamplingParams {
+    let mut p = SamplingParams::default();
+    if let Some(t) = g.temperature {
+        p.temperature = t;
+    }
+    if let Some(k) = g.top_k {
+        p.top_k = k;
+    }
+    if let Some(x) = g.top_p {
+        p.top_p = x;
+    }
+    if let Some(x) = g.min_p {
+        p.min_p = x;
+    }
+    if let Some(x) = g.repetition_penalty {
+        p.repetition_penalty = x;
+    }
+    if let Some(x) = g.presence_penalty {
+        p.presence_penalty = x;
+    }
+    if g.do_sample == Some(false) {
+        p.temperature = 0.0;
+    }
+    p
 }

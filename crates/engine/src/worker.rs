@@ -245,7 +245,10 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
             // Answer whatever was queued, then stop (dropping `rx` refuses new jobs).
             while let Ok(mut job) = rx.try_recv() {
                 shared.queued.fetch_sub(1, Ordering::SeqCst);
-                (job.sink)(Event::Error { message: format!("the local engine failed to load: {e}"), client_error: false });
+                (job.sink)(Event::Error {
+                    message: format!("the local engine failed to load: {e}"),
+                    client_error: false,
+                });
             }
             return;
         }
@@ -262,8 +265,12 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
         }
         shared.running.store(1, Ordering::SeqCst);
         let enqueued = Instant::now();
-        let mut watch =
-            Watch { shared: &shared, on_phase: &*on_phase, cancel: &job.cancel, counts: vec![vec![0; n_experts]; n_layers] };
+        let mut watch = Watch {
+            shared: &shared,
+            on_phase: &*on_phase,
+            cancel: &job.cancel,
+            counts: vec![vec![0; n_experts]; n_layers],
+        };
         let mut started = false;
         let cancel = job.cancel.clone();
         let sink = &mut job.sink;
@@ -292,7 +299,8 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
                 (job.sink)(Event::Done { stats: out.stats, cached_tokens: out.cached_tokens });
             }
             Err(e) => {
-                let client_error = matches!(e, EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt | EngineError::Sampler(_));
+                let client_error =
+                    matches!(e, EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt | EngineError::Sampler(_));
                 if !client_error {
                     shared.errors.fetch_add(1, Ordering::SeqCst);
                 }

@@ -17,7 +17,11 @@ fn tiny_engine() -> (tempfile::TempDir, Engine) {
 }
 
 fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams { sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() }, max_tokens, stop_on_eos: false }
+    GenerateParams {
+        sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
+        max_tokens,
+        stop_on_eos: false,
+    }
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -32,11 +36,12 @@ fn cached_prefill_matches_fresh_prefill() {
     let mut cache = PrefixCache::new(2);
     // Request 1: the prompt, 6 greedy tokens.
     let mut out = Vec::new();
-    let r1 = eng.generate_cached(&mut cache, &prompt, &greedy(6), &mut NoObserver, |id| {
-        out.push(id);
-        true
-    })
-    .unwrap();
+    let r1 = eng
+        .generate_cached(&mut cache, &prompt, &greedy(6), &mut NoObserver, |id| {
+            out.push(id);
+            true
+        })
+        .unwrap();
     assert_eq!(r1.cached_tokens, 0);
     assert_eq!(out.len(), 6);
     // Request 2: the conversation continues (prompt + the 5 fed outputs + new user tokens).
@@ -69,11 +74,12 @@ fn cached_generation_matches_uncached() {
     let mut cache = PrefixCache::new(2);
     for round in 0..3 {
         let mut got = Vec::new();
-        let r = eng.generate_cached(&mut cache, &prompt, &greedy(8), &mut NoObserver, |id| {
-            got.push(id);
-            true
-        })
-        .unwrap();
+        let r = eng
+            .generate_cached(&mut cache, &prompt, &greedy(8), &mut NoObserver, |id| {
+                got.push(id);
+                true
+            })
+            .unwrap();
         assert_eq!(got, plain, "round {round}");
         assert_eq!(r.cached_tokens, if round == 0 { 0 } else { prompt.len() });
     }
