@@ -1,21 +1,26 @@
-//! The built-in default model: this architecture at a small size with the real tokenizer and
-//! chat template, written to a cache folder on first use so that `calla run` works on a fresh
-//! machine with nothing downloaded. Its weights are random (seeded), so it writes noise; it
-//! exists to exercise every part of the pipeline, not to answer questions.
+//! The built-in default model: calla's demo model, trained by us with transformers on the
+//! Python standard library (scripts/train_demo/README.md): this exact architecture (3 Gated
+//! DeltaNet + 1 gated attention layers ×2, 16-expert MoE with a shared expert), width 320, a
+//! 16 384-row compact vocabulary (`calla_vocab.json`), 8-bit MLX-layout weights (27 MB), the
+//! real tokenizer and chat template. It is embedded in the binary and written to a cache folder
+//! on first use, so `calla run` writes real (if naive) text on a fresh machine.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
 /// One line on what the default model is.
-pub const DESCRIPTION: &str = "random weights of this architecture at 4 layers and width 64, real tokenizer: expect noise";
+pub const DESCRIPTION: &str = "calla's 26M-parameter demo model trained on Python's standard library; it writes Python-flavoured text, not answers";
 
-/// Bump when the default model's recipe changes, so stale caches are not reused.
-const VERSION: &str = "random-v2";
-const SEED: u64 = 20261129;
+/// Bump when the default model changes, so stale caches are not reused.
+const VERSION: &str = "demo-v1";
 
 static TOKENIZER_JSON: &[u8] = include_bytes!("../../../assets/tokenizer/tokenizer.json");
 static CHAT_TEMPLATE: &[u8] = include_bytes!("../../../assets/tokenizer/chat_template.jinja");
+static DEMO_CONFIG: &[u8] = include_bytes!("../../../assets/demo/config.json");
+static DEMO_GENERATION: &[u8] = include_bytes!("../../../assets/demo/generation_config.json");
+static DEMO_VOCAB: &[u8] = include_bytes!("../../../assets/demo/calla_vocab.json");
+static DEMO_WEIGHTS: &[u8] = include_bytes!("../../../assets/demo/model.safetensors");
 
 /// Where the default model lives: `$CALLA_HOME`, else `$XDG_CACHE_HOME/calla`, else
 /// `~/.cache/calla`, else the system temp folder.
@@ -43,9 +48,17 @@ pub fn ensure() -> Result<PathBuf> {
     let tmp = root.join(format!(".default-{VERSION}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     eprintln!("note: writing the built-in default model to {} (first run only)", dir.display());
-    model::synth::write_checkpoint(&tmp, &model::synth::default_model_config(), SEED, true, usize::MAX)
-        .map_err(anyhow::Error::msg)?;
-    write_side_files(&tmp)?;
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    for (name, bytes) in [
+        ("config.json", DEMO_CONFIG),
+        ("generation_config.json", DEMO_GENERATION),
+        ("calla_vocab.json", DEMO_VOCAB),
+        ("model.safetensors", DEMO_WEIGHTS),
+        ("tokenizer.json", TOKENIZER_JSON),
+        ("chat_template.jinja", CHAT_TEMPLATE),
+    ] {
+        std::fs::write(tmp.join(name), bytes).with_context(|| format!("cannot write {}", tmp.join(name).display()))?;
+    }
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another process won the race: use its folder.

@@ -1,6 +1,8 @@
 //! `calla`: command-line front end. Each subcommand is a thin layer over the crates.
 
 mod default_model;
+mod serve_cmd;
+mod tools_cmd;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -22,6 +24,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Write a random-weight checkpoint of the real shapes (bf16 published layout, or MLX 4/8-bit).
+    Synth(tools_cmd::SynthArgs),
+    /// Quantize a bf16 snapshot into MLX's affine layout (4 or 8 bits).
+    Convert(tools_cmd::ConvertArgs),
+    /// Write the float32 Hugging Face layout of a quantized model (for checks against transformers).
+    Dequantize(tools_cmd::DequantizeArgs),
+    /// Measure prefill and decode speed, TTFT, peak RSS and bandwidth use on a model.
+    Bench(tools_cmd::BenchArgs),
+    /// OpenAI-compatible HTTP server with hybrid local/cloud routing (docs/SERVER.md).
+    Serve(serve_cmd::ServeArgs),
+    /// Host report and whether the model fits for local mode (exit 2 when it does not).
+    Probe(serve_cmd::ProbeArgs),
     /// Chat-formatted generation streamed to stdout; a one-line summary on stderr.
     Run(RunArgs),
     /// Print the token ids of a text as a JSON array.
@@ -162,10 +176,13 @@ struct RunArgs {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
+    if std::env::args().nth(1).as_deref() == Some("serve") {
+        telemetry::init_json_logs();
+    }
+    let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CALLA_LOG").unwrap_or_else(|_| "warn".into()))
-        .init();
+        .try_init();
     let cli = Cli::parse();
     if let Err(e) = dispatch(cli.cmd) {
         eprintln!("error: {e:#}");
@@ -176,6 +193,12 @@ fn main() {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Run(a) => run(a),
+        Cmd::Synth(a) => tools_cmd::synth(a),
+        Cmd::Convert(a) => tools_cmd::convert(a),
+        Cmd::Bench(a) => tools_cmd::bench(a),
+        Cmd::Dequantize(a) => tools_cmd::dequantize(a),
+        Cmd::Serve(a) => serve_cmd::serve_cmd(a),
+        Cmd::Probe(a) => serve_cmd::probe_cmd(a),
         Cmd::Tokenize { model, text } => {
             let dir = model_dir(&model)?;
             let tok = Tokenizer::from_dir(&dir)?.with_context(|| format!("{} has no tokenizer.json", dir.display()))?;

@@ -51,6 +51,33 @@ pub struct ConvertArgs {
     shard_gb: f64,
 }
 
+/// Arguments of `calla dequantize`.
+#[derive(Args)]
+pub struct DequantizeArgs {
+    /// A quantized (MLX layout) snapshot folder.
+    #[arg(long)]
+    model: PathBuf,
+    /// Output folder: float32 Hugging Face layout computing exactly what the quantized model does.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// `calla dequantize`.
+pub fn dequantize(a: DequantizeArgs) -> Result<()> {
+    let m = Model::open(&a.model).with_context(|| format!("cannot load {}", a.model.display()))?;
+    let text = std::fs::read_to_string(a.model.join("config.json"))?;
+    let config: serde_json::Value = serde_json::from_str(&text)?;
+    convert::dequantize_to_hf(&m, &config, &a.out)?;
+    for f in convert::SIDE_FILES {
+        let p = a.model.join(f);
+        if p.exists() && f != "config.json" {
+            std::fs::copy(&p, a.out.join(f))?;
+        }
+    }
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
 /// Arguments of `calla bench`.
 #[derive(Args)]
 pub struct BenchArgs {

@@ -90,6 +90,9 @@ pub struct Model {
     pub weights: Weights,
     /// Which kernels run the matrix products.
     pub backend: Backend,
+    /// Compact vocabulary (`calla_vocab.json`), when the snapshot has one: logit rows that
+    /// stand for no token are returned as −∞.
+    pub vocab_map: Option<spec::VocabMap>,
     inv_freq: Vec<f32>,
 }
 
@@ -100,13 +103,23 @@ impl Model {
     /// [`ModelError`] naming the file, tensor or config field at fault.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let (cfg, weights) = open_dir(dir)?;
-        Ok(Self::new(cfg, weights))
+        let mut m = Self::new(cfg, weights);
+        m.vocab_map = spec::VocabMap::from_dir(dir)?;
+        if let Some(map) = &m.vocab_map {
+            if map.rows() != m.cfg.vocab_size {
+                return Err(ModelError::Mismatch {
+                    field: "vocab_size".into(),
+                    reason: format!("config says {} rows but {} lists {}", m.cfg.vocab_size, spec::VOCAB_MAP_FILE, map.rows()),
+                });
+            }
+        }
+        Ok(m)
     }
 
     /// A model from bound weights.
     pub fn new(cfg: TextConfig, weights: Weights) -> Self {
         let inv_freq = r::rope_inv_freq(cfg.rope_theta, cfg.rotary_dim());
-        Model { cfg, weights, backend: Backend::default(), inv_freq }
+        Model { cfg, weights, backend: Backend::default(), vocab_map: None, inv_freq }
     }
 
     /// A fresh per-sequence state (empty KV cache, zero GDN state) with a context limit in
@@ -186,6 +199,15 @@ impl Model {
         emit("final_norm".into(), &h);
         let mut out = vec![0.0f32; n * cfg.vocab_size];
         self.weights.lm_head.forward(&mut out, &h, n, self.backend);
+        if let Some(map) = &self.vocab_map {
+            for row in out.chunks_exact_mut(cfg.vocab_size) {
+                for (r, x) in row.iter_mut().enumerate() {
+                    if map.id(r as u32).is_none() {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
         Ok(out)
     }
 

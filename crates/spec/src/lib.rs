@@ -13,9 +13,11 @@
 
 mod config;
 mod generation;
+mod vocab;
 
 pub use config::{ConfigError, LayerKind, QuantizationConfig, TextConfig};
 pub use generation::GenerationConfig;
+pub use vocab::{VocabMap, VOCAB_MAP_FILE};
 
 /// The published Qwen3.6-35B-A3B dimensions. Fast paths and GPU kernels use these as
 /// compile-time constants; [`TextConfig::is_production`] tells whether a loaded config matches.

@@ -21,6 +21,9 @@ pub struct Tokenizer {
     /// Ids of added tokens flagged `special: true` (dropped by `decode(.., true)`).
     special_ids: HashSet<u32>,
     vocab_size: usize,
+    /// A compact vocabulary (`calla_vocab.json`): when set, every id this type takes or
+    /// returns is a model row, mapped to and from the tokenizer's ids.
+    map: Option<spec::VocabMap>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -57,7 +60,22 @@ impl Tokenizer {
         if !path.exists() {
             return Ok(None);
         }
-        Self::from_file(&path).map(Some)
+        let mut t = Self::from_file(&path)?;
+        t.map = spec::VocabMap::from_dir(dir).map_err(|e| TextError::Tokenizer(e.to_string()))?;
+        Ok(Some(t))
+    }
+
+    /// The compact vocabulary, when the snapshot has one (ids are then model rows).
+    pub fn vocab_map(&self) -> Option<&spec::VocabMap> {
+        self.map.as_ref()
+    }
+
+    /// Model id (row) → tokenizer id; `None` for rows that stand for no token.
+    fn raw(&self, id: u32) -> Option<u32> {
+        match &self.map {
+            None => Some(id),
+            Some(m) => m.id(id),
+        }
     }
 
     fn from_tokenizer(inner: tokenizers::Tokenizer) -> Result<Self, String> {
@@ -93,6 +111,7 @@ impl Tokenizer {
             char_to_byte,
             special_ids,
             vocab_size,
+            map: None,
         })
     }
 
@@ -107,7 +126,10 @@ impl Tokenizer {
             .inner
             .encode(text, false)
             .map_err(|e| TextError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        Ok(match &self.map {
+            None => enc.get_ids().to_vec(),
+            Some(m) => enc.get_ids().iter().map(|&id| m.row(id)).collect(),
+        })
     }
 
     /// Decodes ids into text, like `tokenizers`' `decode`: the token bytes are concatenated and
@@ -122,15 +144,16 @@ impl Tokenizer {
         if let Some((pos, id)) = ids
             .iter()
             .enumerate()
-            .find(|(_, &id)| self.inner.id_to_token(id).is_none())
+            .find(|(_, &id)| self.raw(id).and_then(|r| self.inner.id_to_token(r)).is_none())
         {
             return Err(TextError::Tokenizer(format!(
                 "unknown token id {id} at position {pos} (the tokenizer knows {} ids)",
-                self.vocab_size
+                self.vocab_size()
             )));
         }
+        let raw: Vec<u32> = ids.iter().map(|&id| self.raw(id).expect("checked above")).collect();
         self.inner
-            .decode(ids, skip_special)
+            .decode(&raw, skip_special)
             .map_err(|e| TextError::Tokenizer(e.to_string()))
     }
 
@@ -138,7 +161,11 @@ impl Tokenizer {
     /// `" the"`), or of an added token given by its content (e.g. `"<|im_end|>"`).
     /// `None` when the vocabulary has no such entry.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        let id = self.inner.token_to_id(token)?;
+        match &self.map {
+            None => Some(id),
+            Some(m) => m.row_of(id),
+        }
     }
 
     /// Raw bytes of one token: the ByteLevel character mapping undone, exactly as the
@@ -147,7 +174,7 @@ impl Tokenizer {
     /// UTF-8 bytes. A single token's bytes may be an incomplete UTF-8 character.
     /// `None` for an unknown id.
     pub fn id_to_bytes(&self, id: u32) -> Option<Vec<u8>> {
-        let token = self.inner.id_to_token(id)?;
+        let token = self.inner.id_to_token(self.raw(id)?)?;
         // Same rule as tokenizers' ByteLevel decoder: map every char back to its byte; a
         // token containing a char outside the table (an added token such as `<think>` never
         // does, being ASCII) is taken as its own UTF-8 bytes.
@@ -161,12 +188,15 @@ impl Tokenizer {
     /// Number of ids the tokenizer knows, added tokens included (248,077 for Qwen3.6; the
     /// model's 248,320 logit rows beyond that are padding that the tokenizer cannot decode).
     pub fn vocab_size(&self) -> usize {
-        self.vocab_size
+        match &self.map {
+            None => self.vocab_size,
+            Some(m) => m.rows(),
+        }
     }
 
     /// Whether `id` is an added token flagged `special` (dropped by `skip_special` decoding).
     pub fn is_special(&self, id: u32) -> bool {
-        self.special_ids.contains(&id)
+        self.raw(id).is_some_and(|r| self.special_ids.contains(&r))
     }
 }
 
