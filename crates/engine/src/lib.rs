@@ -7,10 +7,10 @@ pub mod prefix;
 pub mod worker;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use model::{Logits, Model, ModelError, State};
-use sampler::{Sampler, SamplingParams};
+use model::{Model, ModelError, State};
+use sampler::SamplingParams;
 use spec::GenerationConfig;
 use text::{ChatRequest, ChatTemplate, StreamDecoder, TextError, Tokenizer};
 
@@ -206,7 +206,7 @@ impl Engine {
         &self,
         prompt: &[u32],
         params: &GenerateParams,
-        mut on_token: impl FnMut(u32) -> bool,
+        on_token: impl FnMut(u32) -> bool,
     ) -> Result<GenerationStats, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -214,44 +214,9 @@ impl Engine {
         if prompt.len() >= self.max_ctx {
             return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
         }
-        let mut sampler = Sampler::new(params.sampling.clone())?;
-        let limit = self.vocab_limit();
-        let mut state = self.new_state();
-        let t0 = Instant::now();
-        let mut logits = self.model.forward(&mut state, prompt, Logits::Last)?;
-        let mut stats = GenerationStats {
-            prompt_tokens: prompt.len(),
-            generated_tokens: 0,
-            ttft: Duration::ZERO,
-            decode_time: Duration::ZERO,
-            finish: FinishReason::Length,
-        };
-        let mut t_first = None;
-        while stats.generated_tokens < params.max_tokens {
-            let id = sampler.sample(&mut logits, limit);
-            if t_first.is_none() {
-                stats.ttft = t0.elapsed();
-                t_first = Some(Instant::now());
-            }
-            if params.stop_on_eos && self.stop_ids.contains(&id) {
-                stats.finish = FinishReason::Stop;
-                break;
-            }
-            sampler.accept(id);
-            stats.generated_tokens += 1;
-            if !on_token(id) {
-                stats.finish = FinishReason::Cancelled;
-                break;
-            }
-            if stats.generated_tokens == params.max_tokens || state.pos + 1 > state.max_ctx {
-                break;
-            }
-            logits = self.model.forward(&mut state, &[id], Logits::Last)?;
-        }
-        if let Some(t1) = t_first {
-            stats.decode_time = t1.elapsed();
-        }
-        Ok(stats)
+        // The same loop as the server's, without a prefix cache or observer.
+        let mut no_cache = prefix::PrefixCache::new(0);
+        Ok(self.generate_cached(&mut no_cache, prompt, params, &mut prefix::NoObserver, on_token)?.stats)
     }
 
     /// [`Engine::generate`] with streaming text: `on_text` receives complete UTF-8 pieces (never

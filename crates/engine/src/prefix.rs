@@ -173,7 +173,9 @@ impl Engine {
         } else {
             cache.misses += 1;
         }
-        cache.insert(prompt.to_vec(), state.clone(), logits.clone());
+        if cache.capacity > 0 {
+            cache.insert(prompt.to_vec(), state.clone(), logits.clone());
+        }
         Ok((state, logits, cached))
     }
 
@@ -228,7 +230,9 @@ impl Engine {
             obs.before_step()?;
             logits = self.forward_observed(&mut state, &[id], obs)?;
             fed.push(id);
-            last_logits = Some(logits.clone());
+            if cache.capacity > 0 {
+                last_logits = Some(logits.clone());
+            }
         }
         if let Some(t1) = t_first {
             stats.decode_time = t1.elapsed();

@@ -1,0 +1,232 @@
+//! NVRTC: loading the library, compiling a kernel source to an `sm_90a` cubin, and the on-disk
+//! cache. Nothing here touches the CUDA driver, so it runs on machines without a GPU (CI).
+//!
+//! **Finding `libnvrtc`.** cudarc loads `libnvrtc.so.13` (and other names) through the dynamic
+//! linker, so `LD_LIBRARY_PATH` works. Before that, [`ensure_loaded`] looks for the library by
+//! full path in `$CALLA_NVRTC_DIR` and in `<workspace>/target/nvrtc/nvidia/cu13/lib` (where
+//! `.ci/run` installs the PyPI wheel `nvidia-cuda-nvrtc`), and loads `libnvrtc-builtins` and
+//! `libnvrtc` from there first; the later load by name then finds the already-loaded library by
+//! its soname.
+//!
+//! **Cache.** A cubin is stored as `<cache>/<name>-<arch>-<hash>.cubin`, where `hash` is the
+//! 64-bit FNV-1a of the full source (dims header included), the architecture, the compile
+//! options and the NVRTC version. `<cache>` is `$CALLA_CUDA_CACHE`, else
+//! `$XDG_CACHE_HOME/calla/cuda`, else `$HOME/.cache/calla/cuda`. Files are written to a
+//! temporary name and renamed, so concurrent processes never read a partial cubin. A cache
+//! that cannot be written is not an error (the cubin is just not kept).
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use cudarc::nvrtc::sys;
+
+use crate::{full_source, CudaError, KernelSource, ARCH};
+
+/// Options passed to NVRTC for every kernel (the architecture is added after them).
+pub const OPTIONS: &[&str] = &["-std=c++17", "--fmad=true", "-default-device", "-lineinfo"];
+
+/// How to get NVRTC, printed when it cannot be loaded.
+pub const INSTALL_HINT: &str = "NVRTC (libnvrtc.so.13) not found. Install the PyPI wheel: \
+`python3 -m pip install --target target/nvrtc nvidia-cuda-nvrtc==13.0.88` (from the workspace \
+root), or set CALLA_NVRTC_DIR to a folder holding libnvrtc.so.13, or add that folder to \
+LD_LIBRARY_PATH (a CUDA 13 toolkit has it in /usr/local/cuda/lib64).";
+
+fn candidate_dirs() -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Some(d) = std::env::var_os("CALLA_NVRTC_DIR") {
+        v.push(PathBuf::from(d));
+    }
+    let ws = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    v.push(ws.join("target/nvrtc/nvidia/cu13/lib"));
+    v
+}
+
+/// Makes sure `libnvrtc` can be used: preloads it from the known folders (module docs), then
+/// asks cudarc to load it and reads its version. Returns `(major, minor)`.
+///
+/// # Errors
+/// [`CudaError::Nvrtc`] with [`INSTALL_HINT`] when no library is found.
+pub fn ensure_loaded() -> Result<(i32, i32), CudaError> {
+    static VERSION: OnceLock<Result<(i32, i32), String>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            for dir in candidate_dirs() {
+                let lib = dir.join("libnvrtc.so.13");
+                if !lib.is_file() {
+                    continue;
+                }
+                // Builtins first, so libnvrtc's own dlopen of them finds the loaded one.
+                if let Ok(rd) = std::fs::read_dir(&dir) {
+                    for e in rd.flatten() {
+                        let n = e.file_name().to_string_lossy().into_owned();
+                        if n.starts_with("libnvrtc-builtins.so") {
+                            // SAFETY: loading a shared library; its initialisers are NVIDIA's.
+                            if let Ok(l) = unsafe { libloading::Library::new(e.path()) } {
+                                std::mem::forget(l);
+                            }
+                        }
+                    }
+                }
+                // SAFETY: as above.
+                if let Ok(l) = unsafe { libloading::Library::new(&lib) } {
+                    std::mem::forget(l);
+                    break;
+                }
+            }
+            // cudarc panics when it finds no library; turn that into an error.
+            let r = std::panic::catch_unwind(|| {
+                let (mut a, mut b) = (0, 0);
+                // SAFETY: plain out-parameters.
+                let res = unsafe { sys::nvrtcVersion(&mut a, &mut b) };
+                (res, a, b)
+            });
+            match r {
+                Ok((sys::nvrtcResult::NVRTC_SUCCESS, a, b)) => Ok((a, b)),
+                Ok((res, _, _)) => Err(format!("nvrtcVersion failed: {res:?}")),
+                Err(_) => Err(INSTALL_HINT.to_string()),
+            }
+        })
+        .clone()
+        .map_err(CudaError::Nvrtc)
+}
+
+/// 64-bit FNV-1a.
+pub fn fnv1a64(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Compiles CUDA C++ `src` to a cubin for `arch` (e.g. `sm_90a`). No driver needed.
+///
+/// # Errors
+/// [`CudaError::Nvrtc`] with NVRTC's log when the source does not compile.
+pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    ensure_loaded()?;
+    let e = |what: &str, r: sys::nvrtcResult| CudaError::Nvrtc(format!("{name}: {what}: {r:?}"));
+    let c_src = CString::new(src).map_err(|_| CudaError::Nvrtc("NUL in source".into()))?;
+    let c_name = CString::new(format!("{name}.cu")).expect("name");
+    let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: valid C strings; no headers.
+    let r = unsafe {
+        sys::nvrtcCreateProgram(
+            &mut prog,
+            c_src.as_ptr(),
+            c_name.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(e("nvrtcCreateProgram", r));
+    }
+    let mut opts: Vec<CString> = OPTIONS
+        .iter()
+        .map(|o| CString::new(*o).expect("opt"))
+        .collect();
+    opts.push(CString::new(format!("--gpu-architecture={arch}")).expect("arch"));
+    let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    // SAFETY: prog is valid; the option strings outlive the call.
+    let r = unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
+    let log = program_log(prog);
+    let out = if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        Err(CudaError::Nvrtc(format!(
+            "{name}.cu does not compile for {arch} ({r:?}):\n{log}"
+        )))
+    } else {
+        let mut size = 0usize;
+        // SAFETY: prog compiled successfully.
+        let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
+        if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+            Err(e(
+                "nvrtcGetCUBINSize (is the architecture a real sm_XX?)",
+                r,
+            ))
+        } else {
+            let mut buf = vec![0u8; size];
+            // SAFETY: buf has `size` bytes.
+            let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char) };
+            if r != sys::nvrtcResult::NVRTC_SUCCESS {
+                Err(e("nvrtcGetCUBIN", r))
+            } else {
+                Ok(buf)
+            }
+        }
+    };
+    // SAFETY: prog is valid and not used afterwards.
+    unsafe { sys::nvrtcDestroyProgram(&mut prog) };
+    out
+}
+
+fn program_log(prog: sys::nvrtcProgram) -> String {
+    let mut size = 0usize;
+    // SAFETY: prog valid.
+    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut size) } != sys::nvrtcResult::NVRTC_SUCCESS
+        || size == 0
+    {
+        return String::new();
+    }
+    let mut buf = vec![0u8; size];
+    // SAFETY: buf has `size` bytes.
+    unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char) };
+    CStr::from_bytes_until_nul(&buf)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The cache folder (module docs).
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("CALLA_CUDA_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("calla/cuda"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/calla/cuda"))
+}
+
+/// Where the cubin of `k` is (or would be) cached; `None` when no cache folder is known.
+pub fn cache_path(k: &KernelSource) -> Result<Option<PathBuf>, CudaError> {
+    let (ma, mi) = ensure_loaded()?;
+    let src = full_source(k);
+    let h = fnv1a64(&[
+        src.as_bytes(),
+        ARCH.as_bytes(),
+        OPTIONS.join(" ").as_bytes(),
+        format!("{ma}.{mi}").as_bytes(),
+    ]);
+    Ok(cache_dir().map(|d| d.join(format!("{}-{ARCH}-{h:016x}.cubin", k.name))))
+}
+
+/// The cubin of kernel file `k` for [`ARCH`]: from the cache when present, else compiled with
+/// NVRTC and stored.
+pub fn compile_cached(k: &KernelSource) -> Result<Vec<u8>, CudaError> {
+    let path = cache_path(k)?;
+    if let Some(p) = &path {
+        if let Ok(b) = std::fs::read(p) {
+            if !b.is_empty() {
+                return Ok(b);
+            }
+        }
+    }
+    let cubin = compile_cubin(k.name, &full_source(k), ARCH)?;
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &cubin).is_ok() {
+                let _ = std::fs::rename(&tmp, p);
+            }
+        }
+    }
+    Ok(cubin)
+}

@@ -1,0 +1,67 @@
+//! Every kernel source compiles with NVRTC for sm_90a. Needs `libnvrtc` (see
+//! `cuda::nvrtc::INSTALL_HINT`; `.ci/run` installs it) but no GPU and no driver: nothing here
+//! initialises the CUDA driver. Fails, never skips, when NVRTC is missing.
+
+#[test]
+fn every_kernel_compiles_for_sm_90a() {
+    let (ma, mi) = match cuda::nvrtc::ensure_loaded() {
+        Ok(v) => v,
+        Err(e) => panic!("cannot compile the CUDA kernels: {e}"),
+    };
+    assert!(ma >= 13, "NVRTC {ma}.{mi}: CUDA 13 is required");
+    for k in cuda::KERNELS {
+        let src = cuda::full_source(k);
+        let cubin =
+            cuda::nvrtc::compile_cubin(k.name, &src, cuda::ARCH).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&cubin[..4], b"\x7fELF", "{}: not an ELF cubin", k.name);
+        for entry in k.entries {
+            assert!(
+                cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
+                "{}: entry point {entry} missing from the cubin",
+                k.name
+            );
+        }
+        eprintln!(
+            "{}.cu: {} bytes of sm_90a cubin (NVRTC {ma}.{mi})",
+            k.name,
+            cubin.len()
+        );
+    }
+}
+
+#[test]
+fn dims_header_comes_from_spec() {
+    let h = cuda::dims_header();
+    assert!(h.contains(&format!(
+        "#define CALLA_D_MODEL {}\n",
+        spec::production::D_MODEL
+    )));
+    assert!(h.contains(&format!(
+        "#define CALLA_D_EXPERT {}\n",
+        spec::production::D_EXPERT
+    )));
+    for k in cuda::KERNELS {
+        // kernels spell no dimension themselves
+        let body = k
+            .src
+            .replace("_k512", "")
+            .replace("_k2048", "")
+            .replace("_k4096", ""); // entry names
+        for n in ["2048", "4096", "248320"] {
+            assert!(
+                !body.contains(n),
+                "{}.cu spells the dimension {n}; use the dims header",
+                k.name
+            );
+        }
+    }
+}
+
+#[test]
+fn cache_key_changes_with_source() {
+    let a = cuda::nvrtc::fnv1a64(&[b"abc", b"sm_90a"]);
+    let b = cuda::nvrtc::fnv1a64(&[b"abd", b"sm_90a"]);
+    let c = cuda::nvrtc::fnv1a64(&[b"ab", b"csm_90a"]);
+    assert_ne!(a, b);
+    assert_ne!(a, c);
+}
