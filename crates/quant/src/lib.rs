@@ -715,6 +715,65 @@ pub fn dequantize_mlx_bf16(m: QMatRef<'_>, out: &mut [bf16]) {
     }
 }
 
+/// Quantizes activations to int8, symmetric, per group of `group_size` consecutive values
+/// (the input of [`reference::gemm_q8act`] / [`fast::gemm_q8act`]).
+///
+/// `x` is any number of whole groups (for a `[t, cols]` activation with `cols` a multiple of
+/// `group_size`, group `tt * cols / group_size + g` is group `g` of token `tt`). Per group, in f32:
+///
+/// * `amax = max_k |x_k|`, `sx = amax / 127` (one rounding);
+/// * `sx == 0` (all zeros, or `amax` below `127 ×` the smallest subnormal): every code is 0;
+/// * else `xi_k = clamp(round_half_even(x_k / sx), -127, 127)`. The clamp never binds for
+///   normal `sx` (`|x_k / sx| ≤ 127·(1 + 2⁻²³)` rounds to at most 127); it is there for
+///   subnormal `sx`.
+///
+/// Returns `(xi, sx per group, Σx per group)`; `Σx` is the f32 sum of the **original** values,
+/// left to right, exactly as [`fast::gemm`] computes it (the bias term uses it unrounded).
+///
+/// Reconstruction error: `|x_k − sx·xi_k| ≤ sx·(1/2 + 127·2⁻²⁴)` for normal `sx` (the `x/sx`
+/// division adds at most `127·u` code units to the half-unit rounding), i.e. at most
+/// `max|x_group| / 254 · (1 + 2⁻¹⁶)`.
+///
+/// # Panics
+/// If `group_size == 0`, `x.len()` is not a multiple of `group_size`, or a value is not finite.
+pub fn quantize_act_q8(x: &[f32], group_size: usize) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
+    assert!(
+        group_size > 0 && x.len() % group_size == 0,
+        "quantize_act_q8: length {} is not a multiple of group_size {group_size}",
+        x.len()
+    );
+    let n_groups = x.len() / group_size;
+    let mut xi = vec![0i8; x.len()];
+    let mut sx = Vec::with_capacity(n_groups);
+    let mut xs = Vec::with_capacity(n_groups);
+    for (g, (xg, qg)) in x
+        .chunks_exact(group_size)
+        .zip(xi.chunks_exact_mut(group_size))
+        .enumerate()
+    {
+        let mut amax = 0f32;
+        let mut sum = 0f32;
+        for (k, &v) in xg.iter().enumerate() {
+            assert!(
+                v.is_finite(),
+                "quantize_act_q8: non-finite value {v} at index {}",
+                g * group_size + k
+            );
+            amax = amax.max(v.abs());
+            sum += v;
+        }
+        let s = amax / 127.0;
+        if s != 0.0 {
+            for (q, &v) in qg.iter_mut().zip(xg) {
+                *q = (v / s).round_ties_even().clamp(-127.0, 127.0) as i8;
+            }
+        }
+        sx.push(s);
+        xs.push(sum);
+    }
+    (xi, sx, xs)
+}
+
 /// Widens a bf16 to f32 exactly (the kernels' inner conversion).
 #[inline(always)]
 pub(crate) fn bf16_f32(v: bf16) -> f32 {

@@ -425,3 +425,159 @@ fn dots(
         _ => portable::dots(rb, tb, ws, xs, res),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// int8-activation gemm
+
+/// [`crate::reference::gemm_q8act`] (int8 activations, integer dot products per group) at the
+/// best level; the result equals the reference **bit for bit** at every level.
+///
+/// AVX2 (also used at the AVX-512 level): the `t` activation rows are quantized once
+/// ([`crate::quantize_act_q8`]) and shared by all rows; row blocks run in parallel, inside
+/// them tiles of 2 rows × 4 tokens. 4-bit: each 32-column unit (16 bytes) becomes one vector
+/// of 32 `u8` codes (low nibbles = even columns, high nibbles = odd columns; the int8
+/// activations are permuted once to match; with groups of ≥ 64 the unit is 64 columns, one
+/// 32-byte load giving two vectors), `vpmaddubsw` with the int8 activations into i16
+/// (at most `2·15·127 = 3810` per lane per unit, ≤ 4 units per group: no saturation), one
+/// `vpmaddwd` by 1 per group into i32. 8-bit: `u8 × i8` pairs can reach `2·255·127 > 2¹⁵`, so
+/// `vpmaddubsw` would saturate; codes are widened to i16 (`vpmovzxbw`), the activations are
+/// stored as i16, and `vpmaddwd` multiplies and pairs them into i32 directly. Per group the
+/// i32 lanes of 4 tokens are reduced with a `vphaddd` tree (exact), converted, and combined in
+/// the reference's f32 order over 4 tokens at once. Other levels run the reference.
+///
+/// # Panics
+/// As [`gemm`]; also if `x` holds a non-finite value.
+pub fn gemm_q8act(out: &mut [f32], m: QMatRef<'_>, x: &[f32], t: usize) {
+    gemm_q8act_with(Level::best(), out, m, x, t)
+}
+
+/// [`gemm_q8act`] at an explicit level.
+///
+/// # Panics
+/// As [`gemm_q8act`]; also if `level` is not available.
+pub fn gemm_q8act_with(level: Level, out: &mut [f32], m: QMatRef<'_>, x: &[f32], t: usize) {
+    validate(&m).unwrap_or_else(|e| panic!("fast::gemm_q8act: {e}"));
+    assert_eq!(x.len(), t * m.cols, "fast::gemm_q8act: x length");
+    assert_eq!(out.len(), t * m.rows, "fast::gemm_q8act: out length");
+    if t == 0 || m.rows == 0 {
+        return;
+    }
+    match effective(level, m.spec.bits, m.spec.group_size) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => gemm_q8act_avx2(out, &m, x, t),
+        _ => crate::reference::gemm_q8act(out, m, x, t),
+    }
+}
+
+/// Tokens per int8 tile (the `vphaddd` reduction handles exactly 4).
+const Q8_TOK_BLOCK: usize = 4;
+
+#[cfg(target_arch = "x86_64")]
+fn gemm_q8act_avx2(out: &mut [f32], m: &QMatRef<'_>, x: &[f32], t: usize) {
+    let (rows, cols, gs) = (m.rows, m.cols, m.spec.group_size);
+    let gpr = cols / gs;
+    let n_groups = x.len() / gs;
+    let (mut xi, mut sx, mut xs) = (
+        vec![0i8; x.len()],
+        vec![0f32; n_groups],
+        vec![0f32; n_groups],
+    );
+    // SAFETY: AVX2 is present (the level was checked); gs is 32, 64 or 128.
+    unsafe { x86::quantize_act_q8_avx2(x, gs, &mut xi, &mut sx, &mut xs) };
+    // Per-group token vectors: [g][t], padded with zeros to whole tiles of 4 tokens.
+    let tp = t.div_ceil(Q8_TOK_BLOCK) * Q8_TOK_BLOCK;
+    let mut sxt = vec![0f32; gpr * tp];
+    let mut xst = vec![0f32; gpr * tp];
+    for tt in 0..t {
+        for g in 0..gpr {
+            sxt[g * tp + tt] = sx[tt * gpr + g];
+            xst[g * tp + tt] = xs[tt * gpr + g];
+        }
+    }
+    // Activations in the layout the kernel reads: 4-bit: per 32 columns, 16 even then 16 odd
+    // (i8); 8-bit: column order, widened to i16.
+    let four = m.spec.bits == Bits::B4;
+    let xa: Vec<i8> = if four {
+        // The kernel's unit: 64 columns (one 32-byte load) when groups hold whole units,
+        // else 32 (16 bytes); per unit the even columns, then the odd ones.
+        let unit = if gs >= 64 { 64 } else { 32 };
+        let mut v = vec![0i8; xi.len()];
+        for (src, dst) in xi.chunks_exact(unit).zip(v.chunks_exact_mut(unit)) {
+            for j in 0..unit / 2 {
+                dst[j] = src[2 * j];
+                dst[unit / 2 + j] = src[2 * j + 1];
+            }
+        }
+        v
+    } else {
+        Vec::new()
+    };
+    let xw: Vec<i16> = if four {
+        Vec::new()
+    } else {
+        xi.iter().map(|&v| i16::from(v)).collect()
+    };
+    let optr = OutPtr(out.as_mut_ptr());
+    let block = GEMM_ROW_BLOCK;
+    let (xa, xw, sxt, xst) = (&xa, &xw, &sxt, &xst);
+    let run = move |blk: usize| {
+        let optr = optr;
+        let r0 = blk * block;
+        let r1 = (r0 + block).min(rows);
+        let mut t0 = 0;
+        while t0 < t {
+            let tb = (t - t0).min(Q8_TOK_BLOCK);
+            // SAFETY: rows [r0, r1) of tokens t0.. are written by this task only.
+            let o = |j: usize| unsafe { optr.0.add((t0 + j) * rows) };
+            let x4 = |j: usize| {
+                if four {
+                    xa[(t0 + j) * cols..].as_ptr() as *const u8
+                } else {
+                    std::ptr::null()
+                }
+            };
+            let x8 = |j: usize| {
+                if four {
+                    std::ptr::null()
+                } else {
+                    xw[(t0 + j) * cols..].as_ptr()
+                }
+            };
+            let st = sxt[t0..].as_ptr();
+            let bt = xst[t0..].as_ptr();
+            let mut r = r0;
+            while r < r1 {
+                let rb = (r1 - r).min(2);
+                macro_rules! tile {
+                    ($r:literal, $($j:literal),+) => {
+                        unsafe {
+                            if four {
+                                x86::q4act_tile_avx2::<$r, { [$($j),+].len() }>(m, r, [$(x4($j)),+], st, bt, tp, [$(o($j)),+])
+                            } else {
+                                x86::q8act_tile_avx2::<$r, { [$($j),+].len() }>(m, r, [$(x8($j)),+], st, bt, tp, [$(o($j)),+])
+                            }
+                        }
+                    };
+                }
+                match (rb, tb) {
+                    (2, 4) => tile!(2, 0, 1, 2, 3),
+                    (2, 3) => tile!(2, 0, 1, 2),
+                    (2, 2) => tile!(2, 0, 1),
+                    (2, _) => tile!(2, 0),
+                    (_, 4) => tile!(1, 0, 1, 2, 3),
+                    (_, 3) => tile!(1, 0, 1, 2),
+                    (_, 2) => tile!(1, 0, 1),
+                    _ => tile!(1, 0),
+                }
+                r += rb;
+            }
+            t0 += tb;
+        }
+    };
+    let n_blocks = rows.div_ceil(block);
+    if rows * cols >= PAR_MIN_ELEMS / 4 && rayon::current_num_threads() > 1 {
+        (0..n_blocks).into_par_iter().for_each(run);
+    } else {
+        (0..n_blocks).for_each(run);
+    }
+}

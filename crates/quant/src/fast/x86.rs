@@ -635,3 +635,243 @@ pub(super) unsafe fn gemm_tile_avx2<const R: usize, const T: usize>(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 int8-activation gemm (`super::gemm_q8act`): integer dot products per group, combined in
+// f32 exactly in `reference::gemm_q8act`'s order.
+
+/// `[Σa, Σb, Σc, Σd]` of four vectors of eight i32 (exact: the sums stay far below 2³¹).
+#[inline(always)]
+unsafe fn hsum4_epi32(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m128i {
+    let ab = _mm256_hadd_epi32(a, b);
+    let cd = _mm256_hadd_epi32(c, d);
+    let abcd = _mm256_hadd_epi32(ab, cd);
+    _mm_add_epi32(
+        _mm256_castsi256_si128(abcd),
+        _mm256_extracti128_si256(abcd, 1),
+    )
+}
+
+/// Ends group `g` for `R` rows × `T ≤ 4` tokens: reduces the i32 lanes per (row, token) and
+/// adds `(s·sx)·I + b·Σx` to the 4-token f32 accumulators, in the reference's order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q8act_group_end<const R: usize, const T: usize>(
+    m: &QMatRef<'_>,
+    r: usize,
+    g: usize,
+    gpr: usize,
+    acc: &[[__m256i; T]; R],
+    sx4: __m128,
+    xs4: __m128,
+    facc: &mut [__m128; R],
+) {
+    let z = _mm256_setzero_si256();
+    for i in 0..R {
+        let a = |t: usize| if t < T { acc[i][t] } else { z };
+        let isum = _mm_cvtepi32_ps(hsum4_epi32(a(0), a(1), a(2), a(3)));
+        let s = bf16_f32(*m.scales.get_unchecked((r + i) * gpr + g));
+        let b = bf16_f32(*m.biases.get_unchecked((r + i) * gpr + g));
+        let v = _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(s), sx4), isum);
+        let w = _mm_mul_ps(_mm_set1_ps(b), xs4);
+        facc[i] = _mm_add_ps(facc[i], _mm_add_ps(v, w));
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8act_store<const R: usize, const T: usize>(
+    r: usize,
+    facc: &[__m128; R],
+    out: [*mut f32; T],
+) {
+    for i in 0..R {
+        let mut lanes = [0f32; 4];
+        _mm_storeu_ps(lanes.as_mut_ptr(), facc[i]);
+        for t in 0..T {
+            *out[t].add(r + i) = lanes[t];
+        }
+    }
+}
+
+/// 4-bit: rows `r..r+R` × `T` tokens. `xs[t]`: token `t`'s int8 activations, per 32 columns 16
+/// even then 16 odd; `sxt`/`xst`: `[g][tp]` scales and sums, already offset to the tile's first
+/// token; `out[t]`: the token's output row.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q4act_tile_avx2<const R: usize, const T: usize>(
+    m: &QMatRef<'_>,
+    r: usize,
+    xs: [*const u8; T],
+    sxt: *const f32,
+    xst: *const f32,
+    tp: usize,
+    out: [*mut f32; T],
+) {
+    let cols = m.cols;
+    let gs = m.spec.group_size;
+    let gpr = cols / gs;
+    let upg = gs / 32;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let wb: [*const u8; R] =
+        std::array::from_fn(|i| (m.packed.as_ptr() as *const u8).add((r + i) * cols / 2));
+    let mut facc = [_mm_setzero_ps(); R];
+    for g in 0..gpr {
+        let mut acc = [[_mm256_setzero_si256(); T]; R];
+        if upg >= 2 {
+            // 64-column units: one 32-byte load per row, low nibbles = even columns,
+            // high = odd; activations laid out [32 even | 32 odd] per unit.
+            let mut u = g * upg / 2;
+            while u < (g + 1) * upg / 2 {
+                let mut lo = [_mm256_setzero_si256(); R];
+                let mut hi = [_mm256_setzero_si256(); R];
+                for i in 0..R {
+                    let v = _mm256_loadu_si256(wb[i].add(u * 32) as *const __m256i);
+                    lo[i] = _mm256_and_si256(v, m4);
+                    hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                for t in 0..T {
+                    let x0 = _mm256_loadu_si256(xs[t].add(u * 64) as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xs[t].add(u * 64 + 32) as *const __m256i);
+                    for i in 0..R {
+                        acc[i][t] = _mm256_add_epi16(
+                            acc[i][t],
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo[i], x0),
+                                _mm256_maddubs_epi16(hi[i], x1),
+                            ),
+                        );
+                    }
+                }
+                u += 1;
+            }
+        } else {
+            for u in g * upg..(g + 1) * upg {
+                let wv: [__m256i; R] = std::array::from_fn(|i| {
+                    let v = _mm_loadu_si128(wb[i].add(u * 16) as *const __m128i);
+                    let w =
+                        _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+                    _mm256_and_si256(w, m4)
+                });
+                for t in 0..T {
+                    let xv = _mm256_loadu_si256(xs[t].add(u * 32) as *const __m256i);
+                    for i in 0..R {
+                        acc[i][t] = _mm256_add_epi16(acc[i][t], _mm256_maddubs_epi16(wv[i], xv));
+                    }
+                }
+            }
+        }
+        for row in acc.iter_mut() {
+            for a in row.iter_mut() {
+                *a = _mm256_madd_epi16(*a, ones);
+            }
+        }
+        let sx4 = _mm_loadu_ps(sxt.add(g * tp));
+        let xs4 = _mm_loadu_ps(xst.add(g * tp));
+        q8act_group_end::<R, T>(m, r, g, gpr, &acc, sx4, xs4, &mut facc);
+    }
+    q8act_store::<R, T>(r, &facc, out);
+}
+
+/// 8-bit: as [`q4act_tile_avx2`], activations as i16 in column order; codes widened to i16,
+/// `vpmaddwd` into i32 (no saturation: `2·255·127 < 2³¹`).
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q8act_tile_avx2<const R: usize, const T: usize>(
+    m: &QMatRef<'_>,
+    r: usize,
+    xs: [*const i16; T],
+    sxt: *const f32,
+    xst: *const f32,
+    tp: usize,
+    out: [*mut f32; T],
+) {
+    let cols = m.cols;
+    let gs = m.spec.group_size;
+    let gpr = cols / gs;
+    let wb: [*const u8; R] =
+        std::array::from_fn(|i| (m.packed.as_ptr() as *const u8).add((r + i) * cols));
+    let mut facc = [_mm_setzero_ps(); R];
+    for g in 0..gpr {
+        let mut acc = [[_mm256_setzero_si256(); T]; R];
+        let mut c = g * gs;
+        while c < (g + 1) * gs {
+            let wv: [__m256i; R] = std::array::from_fn(|i| {
+                _mm256_cvtepu8_epi16(_mm_loadu_si128(wb[i].add(c) as *const __m128i))
+            });
+            for t in 0..T {
+                let xv = _mm256_loadu_si256(xs[t].add(c) as *const __m256i);
+                for i in 0..R {
+                    acc[i][t] = _mm256_add_epi32(acc[i][t], _mm256_madd_epi16(wv[i], xv));
+                }
+            }
+            c += 16;
+        }
+        let sx4 = _mm_loadu_ps(sxt.add(g * tp));
+        let xs4 = _mm_loadu_ps(xst.add(g * tp));
+        q8act_group_end::<R, T>(m, r, g, gpr, &acc, sx4, xs4, &mut facc);
+    }
+    q8act_store::<R, T>(r, &facc, out);
+}
+
+/// [`crate::quantize_act_q8`] for group sizes that are multiples of 8, bit for bit: the same
+/// f32 `amax` (order-free), the same left-to-right `Σx`, the same IEEE division `x / sx` and
+/// round-half-even (`vroundps` nearest), the same clamp. Panics on non-finite input like it.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn quantize_act_q8_avx2(
+    x: &[f32],
+    gs: usize,
+    xi: &mut [i8],
+    sx: &mut [f32],
+    xs: &mut [f32],
+) {
+    let absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let lim = _mm256_set1_ps(127.0);
+    let nlim = _mm256_set1_ps(-127.0);
+    for (g, xg) in x.chunks_exact(gs).enumerate() {
+        let p = xg.as_ptr();
+        let mut amax = _mm256_setzero_ps();
+        let mut c = 0;
+        while c < gs {
+            amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(p.add(c)), absm));
+            c += 8;
+        }
+        let a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        let a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+        let a = _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+        if !a.is_finite() {
+            let k = xg.iter().position(|v| !v.is_finite()).unwrap_or(0);
+            panic!(
+                "quantize_act_q8: non-finite value {} at index {}",
+                xg[k],
+                g * gs + k
+            );
+        }
+        let mut sum = 0f32;
+        for &v in xg {
+            sum += v;
+        }
+        let s = a / 127.0;
+        sx[g] = s;
+        xs[g] = sum;
+        let q = xi.as_mut_ptr().add(g * gs);
+        if s == 0.0 {
+            std::ptr::write_bytes(q, 0, gs);
+            continue;
+        }
+        let sv = _mm256_set1_ps(s);
+        let mut c = 0;
+        while c < gs {
+            let v = _mm256_div_ps(_mm256_loadu_ps(p.add(c)), sv);
+            let r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            let r = _mm256_min_ps(_mm256_max_ps(r, nlim), lim);
+            let i32s = _mm256_cvtps_epi32(r);
+            let w = _mm_packs_epi32(
+                _mm256_castsi256_si128(i32s),
+                _mm256_extracti128_si256(i32s, 1),
+            );
+            let b = _mm_packs_epi16(w, w);
+            _mm_storel_epi64(q.add(c) as *mut __m128i, b);
+            c += 8;
+        }
+    }
+}
