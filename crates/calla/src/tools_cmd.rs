@@ -93,7 +93,7 @@ pub struct BenchArgs {
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Kernels: fast (SIMD) or reference.
+    /// Kernels: fast (SIMD, f32 activations), fast-q8 (int8 activations for prefill) or reference.
     #[arg(long, default_value = "fast")]
     backend: String,
 }
@@ -205,8 +205,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let mut m = Model::open(&a.model).with_context(|| format!("cannot load {}", a.model.display()))?;
     m.backend = match a.backend.as_str() {
         "fast" => Backend::Fast,
+        "fast-q8" => Backend::FastQ8,
         "reference" => Backend::Reference,
-        other => bail!("--backend must be fast or reference, found {other}"),
+        other => bail!("--backend must be fast, fast-q8 or reference, found {other}"),
     };
     let load_s = t_load.elapsed().as_secs_f64();
     eprintln!("measuring memory bandwidth ...");

@@ -17,6 +17,11 @@ pub enum Backend {
     /// weights use the reference loops, which are already threaded.
     #[default]
     Fast,
+    /// [`Backend::Fast`], except that products over several tokens (prefill) quantize the
+    /// activations to int8 per group and use integer dot products (`quant::fast::gemm_q8act`,
+    /// as llama.cpp does); single-token decode is unchanged. Faster prefill at the cost of
+    /// activation rounding (≤ max|x_g|/254 per element; bound in `quant::reference::gemm_q8act`).
+    FastQ8,
 }
 
 /// A matrix `W` [rows, cols] (PyTorch `nn.Linear` orientation: y = x·Wᵀ), viewing `rows`
@@ -186,8 +191,9 @@ impl Linear {
         if let Some(q) = self.qref() {
             match (backend, t) {
                 (Backend::Reference, _) => quant::reference::gemm(out, q, x, t),
-                (Backend::Fast, 1) => quant::fast::gemv(out, q, x),
+                (Backend::Fast | Backend::FastQ8, 1) => quant::fast::gemv(out, q, x),
                 (Backend::Fast, _) => quant::fast::gemm(out, q, x, t),
+                (Backend::FastQ8, _) => quant::fast::gemm_q8act(out, q, x, t),
             }
             return;
         }
