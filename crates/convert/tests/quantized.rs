@@ -51,6 +51,45 @@ fn argmax(x: &[f32]) -> usize {
     b
 }
 
+/// A private copy of the built-in demo model (assets/demo), the 8-bit MLX-layout weights.
+fn demo_copy() -> tempfile::TempDir {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let demo = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json", "calla_vocab.json", "model.safetensors"] {
+        std::fs::copy(root.join("assets/demo").join(f), demo.path().join(f)).unwrap();
+    }
+    demo
+}
+
+/// The 7 golden sequences of the demo model (prompt + transformers' continuation), model rows.
+fn golden_sequences() -> Vec<Vec<u32>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let refs: serde_json::Value = serde_json::from_slice(&std::fs::read(root.join("testdata/demo/reference_ids_8bit.json")).unwrap()).unwrap();
+    refs["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["prompt_compact_ids"].as_array().unwrap().iter().chain(p["gen_compact_ids"].as_array().unwrap()).map(|x| x.as_u64().unwrap() as u32).collect())
+        .collect()
+}
+
+/// (top-1 agreement, max |Δlogit| over finite logits, positions) of `b` against `a`, one full
+/// pass per sequence.
+fn agreement(a: &Model, b: &Model, seqs: &[Vec<u32>]) -> (f64, f32, usize) {
+    let v = a.cfg.vocab_size;
+    let (mut worst, mut agree, mut total) = (0.0f32, 0usize, 0usize);
+    for seq in seqs {
+        let la = a.forward(&mut a.new_state(1024), seq, Logits::All).unwrap();
+        let lb = b.forward(&mut b.new_state(1024), seq, Logits::All).unwrap();
+        for (x, y) in la.chunks(v).zip(lb.chunks(v)) {
+            worst = x.iter().zip(y).filter(|(p, _)| p.is_finite()).map(|(p, q)| (p - q).abs()).fold(worst, f32::max);
+            agree += (argmax(x) == argmax(y)) as usize;
+            total += 1;
+        }
+    }
+    (agree as f64 / total as f64, worst, total)
+}
+
 /// (max |Δlogit| vs transformers over seq_logits, top-1 agreement fraction, greedy ids equal).
 fn evaluate(fixture_dir: &Path, model_dir: &Path) -> (f32, f64, bool) {
     let m = Model::open(model_dir).unwrap();
@@ -257,35 +296,19 @@ fn corrupt_quantized_folders_are_refused() {
 ///   scrambles the distribution (agreement near 1/16384), far outside either budget.
 #[test]
 fn quantized_on_the_trained_demo_model() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let demo = tempfile::tempdir().unwrap();
-    for f in ["config.json", "generation_config.json", "calla_vocab.json", "model.safetensors"] {
-        std::fs::copy(root.join("assets/demo").join(f), demo.path().join(f)).unwrap();
-    }
+    let demo = demo_copy();
     let m8 = Model::open(demo.path()).unwrap();
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(demo.path().join("config.json")).unwrap()).unwrap();
     let f32dir = tempfile::tempdir().unwrap();
     convert::dequantize_to_hf(&m8, &config, f32dir.path()).unwrap();
     std::fs::copy(demo.path().join("calla_vocab.json"), f32dir.path().join("calla_vocab.json")).unwrap();
     let f = Model::open(f32dir.path()).unwrap();
-    let refs: serde_json::Value = serde_json::from_slice(&std::fs::read(root.join("testdata/demo/reference_ids_8bit.json")).unwrap()).unwrap();
-    let v = f.cfg.vocab_size;
+    let seqs = golden_sequences();
     for (bits, min_agree, max_err) in [(8u32, 0.95, 4.0f32), (4, 0.80, 7.0)] {
         let qdir = tempfile::tempdir().unwrap();
         convert::convert_dir(f32dir.path(), qdir.path(), bits, 64, 1 << 30, &no_progress).unwrap();
         let q = Model::open(qdir.path()).unwrap();
-        let (mut worst, mut agree, mut total) = (0.0f32, 0usize, 0usize);
-        for p in refs["prompts"].as_array().unwrap() {
-            let seq: Vec<u32> = p["prompt_compact_ids"].as_array().unwrap().iter().chain(p["gen_compact_ids"].as_array().unwrap()).map(|x| x.as_u64().unwrap() as u32).collect();
-            let a = f.forward(&mut f.new_state(1024), &seq, Logits::All).unwrap();
-            let b = q.forward(&mut q.new_state(1024), &seq, Logits::All).unwrap();
-            for (x, y) in a.chunks(v).zip(b.chunks(v)) {
-                worst = x.iter().zip(y).filter(|(p, _)| p.is_finite()).map(|(p, q)| (p - q).abs()).fold(worst, f32::max);
-                agree += (argmax(x) == argmax(y)) as usize;
-                total += 1;
-            }
-        }
-        let frac = agree as f64 / total as f64;
+        let (frac, worst, total) = agreement(&f, &q, &seqs);
         eprintln!("demo model {bits}-bit g64 vs f32: top-1 agreement {:.1}% over {total} positions, max |Δlogit| {worst:.3}", frac * 100.0);
         assert!(frac >= min_agree, "{bits}-bit top-1 agreement {frac} < {min_agree}");
         assert!(worst <= max_err, "{bits}-bit max |Δlogit| {worst} > {max_err}");
@@ -305,28 +328,11 @@ fn quantized_on_the_trained_demo_model() {
 /// scramble the logits far outside it.
 #[test]
 fn int8_activations_on_the_demo_model() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let demo = tempfile::tempdir().unwrap();
-    for f in ["config.json", "generation_config.json", "calla_vocab.json", "model.safetensors"] {
-        std::fs::copy(root.join("assets/demo").join(f), demo.path().join(f)).unwrap();
-    }
+    let demo = demo_copy();
     let fast = Model::open(demo.path()).unwrap();
     let mut q8 = Model::open(demo.path()).unwrap();
     q8.backend = model::Backend::FastQ8;
-    let refs: serde_json::Value = serde_json::from_slice(&std::fs::read(root.join("testdata/demo/reference_ids_8bit.json")).unwrap()).unwrap();
-    let v = fast.cfg.vocab_size;
-    let (mut worst, mut agree, mut total) = (0.0f32, 0usize, 0usize);
-    for p in refs["prompts"].as_array().unwrap() {
-        let seq: Vec<u32> = p["prompt_compact_ids"].as_array().unwrap().iter().chain(p["gen_compact_ids"].as_array().unwrap()).map(|x| x.as_u64().unwrap() as u32).collect();
-        let a = fast.forward(&mut fast.new_state(1024), &seq, Logits::All).unwrap();
-        let b = q8.forward(&mut q8.new_state(1024), &seq, Logits::All).unwrap();
-        for (x, y) in a.chunks(v).zip(b.chunks(v)) {
-            worst = x.iter().zip(y).filter(|(p, _)| p.is_finite()).map(|(p, q)| (p - q).abs()).fold(worst, f32::max);
-            agree += (argmax(x) == argmax(y)) as usize;
-            total += 1;
-        }
-    }
-    let frac = agree as f64 / total as f64;
+    let (frac, worst, total) = agreement(&fast, &q8, &golden_sequences());
     eprintln!("demo model int8 activations vs f32 activations: top-1 agreement {:.1}% over {total} positions, max |Δlogit| {worst:.3}", frac * 100.0);
     assert!(frac >= 0.93, "top-1 agreement {frac}");
     assert!(worst <= 3.0, "max |Δlogit| {worst}");
