@@ -109,15 +109,13 @@ impl Linear {
         as_u32(packed)?;
         as_bf16(scales)?;
         as_bf16(biases)?;
-        let l = Linear::Quant { packed: packed.clone(), scales: scales.clone(), biases: biases.clone(), spec, row0, rows, cols };
-        // Bounds: the view must lie inside the stored tensors.
-        if let Linear::Quant { .. } = &l {
-            let words = spec.words_per_row(cols);
-            let groups = spec.groups_per_row(cols);
-            assert!((row0 + rows) * words * 4 <= packed.bytes().len(), "quant view outside {}", packed.name());
-            assert!((row0 + rows) * groups * 2 <= scales.bytes().len(), "quant view outside {}", scales.name());
+        // The view must lie inside the stored tensors (the caller checked their shapes).
+        let (words, groups) = (spec.words_per_row(cols), spec.groups_per_row(cols));
+        assert!((row0 + rows) * words * 4 <= packed.bytes().len(), "quant view outside {}", packed.name());
+        for t in [scales, biases] {
+            assert!((row0 + rows) * groups * 2 <= t.bytes().len(), "quant view outside {}", t.name());
         }
-        Ok(l)
+        Ok(Linear::Quant { packed: packed.clone(), scales: scales.clone(), biases: biases.clone(), spec, row0, rows, cols })
     }
 
     /// Output features.
