@@ -994,7 +994,9 @@ def main(argv=None):
             log(f"MLX-LM FAILED: {ex}")
     run_info["load_avg_end"] = list(os.getloadavg())
     ld = max(run_info["loadavg_timed_start"][0], run_info["load_avg_end"][0])
-    if ld > 0.5 * (os.cpu_count() or 1):
+    measured_others = LAST.get("others") is not None or any(
+        x is not None for e in entries for x in e["others"]["pp"] + e["others"]["tg"])
+    if ld > 0.5 * (os.cpu_count() or 1) and not measured_others:
         ctx.notes.append(f"load average up to {ld:.1f} around the timed part on {os.cpu_count()} cores: the "
                          "machine was shared, so numbers are low and noisy (compare engines within this run)")
     busy = list({r["engine"]: (r["engine"], r["others"]) for r in summarize(ctx, results, hf, mlx)["rows"]
