@@ -426,6 +426,8 @@ def step_synth(ctx: Ctx, calla: str) -> tuple[str, str]:
             log(f"reusing {hf}")
     if a.mlx:
         mlx = os.path.abspath(a.mlx)
+    elif a.skip_calla and a.skip_mlx:
+        mlx = None
     else:
         mlx = os.path.join(ctx.wd, f"mlx-{a.bits}bit-{tag}" if not a.hf else f"mlx-{a.bits}bit-{os.path.basename(hf)}")
         src_stamp = os.path.join(hf, ".peers-recipe.json")
@@ -469,7 +471,10 @@ def llama_source(ctx: Ctx) -> str:
                        ctx.logf("llama-download"), timeout=1800)
         ctx.timed("llama_download_s", dt)
     with tarfile.open(sdist) as t:
-        t.extractall(src)
+        try:
+            t.extractall(src, filter="data")
+        except TypeError:  # Python without extraction filters
+            t.extractall(src)
     if not os.path.exists(os.path.join(lc, "CMakeLists.txt")):
         raise StepError(f"{sdist} does not vendor llama.cpp at vendor/llama.cpp")
     return lc
@@ -541,7 +546,10 @@ def prepare_llama(ctx: Ctx, hf: str, results: dict) -> list[dict]:
     src_stamp = os.path.join(hf, ".peers-recipe.json")
     src = json.load(open(src_stamp)) if os.path.exists(src_stamp) else {"path": hf, "mtime": os.path.getmtime(hf)}
     recipe = {"src": src, "llama": a.llama_cpp_python, "outtype": "bf16", "no_mtp": True}
-    if not stamp_ok(bf16, recipe, a.force):
+    qpaths = {gt: os.path.join(gdir, f"{tag}-{gt}{'-pure' if a.pure else ''}.gguf") for gt in a.gguf_types}
+    qrecipes = {gt: {"src": recipe, "type": gt, "pure": a.pure} for gt in a.gguf_types}
+    need_bf16 = any(not stamp_ok(qpaths[gt], qrecipes[gt], a.force) for gt in a.gguf_types)
+    if need_bf16 and not stamp_ok(bf16, recipe, a.force):
         rm(bf16)
         log(f"convert_hf_to_gguf.py --outtype bf16 --no-mtp -> {bf16}")
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -549,13 +557,12 @@ def prepare_llama(ctx: Ctx, hf: str, results: dict) -> list[dict]:
                         "--outfile", bf16], ctx.logf("llama-convert"), env=env, nice=a.nice)
         ctx.timed("llama_convert_s", dt)
         stamp_write(bf16, recipe)
-    else:
+    elif need_bf16:
         log(f"reusing {bf16}")
     params = hf_text_params(hf)
     entries = []
     for gt in a.gguf_types:
-        qpath = os.path.join(gdir, f"{tag}-{gt}{'-pure' if a.pure else ''}.gguf")
-        qrecipe = {"src": recipe, "type": gt, "pure": a.pure}
+        qpath, qrecipe = qpaths[gt], qrecipes[gt]
         if not stamp_ok(qpath, qrecipe, a.force):
             rm(qpath)
             log(f"llama-quantize {'--pure ' if a.pure else ''}{gt} -> {qpath}")
@@ -582,6 +589,8 @@ def prepare_llama(ctx: Ctx, hf: str, results: dict) -> list[dict]:
             "samples": {"pp": [], "tg": []}, "llama_bench": {"pp": [], "tg": []}, "rss": [],
             "others": {"pp": [], "tg": []}, "idle_before": [],
         })
+    if not a.keep_bf16_gguf and os.path.exists(bf16):
+        rm(bf16)  # 2 bytes/weight; reconverted (a minute or two) only when a new GGUF type is asked for
     results["llama_cpp"] = entries
     return entries
 
@@ -916,6 +925,8 @@ def parse_args(argv=None):
     g.add_argument("--force-build", action="store_true", help="rebuild llama.cpp")
     g.add_argument("--force-venvs", action="store_true", help="recreate the venvs")
     g.add_argument("--no-record", action="store_true", help="do not append to bench/results/cpu.jsonl")
+    g.add_argument("--keep-bf16-gguf", action="store_true",
+                   help="keep the intermediate bf16 GGUF (as big as the bf16 folder) after quantizing")
     g.add_argument("--idle-wait", type=int, default=120,
                    help="before each timed run wait up to this many seconds for other load to drop (0: never)")
     g.add_argument("--idle-threshold", type=float, default=0.25,
