@@ -149,6 +149,8 @@ pub struct CudaContext {
     stream: Arc<CudaStream>,
     gemv: [[Option<CudaFunction>; 3]; 2], // [bits 4|8][k 512|2048|4096]
     rms_norm_d_model: CudaFunction,
+    /// Every entry point of every file in [`KERNELS`], by name.
+    funcs: std::collections::HashMap<&'static str, CudaFunction>,
     sm_count: u32,
 }
 
@@ -179,6 +181,12 @@ impl CudaContext {
             let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
             modules.insert(k.name, m);
         }
+        let mut funcs = std::collections::HashMap::new();
+        for k in KERNELS {
+            for e in k.entries {
+                funcs.insert(*e, modules[k.name].load_function(e)?);
+            }
+        }
         let f = |module: &str, name: &str| modules[module].load_function(name);
         let mut gemv: [[Option<CudaFunction>; 3]; 2] = Default::default();
         for (bi, b) in [4, 8].iter().enumerate() {
@@ -189,10 +197,21 @@ impl CudaContext {
         Ok(CudaContext {
             rms_norm_d_model: f("rms_norm", "rms_norm_d_model")?,
             gemv,
+            funcs,
             ctx,
             stream,
             sm_count,
         })
+    }
+
+    /// The loaded entry point `name` (an `extern "C"` kernel listed in [`KERNELS`]).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when no kernel file lists `name`.
+    pub fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| CudaError::Unsupported(format!("no kernel entry point named {name}")))
     }
 
     /// The underlying cudarc context.

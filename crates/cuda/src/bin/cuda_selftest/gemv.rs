@@ -1,52 +1,18 @@
-//! GPU self-test and benchmark of the CUDA kernels at the model's real shapes.
+//! Batch-1 quantized GEMV (4 and 8 bits, every K the model uses) and RMSNorm.
 //!
-//! For every GEMV shape at 4 and 8 bits: random MLX-layout weights and inputs, the kernel
-//! against `quant::reference::gemv` (guard words around the output, NaN never passes), then the
-//! time per GEMV, over enough copies of the matrix to defeat the 60 MB L2, launched from a
-//! captured CUDA graph and timed with CUDA events. Also RMSNorm against an f64 CPU reference and
-//! the device-to-device copy bandwidth (the roofline). Prints a table and one JSON line;
-//! exits 1 on any failure.
-//!
-//! Usage: `cuda_selftest [--quick]` (`--quick`: fewer repetitions).
-
-use std::time::Instant;
+//! For every GEMV shape at 4 and 8 bits: random MLX-layout weights (scales of both signs), two
+//! fresh inputs, the kernel against `quant::reference::gemv` (guard words around the output,
+//! NaN never passes), then the time per GEMV over enough copies of the matrix to defeat the
+//! 60 MB L2, launched from a captured CUDA graph and timed with CUDA events. RMSNorm against an
+//! f64 CPU reference.
 
 use cuda::cudarc::driver::sys;
-use cuda::CudaContext;
 use half::bf16;
 use quant::{QMatRef, QuantSpec};
 use rayon::prelude::*;
 use spec::production as p;
 
-const GUARD: usize = 64;
-const SENTINEL: u32 = 0x7FA5_A5A5; // a NaN: an unwritten output cannot pass
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn rand_u32s(n: usize, seed: u64) -> Vec<u32> {
-    let mut v = vec![0u32; n];
-    v.par_chunks_mut(1 << 16).enumerate().for_each(|(ci, c)| {
-        let mut s = splitmix(seed ^ (ci as u64).wrapping_mul(0x1234_5678_9ABC_DEF1));
-        for x in c.iter_mut() {
-            s = splitmix(s);
-            *x = s as u32;
-        }
-    });
-    v
-}
-
-/// Uniform in [-a, a].
-fn rand_f32s(n: usize, seed: u64, a: f32) -> Vec<f32> {
-    rand_u32s(n, seed)
-        .into_iter()
-        .map(|u| ((u >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * a)
-        .collect()
-}
+use crate::common::{check_guarded, guarded, median, rand_f32s, rand_u32s, Suite, Tol, GUARD};
 
 struct Row {
     name: String,
@@ -62,93 +28,14 @@ struct Row {
     us_stream: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn check_out(got: &[f32], reference: &[f64]) -> (f64, f64, bool, String) {
-    let n = reference.len();
-    let mut msg = String::new();
-    let guard_ok = got[..GUARD]
-        .iter()
-        .chain(&got[GUARD + n..])
-        .all(|g| g.to_bits() == SENTINEL);
-    if !guard_ok {
-        msg.push_str("guard words overwritten; ");
-    }
-    let body = &got[GUARD..GUARD + n];
-    let non_finite = body.iter().filter(|v| !v.is_finite()).count();
-    if non_finite > 0 {
-        msg.push_str(&format!("{non_finite} non-finite outputs; "));
-    }
-    let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
-    for (g, r) in body.iter().zip(reference) {
-        let d = f64::from(*g) - r;
-        num += d * d;
-        den += r * r;
-        max_abs = max_abs.max(d.abs());
-    }
-    let rms = (den / n as f64).sqrt();
-    let rel = (num / den).sqrt();
-    let max_rel = max_abs / rms;
-    let ok = guard_ok && non_finite == 0 && rel < 1e-4 && max_rel < 1e-3 && den > 0.0;
-    (rel, max_rel, ok, msg)
-}
-
-fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let t0 = Instant::now();
-    let cx = match CudaContext::new(0) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("FAIL: cannot open the device: {e}");
-            std::process::exit(1);
-        }
-    };
-    let t_ctx = t0.elapsed().as_secs_f64();
-    let (ma, mi) = cuda::nvrtc::ensure_loaded().expect("nvrtc");
-    let name = cx.raw().name().unwrap_or_default();
-    println!(
-        "device: {name}, {} SMs; NVRTC {ma}.{mi}; context + kernels ready in {t_ctx:.2} s",
-        cx.sm_count()
-    );
-    for k in cuda::KERNELS {
-        println!(
-            "  {}: cache {:?}",
-            k.name,
-            cuda::nvrtc::cache_path(k).ok().flatten()
-        );
-    }
+/// Runs the GEMV and RMSNorm checks and timings.
+pub fn run(s: &mut Suite) {
+    let cx = s.cx;
+    let quick = s.quick;
+    let copy_bw = s.copy_bw;
     let stream = cx.stream().clone();
-    let ev = || {
-        cx.raw()
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event")
-    };
+    let ev = || s.event();
     let mut all_ok = true;
-
-    // --- roofline: device-to-device copy
-    let copy_bytes = 2usize << 30;
-    let src = stream.alloc_zeros::<u8>(copy_bytes).expect("alloc");
-    let mut dst = stream.alloc_zeros::<u8>(copy_bytes).expect("alloc");
-    let mut copy_t = Vec::new();
-    for i in 0..8 {
-        let (a, b) = (ev(), ev());
-        a.record(&stream).unwrap();
-        stream.memcpy_dtod(&src, &mut dst).expect("dtod");
-        b.record(&stream).unwrap();
-        b.synchronize().unwrap();
-        if i >= 2 {
-            copy_t.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3);
-        }
-    }
-    drop((src, dst));
-    let copy_bw = 2.0 * copy_bytes as f64 / median(copy_t);
-    println!(
-        "device-to-device copy: {:.0} GB/s (read + write)",
-        copy_bw / 1e9
-    );
 
     // --- GEMV shapes
     let attn_out = p::N_Q_HEADS * p::HEAD_DIM;
@@ -208,15 +95,14 @@ fn main() {
                     });
                 let reference: Vec<f64> = reference.into_iter().map(f64::from).collect();
                 let xd = cx.upload_f32(&x).unwrap();
-                let mut outd = cx
-                    .upload_f32(&vec![f32::from_bits(SENTINEL); rows + 2 * GUARD])
-                    .unwrap();
+                let mut outd = guarded(cx, rows);
                 {
                     let mut ov = outd.slice_mut(GUARD..GUARD + rows);
                     cx.gemv(&mut ov, &dm, &xd.slice(..)).expect("gemv");
                 }
                 let got = cx.download_f32(&outd).unwrap();
-                let (rel, mrel, good, msg) = check_out(&got, &reference);
+                let c = check_guarded(&got, &reference, Tol::F32);
+                let (rel, mrel, good, msg) = (c.rel, c.max_over_rms, c.ok, c.msg);
                 if !good {
                     println!("FAIL q{bits} {label} [{rows}x{cols}] trial {trial}: rel {rel:.2e} max {mrel:.2e} {msg}");
                 }
@@ -327,16 +213,15 @@ fn main() {
         }
         let xd = cx.upload_f32(&x).unwrap();
         let wd = cx.upload_f32(&w).unwrap();
-        let mut yd = cx
-            .upload_f32(&vec![f32::from_bits(SENTINEL); n_rows * d + 2 * GUARD])
-            .unwrap();
+        let mut yd = guarded(cx, n_rows * d);
         {
             let mut yv = yd.slice_mut(GUARD..GUARD + n_rows * d);
             cx.rms_norm(&mut yv, &xd.slice(..), &wd.slice(..))
                 .expect("rms_norm");
         }
         let got = cx.download_f32(&yd).unwrap();
-        let (rel, mrel, ok, msg) = check_out(&got, &reference);
+        let c = check_guarded(&got, &reference, Tol::F32);
+        let (rel, mrel, ok, msg) = (c.rel, c.max_over_rms, c.ok, c.msg);
         let ok = ok && rel < 1e-6;
         println!(
             "rms_norm [{n_rows}x{d}]: rel {rel:.2e} max {mrel:.2e} {} {msg}",
@@ -352,7 +237,6 @@ fn main() {
     println!();
     println!("| bits | shape | rows x cols | MB | us (graph) | GB/s | % of copy | us (stream) | rel err | ok |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    let mut json_rows = Vec::new();
     for r in &rows_out {
         let gbs = r.bytes as f64 / (r.us_graph * 1e-6) / 1e9;
         println!(
@@ -369,21 +253,19 @@ fn main() {
             r.rel_err,
             if r.ok { "ok" } else { "FAIL" }
         );
-        json_rows.push(format!(
-            "{{\"bits\":{},\"shape\":\"{}\",\"rows\":{},\"cols\":{},\"bytes\":{},\"copies\":{},\"us_graph\":{:.3},\"us_stream\":{:.3},\"gbps\":{:.1},\"rel_err\":{:e},\"max_err_over_rms\":{:e},\"ok\":{}}}",
-            r.bits, r.name, r.rows, r.cols, r.bytes, r.copies, r.us_graph, r.us_stream, gbs, r.rel_err, r.max_err, r.ok
+    }
+    for r in &rows_out {
+        let gbs = r.bytes as f64 / (r.us_graph * 1e-6) / 1e9;
+        s.json.push((
+            "gemv".into(),
+            format!(
+                "{{\"bits\":{},\"shape\":\"{}\",\"rows\":{},\"cols\":{},\"bytes\":{},\"copies\":{},\"us_graph\":{:.3},\"us_stream\":{:.3},\"gbps\":{:.1},\"rel_err\":{:e},\"max_err_over_rms\":{:e},\"ok\":{}}}",
+                r.bits, r.name, r.rows, r.cols, r.bytes, r.copies, r.us_graph, r.us_stream, gbs, r.rel_err, r.max_err, r.ok
+            ),
         ));
     }
-    println!(
-        "JSON {{\"device\":\"{name}\",\"nvrtc\":\"{ma}.{mi}\",\"copy_gbps\":{:.1},\"gemv\":[{}],\"rms_norm\":[{}],\"all_ok\":{all_ok},\"wall_s\":{:.1}}}",
-        copy_bw / 1e9,
-        json_rows.join(","),
-        norm_results.join(","),
-        t0.elapsed().as_secs_f64()
-    );
-    if !all_ok {
-        println!("SELFTEST FAILED");
-        std::process::exit(1);
+    for n in norm_results {
+        s.json.push(("rms_norm".into(), n));
     }
-    println!("SELFTEST OK");
+    s.all_ok &= all_ok;
 }
