@@ -99,9 +99,19 @@ pub fn dims_header() -> String {
     s
 }
 
-/// Full NVRTC source of a kernel file: the dims header, then the file.
+/// Device helpers every kernel file may use (PDL wait/trigger, bf16 conversion, warp
+/// reductions): `kernels/prelude.cuh`.
+pub const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
+
+/// Full NVRTC source of a kernel file: the dims header, the prelude, then the file.
 pub fn full_source(k: &KernelSource) -> String {
-    format!("{}#line 1 \"{}.cu\"\n{}", dims_header(), k.name, k.src)
+    format!(
+        "{}#line 1 \"prelude.cuh\"\n{}\n#line 1 \"{}.cu\"\n{}",
+        dims_header(),
+        PRELUDE,
+        k.name,
+        k.src
+    )
 }
 
 /// Errors of the CUDA backend.
