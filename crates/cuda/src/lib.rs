@@ -262,6 +262,46 @@ impl CudaContext {
         })
     }
 
+    /// Copies several quantized matrices with the same columns, bits and group size into one
+    /// device matrix, rows stacked in order (`parts[0]`'s rows first). This is how stacked
+    /// projections (GDN `qkv|z|b|a`, attention `q|k|v`, router `|` shared-expert gate,
+    /// expert `gate|up`) become a single GEMV.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `parts` is empty or the parts differ in columns, bits or
+    /// group size, or as [`Self::upload_qmat`].
+    pub fn upload_qmat_rows(&self, parts: &[QMatRef<'_>]) -> Result<DeviceQMat, CudaError> {
+        let first = parts
+            .first()
+            .ok_or_else(|| CudaError::Unsupported("no matrices to stack".into()))?;
+        for (i, m) in parts.iter().enumerate() {
+            if m.cols != first.cols || m.spec != first.spec {
+                return Err(CudaError::Unsupported(format!(
+                    "stacked part {i}: [{}, {}] at {} bits, group {} does not match part 0: \
+                     [{}, {}] at {} bits, group {}",
+                    m.rows,
+                    m.cols,
+                    m.spec.bits.bits(),
+                    m.spec.group_size,
+                    first.rows,
+                    first.cols,
+                    first.spec.bits.bits(),
+                    first.spec.group_size
+                )));
+            }
+        }
+        if parts.len() == 1 {
+            return self.upload_qmat(*first);
+        }
+        let packed: Vec<u32> = parts.iter().flat_map(|m| m.packed.iter().copied()).collect();
+        let scales: Vec<half::bf16> = parts.iter().flat_map(|m| m.scales.iter().copied()).collect();
+        let biases: Vec<half::bf16> = parts.iter().flat_map(|m| m.biases.iter().copied()).collect();
+        let rows = parts.iter().map(|m| m.rows).sum();
+        let m = QMatRef::new(rows, first.cols, first.spec, &packed, &scales, &biases)
+            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        self.upload_qmat(m)
+    }
+
     /// Copies f32 data to a new device buffer.
     pub fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
         Ok(self.stream.clone_htod(v)?)
