@@ -93,8 +93,9 @@ pub struct BenchArgs {
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Kernels: fast (SIMD, f32 activations), fast-q8 (int8 activations for prefill) or reference.
-    #[arg(long, default_value = "fast")]
+    /// Kernels: fast-q8 (SIMD, activations quantized to int8 per quantization group for every
+    /// quantized matrix, prefill and decode), fast (SIMD, f32 activations) or reference.
+    #[arg(long, default_value = "fast-q8")]
     backend: String,
 }
 

@@ -2,10 +2,14 @@
 //! state, and the forward pass written once, in the order of the reference
 //! (transformers `Qwen3_5MoeForCausalLM`; docs/MODEL.md §3).
 //!
-//! This is the reference path: f32 compute over weights upcast exactly from BF16/F16/F32, plain
-//! loops from [`reference`]. Prefill runs the chunked Gated DeltaNet (chunk 64) and decode the
+//! f32 compute over weights upcast exactly from BF16/F16/F32 (or MLX-quantized), loops from
+//! [`reference`]; with [`Backend::Fast`] / [`Backend::FastQ8`] the matrix products run the SIMD
+//! kernels of `quant::fast` (products that read the same input in one batch,
+//! [`linear::forward_batch`]) and the Gated DeltaNet and attention loops their bit-exact fast
+//! twins (`fast.rs`). Prefill runs the chunked Gated DeltaNet (chunk 64) and decode the
 //! recurrent step, as the reference does; both give the same numbers to f32 round-off.
 
+mod fast;
 pub mod linear;
 pub mod load;
 pub mod reference;
@@ -18,6 +22,7 @@ use rayon::prelude::*;
 use spec::TextConfig;
 
 pub use linear::Backend;
+use linear::{forward_batch, LinJob};
 pub use load::{open_dir, Layout, Weights};
 pub use state::{LayerState, State};
 
@@ -173,18 +178,18 @@ impl Model {
         emit("embed".into(), &x);
         let mut u = vec![0.0f32; t * d];
         for (l, lw) in self.weights.layers.iter().enumerate() {
-            r::zrms_norm(&mut u, &x, &lw.input_norm, cfg.rms_norm_eps);
+            par_rows(&mut u, &x, d, |o, i| r::zrms_norm(o, i, &lw.input_norm, cfg.rms_norm_eps));
             let m = match (&lw.mixer, &mut state.layers[l]) {
                 (Mixer::Gdn(w), LayerState::Gdn { conv, s }) => self.gdn(w, conv, s, &u, t),
                 (Mixer::Attn(w), LayerState::Attn { k, v }) => self.attention(w, k, v, &u, t, state.pos),
                 _ => unreachable!("state built from the same config"),
             };
             emit(format!("blk.{l}.mixer_out"), &m);
-            x.iter_mut().zip(&m).for_each(|(a, b)| *a += b);
-            r::zrms_norm(&mut u, &x, &lw.post_norm, cfg.rms_norm_eps);
+            par_rows(&mut x, &m, d, |a, b| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+            par_rows(&mut u, &x, d, |o, i| r::zrms_norm(o, i, &lw.post_norm, cfg.rms_norm_eps));
             let moe = self.moe(&lw.moe, &u, t, l, &mut emit);
             emit(format!("blk.{l}.moe_out"), &moe);
-            x.iter_mut().zip(&moe).for_each(|(a, b)| *a += b);
+            par_rows(&mut x, &moe, d, |a, b| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
             emit(format!("blk.{l}.out"), &x);
         }
         state.pos += t;
@@ -224,19 +229,35 @@ impl Model {
         );
         let (key_dim, conv_dim) = (nk * dk, cfg.gdn_conv_dim());
         let mut qkv = vec![0.0f32; t * conv_dim];
-        w.in_proj_qkv.forward(&mut qkv, u, t, self.backend);
         let mut z = vec![0.0f32; t * nv * dv];
-        w.in_proj_z.forward(&mut z, u, t, self.backend);
         let mut b = vec![0.0f32; t * nv];
-        w.in_proj_b.forward(&mut b, u, t, self.backend);
         let mut a = vec![0.0f32; t * nv];
-        w.in_proj_a.forward(&mut a, u, t, self.backend);
+        forward_batch(
+            &mut [
+                LinJob { w: &w.in_proj_qkv, x: u, t, out: &mut qkv },
+                LinJob { w: &w.in_proj_z, x: u, t, out: &mut z },
+                LinJob { w: &w.in_proj_b, x: u, t, out: &mut b },
+                LinJob { w: &w.in_proj_a, x: u, t, out: &mut a },
+            ],
+            self.backend,
+        );
 
         // Causal conv over [cached k-1 rows ‖ new rows]; the last k-1 rows become the cache.
         let mut window = std::mem::take(conv);
         window.extend_from_slice(&qkv);
         let mut mixed = vec![0.0f32; t * conv_dim];
-        r::causal_conv_silu(&mut mixed, &window, &w.conv1d, conv_dim, kk);
+        // Tokens [a, b) read window rows [a, b + k - 1): chunks of tokens run in parallel.
+        let rows_per = PAR_ROWS;
+        let conv_rows = |(ci, out): (usize, &mut [f32])| {
+            let a = ci * rows_per;
+            let n = out.len() / conv_dim;
+            r::causal_conv_silu(out, &window[a * conv_dim..(a + n + kk - 1) * conv_dim], &w.conv1d, conv_dim, kk);
+        };
+        if t > rows_per {
+            mixed.par_chunks_mut(rows_per * conv_dim).enumerate().for_each(conv_rows);
+        } else {
+            conv_rows((0, &mut mixed));
+        }
         *conv = window[t * conv_dim..].to_vec();
 
         // Split into q [t, nk, dk], k [t, nk, dk], v [t, nv, dv]; L2-normalise q, k; scale q.
@@ -248,10 +269,12 @@ impl Model {
             k.extend_from_slice(&row[key_dim..2 * key_dim]);
             v.extend_from_slice(&row[2 * key_dim..]);
         }
-        r::l2norm_inplace(&mut q, dk, 1e-6);
-        r::l2norm_inplace(&mut k, dk, 1e-6);
         let q_scale = 1.0 / (dk as f32).sqrt();
-        q.iter_mut().for_each(|x| *x *= q_scale);
+        par_rows(&mut q, &[], dk, |x, _| {
+            r::l2norm_inplace(x, dk, 1e-6);
+            x.iter_mut().for_each(|x| *x *= q_scale);
+        });
+        par_rows(&mut k, &[], dk, |x, _| r::l2norm_inplace(x, dk, 1e-6));
         // Gates per token and value head: g = -exp(A_log)·softplus(a + dt_bias), β = σ(b).
         let g: Vec<f32> = (0..t * nv).map(|i| w.a_neg_exp[i % nv] * r::softplus(a[i] + w.dt_bias[i % nv])).collect();
         let beta: Vec<f32> = b.iter().map(|&x| r::sigmoid(x)).collect();
@@ -266,7 +289,8 @@ impl Model {
                 (t0..t0 + n).flat_map(|tt| src[(tt * heads + h) * width..(tt * heads + h + 1) * width].iter().copied()).collect()
             };
             if t == 1 {
-                r::gdn_step(sj, &q[hk * dk..(hk + 1) * dk], &k[hk * dk..(hk + 1) * dk], &v[j * dv..(j + 1) * dv], g[j].exp(), beta[j], oj);
+                let step = if self.backend == Backend::Reference { r::gdn_step } else { fast::gdn_step };
+                step(sj, &q[hk * dk..(hk + 1) * dk], &k[hk * dk..(hk + 1) * dk], &v[j * dv..(j + 1) * dv], g[j].exp(), beta[j], oj);
             } else {
                 let mut t0 = 0;
                 while t0 < t {
@@ -276,7 +300,12 @@ impl Model {
                     let vc = gather(&v, dv, nv, j, t0, n);
                     let gc = gather(&g, 1, nv, j, t0, n);
                     let bc = gather(&beta, 1, nv, j, t0, n);
-                    r::gdn_chunk(sj, &qc, &kc, &vc, &gc, &bc, dk, dv, &mut oj[t0 * dv..(t0 + n) * dv]);
+                    let oc = &mut oj[t0 * dv..(t0 + n) * dv];
+                    if self.backend == Backend::Reference {
+                        r::gdn_chunk(sj, &qc, &kc, &vc, &gc, &bc, dk, dv, oc);
+                    } else {
+                        fast::gdn_chunk(sj, &qc, &kc, &vc, &gc, &bc, dk, dv, oc);
+                    }
                     t0 += n;
                 }
             }
@@ -286,7 +315,7 @@ impl Model {
                 o[(tt * nv + j) * dv..(tt * nv + j + 1) * dv].copy_from_slice(&o_heads[(j * t + tt) * dv..(j * t + tt + 1) * dv]);
             }
         }
-        r::gated_rms_norm(&mut o, &z, &w.norm, cfg.rms_norm_eps);
+        par_rows(&mut o, &z, dv, |o, z| r::gated_rms_norm(o, z, &w.norm, cfg.rms_norm_eps));
         let mut out = vec![0.0f32; t * cfg.hidden_size];
         w.out_proj.forward(&mut out, &o, t, self.backend);
         out
@@ -298,11 +327,16 @@ impl Model {
         let cfg = &self.cfg;
         let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let mut qg = vec![0.0f32; t * nq * 2 * hd];
-        w.q_proj.forward(&mut qg, u, t, self.backend);
         let mut k = vec![0.0f32; t * nkv * hd];
-        w.k_proj.forward(&mut k, u, t, self.backend);
         let mut v = vec![0.0f32; t * nkv * hd];
-        w.v_proj.forward(&mut v, u, t, self.backend);
+        forward_batch(
+            &mut [
+                LinJob { w: &w.q_proj, x: u, t, out: &mut qg },
+                LinJob { w: &w.k_proj, x: u, t, out: &mut k },
+                LinJob { w: &w.v_proj, x: u, t, out: &mut v },
+            ],
+            self.backend,
+        );
         // q_proj rows are per head [query | gate].
         let mut q = vec![0.0f32; t * nq * hd];
         let mut gate = vec![0.0f32; t * nq * hd];
@@ -322,11 +356,13 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut att = vec![0.0f32; t * nq * hd];
         let (kc, vc) = (&*kc, &*vc);
+        let backend = self.backend;
         att.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
             let (tt, h) = (i / nq, i % nq);
             let m = h / group;
             let stride = nkv * hd;
-            r::attend(out, &q[i * hd..(i + 1) * hd], &kc[m * hd..], &vc[m * hd..], pos + tt + 1, stride, scale);
+            let attend = if backend == Backend::Reference { r::attend } else { fast::attend };
+            attend(out, &q[i * hd..(i + 1) * hd], &kc[m * hd..], &vc[m * hd..], pos + tt + 1, stride, scale);
         });
         att.iter_mut().zip(&gate).for_each(|(a, g)| *a *= r::sigmoid(*g));
         let mut out = vec![0.0f32; t * cfg.hidden_size];
@@ -336,11 +372,26 @@ impl Model {
 
     /// Sparse MoE over `t` tokens (MODEL.md §3.7): softmax router, top-k, renormalise, SiLU
     /// experts summed in ascending expert order, plus the sigmoid-gated shared expert.
+    ///
+    /// The products run in three batches ([`forward_batch`]): everything that reads `u`
+    /// (router, shared gate, shared expert gate/up); the routed experts' gate/up; all downs.
     fn moe(&self, w: &MoeWeights, u: &[f32], t: usize, l: usize, emit: &mut impl FnMut(String, &[f32])) -> Vec<f32> {
         let cfg = &self.cfg;
         let (d, ne, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+        let si = w.shared.gate.rows();
         let mut logits = vec![0.0f32; t * ne];
-        w.router.forward(&mut logits, u, t, self.backend);
+        let mut sg = vec![0.0f32; t];
+        let mut sh_g = vec![0.0f32; t * si];
+        let mut sh_u = vec![0.0f32; t * si];
+        forward_batch(
+            &mut [
+                LinJob { w: &w.router, x: u, t, out: &mut logits },
+                LinJob { w: &w.shared_gate, x: u, t, out: &mut sg },
+                LinJob { w: &w.shared.gate, x: u, t, out: &mut sh_g },
+                LinJob { w: &w.shared.up, x: u, t, out: &mut sh_u },
+            ],
+            self.backend,
+        );
         emit(format!("blk.{l}.moe.router_logits"), &logits);
         // Per token: chosen experts (descending weight) and renormalised weights.
         let mut chosen: Vec<Vec<(usize, f32)>> = Vec::with_capacity(t);
@@ -354,34 +405,99 @@ impl Model {
         let wts: Vec<f32> = chosen.iter().flat_map(|c| c.iter().map(|&(_, w)| w)).collect();
         emit(format!("blk.{l}.moe.topk_w"), &wts);
 
-        let mut out = vec![0.0f32; t * d];
-        for e in 0..ne {
-            let rows: Vec<(usize, f32)> = chosen
-                .iter()
-                .enumerate()
-                .filter_map(|(tt, c)| c.iter().find(|&&(x, _)| x == e).map(|&(_, wt)| (tt, wt)))
-                .collect();
-            if rows.is_empty() {
-                continue;
+        // Active experts in ascending id, each with its (token, weight) rows and, when it does
+        // not take every token, its gathered input rows [n, d].
+        struct Routed {
+            e: usize,
+            rows: Vec<(usize, f32)>,
+            xs: Option<Vec<f32>>,
+            h: Vec<f32>,
+            up: Vec<f32>,
+            y: Vec<f32>,
+        }
+        let mut per_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
+        for (tt, c) in chosen.iter().enumerate() {
+            for &(e, wt) in c {
+                per_expert[e].push((tt, wt));
             }
-            let xs: Vec<f32> = rows.iter().flat_map(|&(tt, _)| u[tt * d..(tt + 1) * d].iter().copied()).collect();
-            let y = expert_forward(&w.experts[e], &xs, rows.len(), self.backend);
-            for (i, &(tt, wt)) in rows.iter().enumerate() {
-                for j in 0..d {
-                    out[tt * d + j] += wt * y[i * d + j];
+        }
+        let active: Vec<(usize, Vec<(usize, f32)>)> = per_expert.into_iter().enumerate().filter(|(_, rows)| !rows.is_empty()).collect();
+        let mut routed: Vec<Routed> = active
+            .into_par_iter()
+            .map(|(e, rows)| {
+                let n = rows.len();
+                let xs = (n != t).then(|| rows.iter().flat_map(|&(tt, _)| u[tt * d..(tt + 1) * d].iter().copied()).collect());
+                let i = w.experts[e].gate.rows();
+                Routed { e, rows, xs, h: vec![0.0; n * i], up: vec![0.0; n * i], y: vec![0.0; n * d] }
+            })
+            .collect();
+        let mut jobs: Vec<LinJob<'_>> = Vec::with_capacity(2 * routed.len());
+        for ro in routed.iter_mut() {
+            let ex = &w.experts[ro.e];
+            let n = ro.rows.len();
+            let x: &[f32] = ro.xs.as_deref().unwrap_or(u);
+            jobs.push(LinJob { w: &ex.gate, x, t: n, out: &mut ro.h });
+            jobs.push(LinJob { w: &ex.up, x, t: n, out: &mut ro.up });
+        }
+        forward_batch(&mut jobs, self.backend);
+        drop(jobs);
+        // h = silu(gate(x)) * up(x)
+        routed.par_iter_mut().for_each(|ro| ro.h.iter_mut().zip(&ro.up).for_each(|(a, b)| *a = r::silu(*a) * b));
+        par_rows(&mut sh_g, &sh_u, si, |a, b| a.iter_mut().zip(b).for_each(|(a, b)| *a = r::silu(*a) * b));
+        let mut shared = vec![0.0f32; t * d];
+        let mut jobs: Vec<LinJob<'_>> = Vec::with_capacity(routed.len() + 1);
+        for ro in routed.iter_mut() {
+            jobs.push(LinJob { w: &w.experts[ro.e].down, x: &ro.h, t: ro.rows.len(), out: &mut ro.y });
+        }
+        jobs.push(LinJob { w: &w.shared.down, x: &sh_g, t, out: &mut shared });
+        forward_batch(&mut jobs, self.backend);
+        drop(jobs);
+
+        // Per token: the routed experts' outputs in ascending expert id, then the shared
+        // expert's; tokens in parallel.
+        let mut contrib: Vec<Vec<(usize, usize, f32)>> = vec![Vec::with_capacity(k); t];
+        for (x, ro) in routed.iter().enumerate() {
+            for (i, &(tt, wt)) in ro.rows.iter().enumerate() {
+                contrib[tt].push((x, i, wt));
+            }
+        }
+        let mut out = vec![0.0f32; t * d];
+        let routed = &routed;
+        let combine = |(tt, o): (usize, &mut [f32])| {
+            for &(x, i, wt) in &contrib[tt] {
+                for (a, &y) in o.iter_mut().zip(&routed[x].y[i * d..(i + 1) * d]) {
+                    *a += wt * y;
                 }
             }
-        }
-        let shared = expert_forward(&w.shared, u, t, self.backend);
-        let mut sg = vec![0.0f32; t];
-        w.shared_gate.forward(&mut sg, u, t, self.backend);
-        for tt in 0..t {
             let c = r::sigmoid(sg[tt]);
-            for j in 0..d {
-                out[tt * d + j] += c * shared[tt * d + j];
+            for (a, &y) in o.iter_mut().zip(&shared[tt * d..(tt + 1) * d]) {
+                *a += c * y;
             }
+        };
+        if t > 1 {
+            out.par_chunks_mut(d).enumerate().for_each(combine);
+        } else {
+            combine((0, &mut out));
         }
         out
+    }
+}
+
+/// Rows per parallel task of the row-wise element operations ([`par_rows`]).
+const PAR_ROWS: usize = 16;
+
+/// `f(a_rows, b_rows)` over matching chunks of whole rows of `a` and `b` (`width` values per row;
+/// `b` may be empty), chunks of [`PAR_ROWS`] rows in parallel when there are several. For
+/// row-wise operations the result is the same as one call on everything.
+fn par_rows(a: &mut [f32], b: &[f32], width: usize, f: impl Fn(&mut [f32], &[f32]) + Sync + Send) {
+    let n = PAR_ROWS * width;
+    if a.len() <= n {
+        return f(a, b);
+    }
+    if b.is_empty() {
+        a.par_chunks_mut(n).for_each(|x| f(x, &[]));
+    } else {
+        a.par_chunks_mut(n).zip(b.par_chunks(n)).for_each(|(x, y)| f(x, y));
     }
 }
 

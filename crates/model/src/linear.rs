@@ -1,7 +1,10 @@
 //! Weight matrices as views into the memory-mapped checkpoint: dense float tensors, or MLX
 //! affine group-wise quantized triples (`weight` U32 packed, `scales`, `biases`).
 
+use std::cell::RefCell;
+
 use half::bf16;
+use quant::fast::{QAct, Q8Job};
 use quant::{QMatRef, QuantSpec};
 use rayon::prelude::*;
 use weights::{DType, LoadError, Tensor};
@@ -17,10 +20,11 @@ pub enum Backend {
     /// weights use the reference loops, which are already threaded.
     #[default]
     Fast,
-    /// [`Backend::Fast`], except that products over several tokens (prefill) quantize the
+    /// [`Backend::Fast`], except that products with quantized weights quantize the
     /// activations to int8 per group and use integer dot products (`quant::fast::gemm_q8act`,
-    /// as llama.cpp does); single-token decode is unchanged. Faster prefill at the cost of
-    /// activation rounding (≤ max|x_g|/254 per element; bound in `quant::reference::gemm_q8act`).
+    /// as llama.cpp does), for prefill and decode alike; an input read by several matrices
+    /// ([`forward_batch`]) is quantized once. Faster at the cost of activation rounding
+    /// (≤ max|x_g|/254 per element; bound in `quant::reference::gemm_q8act`).
     FastQ8,
 }
 
@@ -189,7 +193,7 @@ impl Linear {
         if let Some(q) = self.qref() {
             match (backend, t) {
                 (Backend::Reference, _) => quant::reference::gemm(out, q, x, t),
-                (Backend::Fast | Backend::FastQ8, 1) => quant::fast::gemv(out, q, x),
+                (Backend::Fast, 1) => quant::fast::gemv(out, q, x),
                 (Backend::Fast, _) => quant::fast::gemm(out, q, x, t),
                 (Backend::FastQ8, _) => quant::fast::gemm_q8act(out, q, x, t),
             }
@@ -216,4 +220,99 @@ impl Linear {
             }
         }
     }
+}
+
+/// One product of a [`forward_batch`]: `out[t, rows] = x[t, cols] · Wᵀ`.
+pub struct LinJob<'a> {
+    /// The matrix.
+    pub w: &'a Linear,
+    /// `[t, cols]`, row-major.
+    pub x: &'a [f32],
+    /// Tokens in `x`.
+    pub t: usize,
+    /// `[t, rows]`, row-major.
+    pub out: &'a mut [f32],
+}
+
+thread_local! {
+    /// Quantized-activation buffers reused by [`forward_batch`] (no allocation once warm).
+    static QACTS: RefCell<Vec<QAct>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs every job as [`Linear::forward`] would, with the same results bit for bit.
+///
+/// With [`Backend::FastQ8`], the quantized products run together: each distinct input (same
+/// slice, same quantization spec) is quantized to int8 once, and the row blocks of all
+/// products share one parallel loop (`quant::fast::gemm_q8act_batch`), so several small
+/// matrices (the experts of one token) keep every thread busy. Other jobs run one by one.
+///
+/// # Panics
+/// As [`Linear::forward`], for any job.
+pub fn forward_batch(jobs: &mut [LinJob<'_>], backend: Backend) {
+    if backend != Backend::FastQ8 {
+        for j in jobs.iter_mut() {
+            j.w.forward(j.out, j.x, j.t, backend);
+        }
+        return;
+    }
+    // Distinct (input, spec) pairs; job i reads key[i] (None: dense, run alone).
+    let mut inputs: Vec<(*const f32, usize, usize, QuantSpec)> = Vec::new();
+    let mut key: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
+    for j in jobs.iter_mut() {
+        let (rows, cols) = (j.w.rows(), j.w.cols());
+        assert_eq!(j.x.len(), j.t * cols);
+        assert_eq!(j.out.len(), j.t * rows);
+        match j.w.qref() {
+            Some(q) => {
+                let id = (j.x.as_ptr(), j.x.len(), j.t, q.spec);
+                let k = inputs.iter().position(|v| *v == id).unwrap_or_else(|| {
+                    inputs.push(id);
+                    inputs.len() - 1
+                });
+                key.push(Some(k));
+            }
+            None => {
+                j.w.forward(j.out, j.x, j.t, backend);
+                key.push(None);
+            }
+        }
+    }
+    if inputs.is_empty() {
+        return;
+    }
+    // Taken out of the thread-local for the duration (a nested call, e.g. from a rayon task
+    // this thread runs while it waits, finds the pool empty and allocates).
+    let mut pool = QACTS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    while pool.len() < inputs.len() {
+        pool.push(QAct::new());
+    }
+    {
+        // Several inputs (the experts' gathered tokens) are quantized in parallel.
+        let first: Vec<(&[f32], usize, QMatRef<'_>)> = (0..inputs.len())
+            .map(|k| {
+                let j = key.iter().position(|&v| v == Some(k)).expect("input has a job");
+                (jobs[j].x, jobs[j].t, jobs[j].w.qref().expect("quantized"))
+            })
+            .collect();
+        let quantize = |(qa, &(x, t, q)): (&mut QAct, &(&[f32], usize, QMatRef<'_>))| qa.quantize(x, t, q.cols, q.spec);
+        if first.len() > 1 {
+            pool[..first.len()].par_iter_mut().zip(&first).for_each(quantize);
+        } else {
+            pool.iter_mut().zip(&first).for_each(quantize);
+        }
+    }
+    {
+        let mut q8: Vec<Q8Job<'_>> = jobs
+            .iter_mut()
+            .zip(&key)
+            .filter_map(|(j, k)| k.map(|k| Q8Job { m: j.w.qref().expect("quantized"), x: &pool[k], out: &mut *j.out }))
+            .collect();
+        quant::fast::gemm_q8act_batch(&mut q8);
+    }
+    QACTS.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < pool.len() {
+            *p = pool;
+        }
+    });
 }

@@ -154,6 +154,35 @@ fn main() {
                     bytes as f64 / hot / 1e9
                 );
             }
+            // int8 activations, one token, quantized once (as the model shares them).
+            let mut qa = fast::QAct::new();
+            qa.quantize(&x, 1, cols, spec);
+            let mut i = 0;
+            let cold = pool.install(|| {
+                time_it(
+                    || {
+                        fast::gemm_q8act_prepared(&mut out, ms[i % copies].as_ref(), &qa);
+                        i += 1;
+                    },
+                    min_secs,
+                )
+            });
+            let hot = pool.install(|| {
+                time_it(
+                    || fast::gemm_q8act_prepared(&mut out, ms[0].as_ref(), &qa),
+                    min_secs,
+                )
+            });
+            println!(
+                "{:<22} {:>13} {:>4} {:>9} {:>10.2} {:>9.2} {:>9.2}",
+                name,
+                format!("{rows}x{cols}"),
+                bits.bits(),
+                "q8act",
+                bytes as f64 / (1 << 20) as f64,
+                bytes as f64 / cold / 1e9,
+                bytes as f64 / hot / 1e9
+            );
             if do_gemm && rows * cols <= 8192 * 2048 {
                 for t in [4usize, 64] {
                     let xt: Vec<f32> = (0..t * cols)

@@ -267,3 +267,130 @@ fn fast_quantizer_matches_on_ties() {
         }
     }
 }
+
+/// One token (the decode kernel for 4-bit with groups of 64 / 128, the tile kernel otherwise):
+/// the model's shapes, the LM head (248 320 rows), odd row counts, and group counts that are
+/// not multiples of 8 (the kernel's 8-group step plus every tail length).
+#[test]
+fn one_token_equals_reference() {
+    let mut rng = Rng::new(18);
+    for (bits, gs) in [(Bits::B4, 64), (Bits::B4, 128), (Bits::B8, 64), (Bits::B4, 32)] {
+        let shapes = [
+            (512, 2048),
+            (2048, 512),
+            (8192, 2048),
+            (4096, 2048),
+            (2048, 4096),
+            (256, 2048),
+            (32, 2048),
+            (1, 2048),
+            (1001, 2048),
+        ];
+        for (rows, cols) in shapes {
+            let m = random_qmat(&mut rng, rows, cols, spec(bits, gs));
+            let x = activations(&mut rng, 1, cols, gs);
+            check_fast_bitwise(&m, &x, 1, &format!("{rows}x{cols} {bits:?} g{gs}"));
+        }
+        for groups in 1..=19 {
+            for rows in [1, 2, 3, 5, 33, 65] {
+                let cols = groups * gs;
+                let m = random_qmat(&mut rng, rows, cols, spec(bits, gs));
+                let x = activations(&mut rng, 1, cols, gs);
+                check_fast_bitwise(&m, &x, 1, &format!("{rows}x{cols} {bits:?} g{gs}"));
+            }
+        }
+    }
+}
+
+/// The LM head at its real size, one token.
+#[test]
+fn one_token_lm_head_equals_reference() {
+    let mut rng = Rng::new(19);
+    let m = random_qmat(&mut rng, 248_320, 2048, spec(Bits::B4, 64));
+    let x = activations(&mut rng, 1, 2048, 64);
+    check_fast_bitwise(&m, &x, 1, "lm_head 248320x2048 B4 g64");
+}
+
+/// A batch (shared activations, different token counts, empty jobs) equals the reference
+/// product by product, bit for bit, and a `QAct` is reusable across quantizations.
+#[test]
+fn batch_and_prepared_equal_reference() {
+    let mut rng = Rng::new(20);
+    for (bits, gs) in [(Bits::B4, 64), (Bits::B8, 64), (Bits::B4, 128), (Bits::B4, 32)] {
+        let sp = spec(bits, gs);
+        for level in Level::available() {
+            let mats: Vec<QMat> = [(512, 2048), (512, 2048), (3, 2048), (2048, 512), (0, 2048)]
+                .iter()
+                .map(|&(r, c)| random_qmat(&mut rng, r, c, sp))
+                .collect();
+            let mut qa_wide = fast::QAct::new();
+            let mut qa_narrow = fast::QAct::new();
+            // Quantize twice into the same buffers: the second (different size) must win.
+            for &(t_w, t_n) in &[(5usize, 2usize), (1, 1)] {
+                let xw = activations(&mut rng, t_w, 2048, gs);
+                let xn = activations(&mut rng, t_n, 512, gs);
+                qa_wide.quantize_with(level, &xw, t_w, 2048, sp);
+                qa_narrow.quantize_with(level, &xn, t_n, 512, sp);
+                let inputs: Vec<(&QMat, &fast::QAct, &[f32], usize)> = vec![
+                    (&mats[0], &qa_wide, &xw, t_w),
+                    (&mats[1], &qa_wide, &xw, t_w),
+                    (&mats[2], &qa_wide, &xw, t_w),
+                    (&mats[3], &qa_narrow, &xn, t_n),
+                    (&mats[4], &qa_wide, &xw, t_w),
+                ];
+                let mut outs: Vec<Vec<f32>> =
+                    inputs.iter().map(|(m, _, _, t)| vec![f32::NAN; t * m.rows]).collect();
+                let mut jobs: Vec<fast::Q8Job<'_>> = inputs
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .map(|((m, qa, _, _), o)| fast::Q8Job { m: m.as_ref(), x: qa, out: o })
+                    .collect();
+                fast::gemm_q8act_batch(&mut jobs);
+                for (i, ((m, _, x, t), got)) in inputs.iter().zip(&outs).enumerate() {
+                    let mut want = vec![0f32; t * m.rows];
+                    reference::gemm_q8act(&mut want, m.as_ref(), x, *t);
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{bits:?} g{gs} {} job {i} t={t}",
+                        level.name()
+                    );
+                    let mut one = vec![f32::NAN; t * m.rows];
+                    fast::gemm_q8act_prepared(&mut one, m.as_ref(), inputs[i].1);
+                    assert!(one.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+                }
+            }
+        }
+    }
+}
+
+/// One token with every code at the maximum and activations at ±max: the largest i16 lanes of
+/// the decode kernel (two units per group at group size 128).
+#[test]
+fn one_token_extreme_codes_do_not_saturate() {
+    let mut rng = Rng::new(21);
+    for (bits, gs) in [(Bits::B4, 64), (Bits::B4, 128), (Bits::B8, 64)] {
+        let mut m = random_qmat(&mut rng, 7, 16 * gs, spec(bits, gs));
+        m.packed.iter_mut().for_each(|w| *w = u32::MAX);
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign * 3.0; 16 * gs];
+            check_fast_bitwise(&m, &x, 1, &format!("one-token saturation {bits:?} g{gs}"));
+        }
+    }
+}
+
+/// Every token count of the one-row 8-token kernel (and the 2×4 tiles) up to 17, tails of rows
+/// and groups included.
+#[test]
+fn every_token_count_equals_reference() {
+    let mut rng = Rng::new(22);
+    for (bits, gs) in [(Bits::B4, 64), (Bits::B4, 128), (Bits::B8, 64), (Bits::B4, 32)] {
+        for (rows, groups) in [(17, 9), (5, 32), (2, 3)] {
+            let cols = groups * gs;
+            let m = random_qmat(&mut rng, rows, cols, spec(bits, gs));
+            for t in 1..=17 {
+                let x = activations(&mut rng, t, cols, gs);
+                check_fast_bitwise(&m, &x, t, &format!("{rows}x{cols} {bits:?} g{gs}"));
+            }
+        }
+    }
+}

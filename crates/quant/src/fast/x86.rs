@@ -875,3 +875,228 @@ pub(super) unsafe fn quantize_act_q8_avx2(
         }
     }
 }
+
+/// `[Σa, …, Σh]`: the eight i32 vectors of eight consecutive groups reduced to one vector of
+/// their totals, lane `k` = group `k` (exact).
+#[inline(always)]
+unsafe fn hsum8_epi32(v: &[__m256i; 8]) -> __m256i {
+    // hadd pairs within 128-bit halves: ab = [a01 a23 b01 b23 | a45 a67 b45 b67], ...
+    let ab = _mm256_hadd_epi32(v[0], v[1]);
+    let cd = _mm256_hadd_epi32(v[2], v[3]);
+    let ef = _mm256_hadd_epi32(v[4], v[5]);
+    let gh = _mm256_hadd_epi32(v[6], v[7]);
+    // [a0..3 b0..3 c0..3 d0..3 | a4..7 b4..7 c4..7 d4..7]
+    let abcd = _mm256_hadd_epi32(ab, cd);
+    let efgh = _mm256_hadd_epi32(ef, gh);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(abcd, efgh, 0x20),
+        _mm256_permute2x128_si256(abcd, efgh, 0x31),
+    )
+}
+
+/// Σ of the eight i32 lanes (exact).
+#[inline(always)]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// i32 lanes (summing to `Σ q·xi`) of group `g` of a 4-bit row: `UPG` units of 64 columns,
+/// each one 32-byte load `v`, `v & 0xF` (even columns) × `x[0..32]` and `(v >> 4) & 0xF`
+/// (odd columns) × `x[32..64]` by `vpmaddubsw` (i16 lanes ≤ `UPG·2·2·15·127 ≤ 15240`), then
+/// `vpmaddwd` by 1.
+#[inline(always)]
+unsafe fn q4act_group<const UPG: usize>(w: *const u8, x: *const i8, g: usize) -> __m256i {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_si256();
+    for uu in 0..UPG {
+        let u = g * UPG + uu;
+        let v = _mm256_loadu_si256(w.add(u * 32) as *const __m256i);
+        let lo = _mm256_and_si256(v, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        let x0 = _mm256_loadu_si256(x.add(u * 64) as *const __m256i);
+        let x1 = _mm256_loadu_si256(x.add(u * 64 + 32) as *const __m256i);
+        acc = _mm256_add_epi16(
+            acc,
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+        );
+    }
+    _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+}
+
+/// How far ahead [`qact_gemv_avx2`] prefetches, in bytes of packed codes (whole rows).
+const PREFETCH_BYTES: usize = 6 << 10;
+
+/// i32 lanes (summing to `Σ q·xi`) of group `g` (`16·N` columns) of an 8-bit row: codes
+/// widened to i16 (`vpmovzxbw`), activations stored as i16, `vpmaddwd` (pairs ≤ `2·255·127`).
+#[inline(always)]
+unsafe fn q8act_group<const N: usize>(w: *const u8, x: *const i16, g: usize) -> __m256i {
+    let mut acc = _mm256_setzero_si256();
+    for k in 0..N {
+        let c = (g * N + k) * 16;
+        let wv = _mm256_cvtepu8_epi16(_mm_loadu_si128(w.add(c) as *const __m128i));
+        let xv = _mm256_loadu_si256(x.add(c) as *const __m256i);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(wv, xv));
+    }
+    acc
+}
+
+/// One-token int8-activation product of rows `r0..r1` ([`crate::reference::gemm_q8act`] with
+/// `t = 1`, bit for bit), `out[i]` receiving row `r0 + i`; `sx`, `xs`: per group scale and
+/// `Σx`. `B8 = false`: 4-bit, groups of `N·64` columns, `x` the activation codes per 64
+/// columns `[32 even | 32 odd]` (i8, [`q4act_group`]); `B8 = true`: 8-bit, groups of `N·16`
+/// columns, `x` the codes as i16 in column order ([`q8act_group`]).
+///
+/// Per row, eight groups at a time: the integer sums `I_g`, reduced by [`hsum8_epi32`]; then
+/// `(s_g·sx_g)·f32(I_g) + b_g·xs_g` with lanes = groups (no FMA: each operation rounded as in
+/// the reference); then the eight terms added to the row's sum in ascending order. Groups past
+/// the last multiple of eight are done one at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn qact_gemv_avx2<const B8: bool, const N: usize>(
+    m: &QMatRef<'_>,
+    r0: usize,
+    r1: usize,
+    x: *const u8,
+    sx: *const f32,
+    xs: *const f32,
+    out: *mut f32,
+) {
+    let cols = m.cols;
+    let gpr = cols / m.spec.group_size;
+    let row_bytes = if B8 { cols } else { cols / 2 };
+    let group = |w: *const u8, g: usize| {
+        if B8 {
+            q8act_group::<N>(w, x as *const i16, g)
+        } else {
+            q4act_group::<N>(w, x as *const i8, g)
+        }
+    };
+    let mut terms = [0f32; 8];
+    // Software prefetch of the row about PREFETCH_BYTES ahead (codes, scales, biases): the
+    // hardware prefetcher alone left the 272 MiB LM head at ~23 GB/s of 2 threads here, with it
+    // ~27 (gemv_speed, best of batches).
+    let ahead = PREFETCH_BYTES.div_ceil(row_bytes).max(1);
+    for r in r0..r1 {
+        let w = (m.packed.as_ptr() as *const u8).add(r * row_bytes);
+        let sc = m.scales.as_ptr().add(r * gpr);
+        let bi = m.biases.as_ptr().add(r * gpr);
+        if r + ahead < m.rows {
+            let pw = w.add(ahead * row_bytes);
+            let mut off = 0;
+            while off < row_bytes {
+                _mm_prefetch(pw.add(off) as *const i8, _MM_HINT_T0);
+                off += 64;
+            }
+            _mm_prefetch(sc.add(ahead * gpr) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(bi.add(ahead * gpr) as *const i8, _MM_HINT_T0);
+        }
+        let mut acc = 0f32;
+        let mut g = 0;
+        while g + 8 <= gpr {
+            let v: [__m256i; 8] = std::array::from_fn(|k| group(w, g + k));
+            let isum = _mm256_cvtepi32_ps(hsum8_epi32(&v));
+            let sv = _mm256_mul_ps(cvt8_bf16(sc.add(g)), _mm256_loadu_ps(sx.add(g)));
+            let bv = _mm256_mul_ps(cvt8_bf16(bi.add(g)), _mm256_loadu_ps(xs.add(g)));
+            _mm256_storeu_ps(
+                terms.as_mut_ptr(),
+                _mm256_add_ps(_mm256_mul_ps(sv, isum), bv),
+            );
+            for tv in terms {
+                acc += tv;
+            }
+            g += 8;
+        }
+        while g < gpr {
+            let isum = hsum_epi32(group(w, g)) as f32;
+            let v = (bf16_f32(*sc.add(g)) * *sx.add(g)) * isum;
+            let b = bf16_f32(*bi.add(g)) * *xs.add(g);
+            acc += v + b;
+            g += 1;
+        }
+        *out.add(r - r0) = acc;
+    }
+}
+
+/// Several-token int8-activation product of one row `r` of a 4-bit matrix with groups of
+/// `UPG·64` columns, for `T ≤ 8` tokens ([`crate::reference::gemm_q8act`], bit for bit).
+/// `x`: token `j`'s activation codes at `x + j·cols`, per 64 columns `[32 even | 32 odd]`;
+/// `sxt`, `xst`: `[groups, tp]` scales and `Σx` per group, offset to the first token (eight
+/// readable lanes per group, zero past the last token); `out[j]`: token `j`'s output row.
+///
+/// Per group: the row's 64-column units are unpacked once (`v & 0xF`, `(v >> 4) & 0xF`) and
+/// multiplied into each token's i16 accumulator (`vpmaddubsw`, ≤ `UPG·2·2·15·127` per lane);
+/// then `vpmaddwd` by 1, the eight tokens' i32 vectors reduced by [`hsum8_epi32`] (lane =
+/// token), and `acc += (s·sx)·f32(I) + b·xs` for eight tokens at once, each operation rounded
+/// as in the reference. The row's scales and biases are widened to f32 once per 64 groups.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn q4act_row8_avx2<const UPG: usize, const T: usize>(
+    m: &QMatRef<'_>,
+    r: usize,
+    x: *const i8,
+    sxt: *const f32,
+    xst: *const f32,
+    tp: usize,
+    out: [*mut f32; T],
+) {
+    let cols = m.cols;
+    let gpr = cols / (64 * UPG);
+    let w = (m.packed.as_ptr() as *const u8).add(r * cols / 2);
+    let sc = m.scales.as_ptr().add(r * gpr);
+    let bi = m.biases.as_ptr().add(r * gpr);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut sbuf = [0f32; GROUP_CHUNK];
+    let mut bbuf = [0f32; GROUP_CHUNK];
+    let mut facc = _mm256_setzero_ps();
+    let mut g0 = 0;
+    while g0 < gpr {
+        let n = (gpr - g0).min(GROUP_CHUNK);
+        let mut k = 0;
+        while k + 8 <= n {
+            _mm256_storeu_ps(sbuf.as_mut_ptr().add(k), cvt8_bf16(sc.add(g0 + k)));
+            _mm256_storeu_ps(bbuf.as_mut_ptr().add(k), cvt8_bf16(bi.add(g0 + k)));
+            k += 8;
+        }
+        while k < n {
+            sbuf[k] = bf16_f32(*sc.add(g0 + k));
+            bbuf[k] = bf16_f32(*bi.add(g0 + k));
+            k += 1;
+        }
+        for j in 0..n {
+            let g = g0 + j;
+            let mut acc = [_mm256_setzero_si256(); 8];
+            for uu in 0..UPG {
+                let u = g * UPG + uu;
+                let v = _mm256_loadu_si256(w.add(u * 32) as *const __m256i);
+                let lo = _mm256_and_si256(v, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (t, a) in acc.iter_mut().enumerate().take(T) {
+                    let xp = x.add(t * cols + u * 64);
+                    let x0 = _mm256_loadu_si256(xp as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xp.add(32) as *const __m256i);
+                    *a = _mm256_add_epi16(
+                        *a,
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+                    );
+                }
+            }
+            for a in acc.iter_mut().take(T) {
+                *a = _mm256_madd_epi16(*a, ones);
+            }
+            let isum = _mm256_cvtepi32_ps(hsum8_epi32(&acc));
+            let sv = _mm256_mul_ps(_mm256_broadcast_ss(&sbuf[j]), _mm256_loadu_ps(sxt.add(g * tp)));
+            let bv = _mm256_mul_ps(_mm256_broadcast_ss(&bbuf[j]), _mm256_loadu_ps(xst.add(g * tp)));
+            facc = _mm256_add_ps(facc, _mm256_add_ps(_mm256_mul_ps(sv, isum), bv));
+        }
+        g0 += n;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), facc);
+    for (t, o) in out.iter().enumerate() {
+        *o.add(r) = lanes[t];
+    }
+}
