@@ -7,23 +7,31 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
+#[cfg(feature = "demo")]
+use anyhow::Context;
 
 /// One line on what the default model is.
 pub const DESCRIPTION: &str = "calla's 26M-parameter demo model trained on Python's standard library; it writes Python-flavoured text, not answers";
 
 /// Bump when the default model changes, so stale caches are not reused.
+#[cfg(feature = "demo")]
 const VERSION: &str = "demo-v1";
 
 static TOKENIZER_JSON: &[u8] = include_bytes!("../../../assets/tokenizer/tokenizer.json");
 static CHAT_TEMPLATE: &[u8] = include_bytes!("../../../assets/tokenizer/chat_template.jinja");
+#[cfg(feature = "demo")]
 static DEMO_CONFIG: &[u8] = include_bytes!("../../../assets/demo/config.json");
+#[cfg(feature = "demo")]
 static DEMO_GENERATION: &[u8] = include_bytes!("../../../assets/demo/generation_config.json");
+#[cfg(feature = "demo")]
 static DEMO_VOCAB: &[u8] = include_bytes!("../../../assets/demo/calla_vocab.json");
+#[cfg(feature = "demo")]
 static DEMO_WEIGHTS: &[u8] = include_bytes!("../../../assets/demo/model.safetensors");
 
 /// Where the default model lives: `$CALLA_HOME`, else `$XDG_CACHE_HOME/calla`, else
 /// `~/.cache/calla`, else the system temp folder.
+#[cfg(feature = "demo")]
 fn cache_root() -> PathBuf {
     if let Some(p) = std::env::var_os("CALLA_HOME") {
         return PathBuf::from(p);
@@ -37,7 +45,18 @@ fn cache_root() -> PathBuf {
     std::env::temp_dir().join("calla")
 }
 
+/// The default model's folder: this build has no built-in model (cargo feature `demo` off, as
+/// in the GPU bundle, which must stay small enough to carry).
+///
+/// # Errors
+/// Always, saying to pass `--model`.
+#[cfg(not(feature = "demo"))]
+pub fn ensure() -> Result<PathBuf> {
+    anyhow::bail!("this calla was built without the built-in demo model (cargo feature `demo`); pass --model DIR")
+}
+
 /// The default model's folder, written on first use (atomically: built beside, then renamed).
+#[cfg(feature = "demo")]
 pub fn ensure() -> Result<PathBuf> {
     let dir = cache_root().join(format!("default-{VERSION}"));
     if dir.join("config.json").exists() {

@@ -1,5 +1,7 @@
 //! `calla`: command-line front end. Each subcommand is a thin layer over the crates.
 
+#[cfg(feature = "cuda")]
+mod cuda_cmd;
 mod default_model;
 mod serve_cmd;
 mod tools_cmd;
@@ -32,6 +34,12 @@ enum Cmd {
     Dequantize(tools_cmd::DequantizeArgs),
     /// Measure prefill and decode speed, TTFT, peak RSS and bandwidth use on a model.
     Bench(tools_cmd::BenchArgs),
+    /// Measure the CUDA backend: TTFT, prefill and decode tok/s at several contexts, % of the copy roofline.
+    #[cfg(feature = "cuda")]
+    CudaBench(cuda_cmd::CudaBenchArgs),
+    /// Check the CUDA decode path end to end against the CPU path on one checkpoint.
+    #[cfg(feature = "cuda")]
+    CudaCheck(cuda_cmd::CudaCheckArgs),
     /// OpenAI-compatible HTTP server with hybrid local/cloud routing (docs/SERVER.md).
     Serve(serve_cmd::ServeArgs),
     /// Host report and whether the model fits for local mode (exit 2 when it does not).
@@ -196,6 +204,10 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Synth(a) => tools_cmd::synth(a),
         Cmd::Convert(a) => tools_cmd::convert(a),
         Cmd::Bench(a) => tools_cmd::bench(a),
+        #[cfg(feature = "cuda")]
+        Cmd::CudaBench(a) => cuda_cmd::bench(a),
+        #[cfg(feature = "cuda")]
+        Cmd::CudaCheck(a) => cuda_cmd::check(a),
         Cmd::Dequantize(a) => tools_cmd::dequantize(a),
         Cmd::Serve(a) => serve_cmd::serve_cmd(a),
         Cmd::Probe(a) => serve_cmd::probe_cmd(a),

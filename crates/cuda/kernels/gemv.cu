@@ -1,21 +1,36 @@
-// Batch-1 decode GEMV for MLX affine group-wise quantized weights (4 or 8 bits, group 64).
+// Batch-1 decode GEMV for MLX affine group-wise quantized weights (4 or 8 bits, group 64),
+// on the integer tensor cores.
 //
-//   out[r] = sum_c (scale[r, c/64] * q[r, c] + bias[r, c/64]) * x[c]
-//          = sum_g scale_g * (sum_{c in g} q_c x_c) + bias_g * (sum_{c in g} x_c)
+//   out[r] = (resid[r] +) sum_g scale[r,g] * (sum_{c in g} q[r,c] x[c]) + bias[r,g] * (sum_{c in g} x[c])
 //
 // Layout (crates/quant/README.md): packed u32 [rows, K*BITS/32], element 0 in the low bits;
-// scales/biases bf16 [rows, K/64] (passed as raw u16 bits). x f32 [K], out f32 [rows].
+// scales/biases bf16 [rows, K/64] (raw u16 bits). x f32 [K], out (and resid) f32 [rows].
 //
-// Mapping: a "team" of LANES lanes (<= 32, inside one warp) owns a row; lane l reads 16-byte
-// chunks l, l+LANES, ... of the row (coalesced 16-byte loads). The lane's slice of x never
-// changes, so it lives in registers for the whole kernel (loaded once per warp, pre-scaled, see
-// below); a team walks rows grid-stride, RPW rows at a time so that RPW*IT 16-byte loads are
-// in flight per lane.
+// Exact integer products. Per group of 64 columns, x is written as three signed 8-bit digits:
+//   x[c] = w_g * (d0 + d1/254 + d2/254^2) + e,  w_g = 2^E (max|x_g| * 2^-E in [32, 64)),
+//   |d0| <= 64, |d1|, |d2| <= 127,  |e| <= w_g / (2 * 254^2) ~ 2.4e-7 * max|x_g|
+// (the f32 of a block-floating-point x with a 22-bit mantissa per group). Then
+// sum_c q*x = w * (D0 + D1/254 + D2/254^2) with Dk = sum_c q*dk exact in int32: one
+// mma.m16n8k32 u8 x s8 -> s32 multiplies 16 rows x 32 columns of codes by the 3 digit columns at
+// once. A super-step is 128 columns (2 groups, 4 mmas into one accumulator): B columns 0-2 hold
+// the digits of its first group, 4-6 of its second, 3 and 7 are zero. The 4-bit codes become u8
+// with w & 0x0F0F0F0F (even columns) and (w >> 4) & 0x0F0F0F0F (odd columns): the k order
+// inside an mma is free as long as A and B agree. 8-bit codes are u8 as stored.
 //
-// Dequantization without I2F: for a code q at bit offset s (s + BITS <= 16) of a 16-bit half
-// word h, float_bits(0x4B000000 | (h & (MASK << s))) = 2^23 + q * 2^s exactly, so
-// (that - 2^23) * (x * 2^-s) = q * x: one LOP3, one FADD, one FFMA per element. The 2^-s
-// factor is folded into the x registers once.
+// Work split. A warp owns 16-row tiles (mma rows g = lane/4 and g+8) and walks K in steps of 256
+// columns = 2 super-steps (8 mmas in two independent accumulator chains); thread t = lane%4
+// reads the 16-byte chunks t, 4+t (, 8+t, 12+t at 8 bits) of the step of both its rows. A block
+// of NW warps (one block per SM) takes NW/KSPLIT tiles per iteration, KSPLIT warps per tile
+// splitting K (KSPLIT = 2^ks_log2, chosen by the host from the shape); partial sums meet in
+// shared memory. Blocks walk the tiles grid-stride.
+//
+// Memory pipeline. Each thread copies exactly the bytes it consumes with cp.async into a
+// per-warp ring of STAGES steps in shared memory: 16-byte copies (L2 128-byte prefetch hint) for
+// the codes, and one 8-byte copy of 4 scales or 4 biases of one row (lane roles: t = 0 scales of
+// row g, 1 of row g+8, 2 biases of row g, 3 of row g+8), so STAGES-1 steps (8 KB per warp at 4
+// bits) are in flight while the tensor cores work. The first STAGES-1 steps read only weights
+// and are issued before calla_pdl_wait(); x is read after it, into a per-block table of B
+// fragments (the digits in mma order, 1 KB per 128 columns) built once per block by all threads.
 //
 // Dims come from the generated header (CALLA_* macros) prepended by the host.
 
@@ -26,125 +41,358 @@
 namespace calla_gemv {
 
 constexpr int GROUP = CALLA_QUANT_GROUP;
+static_assert(GROUP == 64, "the super-step layout assumes 64-column groups");
+constexpr int NW = 16;               // warps per block (one block per SM)
+constexpr int THREADS = NW * 32;
+constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
-__device__ __forceinline__ float bf16_bits_to_f32(unsigned short b) {
-    return __uint_as_float(((unsigned)b) << 16);
+template <int BITS, int K>
+struct Cfg {
+    static constexpr int NSS = K / 128;                     // super-steps per row
+    static constexpr int NSTEP = K / 256;                   // steps per row
+    static constexpr int NSTEP_LOG2 = NSTEP == 2 ? 1 : NSTEP == 4 ? 2 : NSTEP == 8 ? 3 : NSTEP == 16 ? 4 : NSTEP == 32 ? 5 : -1;
+    static_assert(NSTEP_LOG2 >= 1, "K / 256 must be a power of 2 in [2, 32]");
+    static constexpr int GPR = K / GROUP;                   // groups per row
+    static constexpr int ROW_BYTES = K * BITS / 8;
+    static constexpr int STEP_ROW_BYTES = 32 * BITS;        // bytes of one row per step (128 | 256)
+    static constexpr int CPT = BITS / 2;                    // 16-byte chunks per thread per row per step
+    static constexpr int CODE_BYTES = 2 * CPT * 32 * 16;    // codes of one step of one warp: [2 rows][CPT][32 lanes] x 16 B
+    static constexpr int STAGE_BYTES = CODE_BYTES + 32 * 8; // + one 8-byte scale/bias cell per lane
+    static constexpr int STAGES = BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2); // within the 227 KB of a block
+    static constexpr int BTAB = NSS * 2 * 32 * 16;          // B fragments [NSS][2][32 lanes] uint4
+    static constexpr int CST = NSS * 4 * 16;                // per (super-step, t) float4 {u0, u1, xsum, 0}
+    static constexpr int RING = BTAB + CST;                 // start of the per-warp rings
+    static constexpr int SMEM = RING + NW * STAGES * STAGE_BYTES; // dynamic shared memory (lib.rs gemv_smem_bytes)
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-template <int BITS, int K, int RPW>
-__device__ __forceinline__ void gemv_body(float* __restrict__ out,
-                                          const uint4* __restrict__ packed,
-                                          const unsigned short* __restrict__ scales,
-                                          const unsigned short* __restrict__ biases,
-                                          const float* __restrict__ x,
-                                          int rows) {
-    constexpr int ROW_BYTES = K * BITS / 8;
-    constexpr int CHUNKS = ROW_BYTES / 16;            // 16-byte chunks per row
-    constexpr int LANES = CHUNKS < 32 ? CHUNKS : 32;  // lanes per row
-    constexpr int IT = CHUNKS / LANES;                // chunks per lane per row
-    constexpr int EPC = 128 / BITS;                   // elements per chunk
-    constexpr int EPW = 32 / BITS;                    // elements per u32 word
-    constexpr int EPH = EPW / 2;                      // elements per 16-bit half word
-    constexpr int GPR = K / GROUP;                    // groups per row
-    constexpr int CPG = GROUP / EPC;                  // chunks per group
-    constexpr unsigned MASK = (1u << BITS) - 1u;
-    static_assert(CHUNKS % LANES == 0, "row must split evenly over lanes");
-    static_assert(LANES == 1 || LANES == 2 || LANES == 4 || LANES == 8 || LANES == 16 || LANES == 32, "lanes");
-    static_assert(GROUP % EPC == 0, "a 16-byte chunk must lie inside one group");
-    static_assert(K % GROUP == 0, "K must be whole groups");
+// D += A (16x32 u8, row) * B (32x8 s8, col), int32 accumulate.
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
-    constexpr int TPW = 32 / LANES;                   // teams per warp
+// Low bytes of four words -> one word (a in byte 0).
+__device__ __forceinline__ unsigned pack_low_bytes(unsigned a, unsigned b, unsigned c, unsigned d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
+// Scale/bias cell of lane c in a stage, swizzled so that the 8 lanes 4g + k (one k) read 8
+// distinct bank pairs.
+__device__ __forceinline__ int sb_cell(int c) { return c ^ (((c >> 4) & 1) << 1); }
+
+// The per-block table of B fragments (x as digits, in mma order) and the per-(super-step, t)
+// constants. Thread i handles the 8 columns 8i..8i+7, which lie in one group (8 threads per
+// group, reduced with shuffles) and fill two adjacent B words for each of the 8 mma columns n.
+//
+// Where column c lives (cc = c % 128, ks = c / 128, mma m of the super-step, thread t, word r, byte b):
+//   4 bits: cc = 32t + 8m + 2b + r   (word m of chunk t: even columns in a0/b0, odd in a2/b1)
+//   8 bits: cc = 64j + 16t + 8p + 4r + b, m = 2j + p   (chunk 4j + t, words 2p + r)
+// B word (ks, m, lane = 4n + t, r) is at uint4 (2ks + m/2)*32 + lane, component 2(m%2) + r.
+template <int BITS, int K>
+__device__ __forceinline__ void build_x_table(unsigned char* smem, const float* __restrict__ x) {
+    using C = Cfg<BITS, K>;
+    unsigned* btab = reinterpret_cast<unsigned*>(smem);
+    float4* cst = reinterpret_cast<float4*>(smem + C::BTAB);
     const int lane = threadIdx.x & 31;
-    const int sub = lane % LANES;                      // lane inside the team
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int n_warps = (gridDim.x * blockDim.x) >> 5;
-
-    // x slice of this lane, pre-scaled by 2^-s, and per-chunk sums of x.
-    float xs[IT][EPC];
-    float xsum[IT];
+    const int c0 = threadIdx.x * 8;
+    if (c0 >= K) return; // warp-uniform (K / 8 is a multiple of 32)
+    const float4 xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
+    const float4 xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
+    const float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    float mx = 0.f, sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        const int c0 = (i * LANES + sub) * EPC;
-        const float4* xv = reinterpret_cast<const float4*>(x + c0);
-        float s = 0.f;
+    for (int j = 0; j < 8; ++j) {
+        mx = fmaxf(mx, fabsf(v[j]));
+        sum += v[j];
+    }
 #pragma unroll
-        for (int v = 0; v < EPC / 4; ++v) {
-            float4 t = __ldg(xv + v);
-            float e[4] = {t.x, t.y, t.z, t.w};
+    for (int o = 1; o < 8; o <<= 1) { // the 8 lanes of this group
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    // w = 2^E with max * 2^-E in [32, 64); groups of zeros (or < 2^-121) get E = -126.
+    unsigned eb = (__float_as_uint(mx) >> 23) & 0xFFu;
+    const bool finite = eb != 0xFFu && fabsf(sum) <= 3.4e38f;
+    eb = eb < 6u ? 6u : (eb > 254u ? 254u : eb);
+    const float inv = __uint_as_float((259u - eb) << 23); // 2^-E
+    const float w = finite ? __uint_as_float((eb - 5u) << 23) : __int_as_float(0x7fc00000); // NaN poisons the row
+    unsigned s[3][8];                                       // digit k of column j in the low byte
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int j = v * 4 + u;                 // element inside the chunk
-                const int shift = ((j % EPW) % EPH) * BITS; // bit offset inside its half word
-                s += e[u];
-                xs[i][j] = e[u] * (1.0f / float(1u << shift));
-            }
+    for (int j = 0; j < 8; ++j) {
+        const float tq = __fmul_rn(v[j], inv);                // exact, |tq| < 64
+        const float a = __fadd_rn(tq, MAGIC);
+        const float r1 = __fmul_rn(__fsub_rn(tq, __fsub_rn(a, MAGIC)), 254.f); // |r1| <= 127
+        const float b = __fadd_rn(r1, MAGIC);
+        const float r2 = __fmul_rn(__fsub_rn(r1, __fsub_rn(b, MAGIC)), 254.f);
+        const float c = __fadd_rn(r2, MAGIC);
+        s[0][j] = __float_as_uint(a);
+        s[1][j] = __float_as_uint(b);
+        s[2][j] = __float_as_uint(c);
+    }
+    uint2 word[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        if (BITS == 4) {
+            word[k].x = pack_low_bytes(s[k][0], s[k][2], s[k][4], s[k][6]);
+            word[k].y = pack_low_bytes(s[k][1], s[k][3], s[k][5], s[k][7]);
+        } else {
+            word[k].x = pack_low_bytes(s[k][0], s[k][1], s[k][2], s[k][3]);
+            word[k].y = pack_low_bytes(s[k][4], s[k][5], s[k][6], s[k][7]);
         }
-        xsum[i] = s;
+    }
+    const int ks = c0 >> 7, cc = c0 & 127;
+    int t, m, slot;
+    if (BITS == 4) {
+        t = cc >> 5;
+        m = (cc >> 3) & 3;
+        slot = t >> 1;
+    } else {
+        const int j = cc >> 6;
+        t = (cc >> 4) & 3;
+        m = 2 * j + ((cc >> 3) & 1);
+        slot = j;
+    }
+    uint2* base = reinterpret_cast<uint2*>(btab + ((2 * ks + (m >> 1)) * 32 + t) * 4 + 2 * (m & 1));
+    const uint2 zero = make_uint2(0u, 0u);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) { // lane 4n + t: + 8 uint2 per n
+        const bool live = (n >> 2) == slot && (n & 3) < 3;
+        base[8 * n] = live ? word[(n & 3) < 3 ? (n & 3) : 0] : zero;
+    }
+    if ((lane & 7) == 0) { // first thread of the group writes its constants
+        const int grp = c0 >> 6;
+        float4* cg = cst + (grp >> 1) * 4 + 2 * (grp & 1);
+        cg[0] = make_float4(w, w * (1.0f / 254.0f), sum, 0.f);        // t even: digits 0, 1 and the bias sum
+        cg[1] = make_float4(w * (1.0f / 64516.0f), 0.f, 0.f, 0.f);     // t odd: digit 2, zero column
+    }
+}
+
+// One super-step's 4 mmas: 4 bits from words wg/wh (rows g, g+8) of chunk t; 8 bits from the
+// 8 words of chunks t and 4+t.
+template <int BITS>
+__device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const uint4* ah, uint4 b0, uint4 b1) {
+    const unsigned bw[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    if (BITS == 4) {
+        const unsigned wg[4] = {ag[0].x, ag[0].y, ag[0].z, ag[0].w};
+        const unsigned wh[4] = {ah[0].x, ah[0].y, ah[0].z, ah[0].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            mma_u8s8(d, wg[m] & 0x0F0F0F0Fu, wh[m] & 0x0F0F0F0Fu, (wg[m] >> 4) & 0x0F0F0F0Fu,
+                     (wh[m] >> 4) & 0x0F0F0F0Fu, bw[2 * m], bw[2 * m + 1]);
+    } else {
+        const unsigned wg[8] = {ag[0].x, ag[0].y, ag[0].z, ag[0].w, ag[1].x, ag[1].y, ag[1].z, ag[1].w};
+        const unsigned wh[8] = {ah[0].x, ah[0].y, ah[0].z, ah[0].w, ah[1].x, ah[1].y, ah[1].z, ah[1].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            mma_u8s8(d, wg[2 * m], wh[2 * m], wg[2 * m + 1], wh[2 * m + 1], bw[2 * m], bw[2 * m + 1]);
+    }
+}
+
+template <int BITS, int K, bool RESID>
+__device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
+                                          const unsigned short* __restrict__ scales,
+                                          const unsigned short* __restrict__ biases, const float* __restrict__ x,
+                                          const float* __restrict__ resid, int rows, int ks_log2) {
+    using C = Cfg<BITS, K>;
+    constexpr int STAGES = C::STAGES;
+    constexpr int CPT = C::CPT;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float red[2][NW][16];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int spu_log2 = C::NSTEP_LOG2 - ks_log2;  // steps per unit (a tile's k-slice)
+    const int spu = 1 << spu_log2;
+    const int tpb = NW >> ks_log2;                 // tiles per block-iteration
+    const int m_tiles = (rows + 15) >> 4;
+    const int tile_local = warp >> ks_log2, slice = warp & ((1 << ks_log2) - 1);
+    const int n_blk_iters = (m_tiles + tpb - 1) / tpb;
+    const int G = gridDim.x, B = blockIdx.x;
+    const int n_iters = B < n_blk_iters ? (n_blk_iters - B + G - 1) / G : 0;
+    const int total = n_iters << spu_log2;         // steps of this warp (same for the whole block)
+    const int step0 = slice << spu_log2;           // first step of this warp's k-slice
+
+    unsigned char* ring = smem + C::RING + warp * (STAGES * C::STAGE_BYTES);
+    const unsigned ring_s = smem_u32(ring);
+    const unsigned cp_dst = ring_s + lane * 16;                         // + stage + slot * 512
+    const unsigned sb_dst = ring_s + C::CODE_BYTES + sb_cell(lane) * 8; // + stage
+    const unsigned short* sb_src = (t & 2) ? biases : scales;
+
+    // Producer state: the next step to copy (p_n-th of this warp), its stage, unit and pointers.
+    int p_n = 0, p_stage = 0, p_ss = 0, p_it = 0;
+    bool p_live = false;
+    const unsigned char* p_row0 = packed;
+    const unsigned char* p_row1 = packed;
+    const unsigned short* p_sb = scales;
+#define CALLA_GEMV_UNIT()                                                                          \
+    {                                                                                              \
+        const int tile = (p_it * G + B) * tpb + tile_local;                                        \
+        p_live = tile < m_tiles;                                                                   \
+        const int r0 = min(tile * 16 + g, rows - 1), r1 = min(tile * 16 + g + 8, rows - 1);        \
+        p_row0 = packed + (size_t)r0 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;          \
+        p_row1 = packed + (size_t)r1 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;          \
+        p_sb = sb_src + (size_t)((t & 1) ? r1 : r0) * C::GPR + 4 * step0;                          \
+    }
+#define CALLA_GEMV_ISSUE()                                                                         \
+    {                                                                                              \
+        if (p_n < total && p_live) {                                                               \
+            const unsigned st = p_stage * C::STAGE_BYTES;                                          \
+            _Pragma("unroll") for (int j = 0; j < CPT; ++j) {                                      \
+                cp_async16(cp_dst + st + j * 512, p_row0 + j * 64);                                \
+                cp_async16(cp_dst + st + (CPT + j) * 512, p_row1 + j * 64);                        \
+            }                                                                                      \
+            cp_async8(sb_dst + st, p_sb);                                                          \
+        }                                                                                          \
+        cp_async_commit(); /* empty groups keep the count uniform */                               \
+        ++p_n;                                                                                     \
+        if (++p_stage == STAGES) p_stage = 0;                                                      \
+        if (++p_ss == spu) {                                                                       \
+            p_ss = 0;                                                                              \
+            ++p_it;                                                                                \
+            CALLA_GEMV_UNIT();                                                                     \
+        } else {                                                                                   \
+            p_row0 += C::STEP_ROW_BYTES;                                                           \
+            p_row1 += C::STEP_ROW_BYTES;                                                           \
+            p_sb += 4;                                                                             \
+        }                                                                                          \
     }
 
-    // The loop bound is uniform across the warp (the shuffles below need every lane).
-    for (int base = warp * TPW * RPW; base < rows; base += n_warps * TPW * RPW) {
-        const int r0 = base + (lane / LANES) * RPW;
-        uint4 w[RPW][IT];
-        float sc[RPW][IT], bi[RPW][IT];
+    CALLA_GEMV_UNIT();
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
+    calla_pdl_wait();
+    build_x_table<BITS, K>(smem, x);
+    __syncthreads();
+
+    const uint4* btab = reinterpret_cast<const uint4*>(smem) + lane;
+    const float4* cst = reinterpret_cast<const float4*>(smem + C::BTAB) + t;
+    // bf16 (low or high half of a word holding 2 groups) -> f32 bits, by t's group of the super-step
+    const unsigned bsel = (t & 2) ? 0x3244u : 0x1044u;
+    // this quad's 4 role cells (scales g, g+8, biases g, g+8)
+    const int cell0 = sb_cell(4 * g) * 8, cell1 = sb_cell(4 * g + 1) * 8;
+    const int cell2 = sb_cell(4 * g + 2) * 8, cell3 = sb_cell(4 * g + 3) * 8;
+    const int last_issue = total - (STAGES - 1) > 0 ? total - (STAGES - 1) : 0;
+    if (total == 0) calla_pdl_launch_dependents();
+    float acc0 = 0.f, acc1 = 0.f;
+    int c_stage = 0, c_ss = 0, c_it = 0;
+#pragma unroll 1
+    for (int j = 0; j < total; ++j) {
+        __syncwarp();
+        CALLA_GEMV_ISSUE();
+        if (j == last_issue) calla_pdl_launch_dependents(); // every weight copy is queued
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const unsigned char* st = ring + c_stage * C::STAGE_BYTES;
+        const int ks = 2 * (step0 + c_ss); // super-step A; B is ks + 1
+        uint4 ag[CPT], ah[CPT];
 #pragma unroll
-        for (int k = 0; k < RPW; ++k) {
-            const int r = min(r0 + k, rows - 1);        // clamp: tail rows recompute the last row
-#pragma unroll
-            for (int i = 0; i < IT; ++i) {
-                const int ch = i * LANES + sub;
-                w[k][i] = __ldcs(packed + (size_t)r * CHUNKS + ch);
-                const int g = ch / CPG;
-                sc[k][i] = bf16_bits_to_f32(__ldg(scales + (size_t)r * GPR + g));
-                bi[k][i] = bf16_bits_to_f32(__ldg(biases + (size_t)r * GPR + g));
-            }
+        for (int i = 0; i < CPT; ++i) {
+            ag[i] = *reinterpret_cast<const uint4*>(st + i * 512 + lane * 16);
+            ah[i] = *reinterpret_cast<const uint4*>(st + (CPT + i) * 512 + lane * 16);
         }
-#pragma unroll
-        for (int k = 0; k < RPW; ++k) {
-            float acc = 0.f;
-#pragma unroll
-            for (int i = 0; i < IT; ++i) {
-                const unsigned words[4] = {w[k][i].x, w[k][i].y, w[k][i].z, w[k][i].w};
-                float qx = 0.f;
-#pragma unroll
-                for (int wd = 0; wd < 4; ++wd) {
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const unsigned h = hh ? (words[wd] >> 16) : words[wd];
-#pragma unroll
-                        for (int p = 0; p < EPH; ++p) {
-                            const int j = wd * EPW + hh * EPH + p;
-                            const float f = __uint_as_float(0x4B000000u | (h & (MASK << (p * BITS)))) - 8388608.0f;
-                            qx = fmaf(f, xs[i][j], qx);
-                        }
-                    }
+        const uint2 s0 = *reinterpret_cast<const uint2*>(st + C::CODE_BYTES + cell0);
+        const uint2 s1 = *reinterpret_cast<const uint2*>(st + C::CODE_BYTES + cell1);
+        const uint2 s2 = *reinterpret_cast<const uint2*>(st + C::CODE_BYTES + cell2);
+        const uint2 s3 = *reinterpret_cast<const uint2*>(st + C::CODE_BYTES + cell3);
+        const uint4* bt = btab + ks * 64; // (2ks + i) * 32
+        int dA[4] = {0, 0, 0, 0}, dB[4] = {0, 0, 0, 0};
+        super_step<BITS>(dA, ag, ah, bt[0], bt[32]);
+        super_step<BITS>(dB, ag + CPT / 2, ah + CPT / 2, bt[64], bt[96]);
+        const float4 uA = cst[ks * 4], uB = cst[ks * 4 + 4];
+        // super-step A: the low word of each cell (its 2 groups), B: the high word
+        const float qA0 = fmaf((float)dA[1], uA.y, (float)dA[0] * uA.x); // row g: this thread's share of sum q*x
+        const float qA1 = fmaf((float)dA[3], uA.y, (float)dA[2] * uA.x); // row g+8
+        const float qB0 = fmaf((float)dB[1], uB.y, (float)dB[0] * uB.x);
+        const float qB1 = fmaf((float)dB[3], uB.y, (float)dB[2] * uB.x);
+        acc0 = fmaf(__uint_as_float(__byte_perm(s0.x, 0u, bsel)), qA0, acc0);
+        acc1 = fmaf(__uint_as_float(__byte_perm(s1.x, 0u, bsel)), qA1, acc1);
+        acc0 = fmaf(__uint_as_float(__byte_perm(s2.x, 0u, bsel)), uA.z, acc0);
+        acc1 = fmaf(__uint_as_float(__byte_perm(s3.x, 0u, bsel)), uA.z, acc1);
+        acc0 = fmaf(__uint_as_float(__byte_perm(s0.y, 0u, bsel)), qB0, acc0);
+        acc1 = fmaf(__uint_as_float(__byte_perm(s1.y, 0u, bsel)), qB1, acc1);
+        acc0 = fmaf(__uint_as_float(__byte_perm(s2.y, 0u, bsel)), uB.z, acc0);
+        acc1 = fmaf(__uint_as_float(__byte_perm(s3.y, 0u, bsel)), uB.z, acc1);
+        if (++c_stage == STAGES) c_stage = 0;
+        if (++c_ss == spu) { // end of a unit (block-uniform)
+            c_ss = 0;
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+            const int tile = (c_it * G + B) * tpb + tile_local;
+            if (ks_log2 == 0) {
+                if (t == 0) {
+                    const int r0 = tile * 16 + g, r1 = r0 + 8;
+                    if (r0 < rows) out[r0] = RESID ? __ldcg(resid + r0) + acc0 : acc0;
+                    if (r1 < rows) out[r1] = RESID ? __ldcg(resid + r1) + acc1 : acc1;
                 }
-                acc = fmaf(sc[k][i], qx, fmaf(bi[k][i], xsum[i], acc));
+            } else {
+                float* rb = red[c_it & 1][warp];
+                if (t == 0) {
+                    rb[g] = acc0;
+                    rb[g + 8] = acc1;
+                }
+                __syncthreads(); // red[c_it & 1] is rewritten two iterations later, after the next barrier
+                if (slice == 0 && lane < 16) {
+                    float v = 0.f;
+                    for (int s = 0; s < (1 << ks_log2); ++s) v += red[c_it & 1][warp + s][lane];
+                    const int r = tile * 16 + lane;
+                    if (r < rows) out[r] = RESID ? __ldcg(resid + r) + v : v;
+                }
             }
-#pragma unroll
-            for (int o = LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (sub == 0 && r0 + k < rows) out[r0 + k] = acc;
+            acc0 = 0.f;
+            acc1 = 0.f;
+            ++c_it;
         }
     }
+    cp_async_wait<0>();
+#undef CALLA_GEMV_UNIT
+#undef CALLA_GEMV_ISSUE
 }
 
 }  // namespace calla_gemv
 
-// One entry point per (bits, K) the model uses. K values come from the dims header.
-#define CALLA_GEMV_ENTRY(NAME, BITS, K, RPW)                                                   \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                  \
-        float* __restrict__ out, const uint4* __restrict__ packed,                             \
-        const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,  \
-        const float* __restrict__ x, int rows) {                                               \
-        calla_gemv::gemv_body<BITS, K, RPW>(out, packed, scales, biases, x, rows);             \
+// One pair of entry points per (bits, K) the model uses. K values come from the dims header.
+// Launch: THREADS threads, calla_gemv::Cfg<BITS, K>::SMEM bytes of dynamic shared memory (the
+// host computes the same number, see crates/cuda/src/lib.rs `gemv_smem_bytes`), at most one
+// block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)).
+#define CALLA_GEMV_ENTRY(NAME, RNAME, BITS, K)                                                              \
+    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
+        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
+             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
+             const float* __restrict__ x, int rows, int ks_log2) {                                         \
+        calla_gemv::gemv_body<BITS, K, false>(out, packed, scales, biases, x, nullptr, rows, ks_log2);    \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
+        RNAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                           \
+              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,        \
+              const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2) {       \
+        calla_gemv::gemv_body<BITS, K, true>(out, packed, scales, biases, x, resid, rows, ks_log2);       \
     }
 
 // K = D_EXPERT (expert / shared-expert down projection)
-CALLA_GEMV_ENTRY(gemv_q4_k512, 4, CALLA_D_EXPERT, 4)
-CALLA_GEMV_ENTRY(gemv_q8_k512, 8, CALLA_D_EXPERT, 4)
+CALLA_GEMV_ENTRY(gemv_q4_k512, gemv_resid_q4_k512, 4, CALLA_D_EXPERT)
+CALLA_GEMV_ENTRY(gemv_q8_k512, gemv_resid_q8_k512, 8, CALLA_D_EXPERT)
 // K = D_MODEL (every projection out of the residual stream, LM head)
-CALLA_GEMV_ENTRY(gemv_q4_k2048, 4, CALLA_D_MODEL, 2)
-CALLA_GEMV_ENTRY(gemv_q8_k2048, 8, CALLA_D_MODEL, 2)
+CALLA_GEMV_ENTRY(gemv_q4_k2048, gemv_resid_q4_k2048, 4, CALLA_D_MODEL)
+CALLA_GEMV_ENTRY(gemv_q8_k2048, gemv_resid_q8_k2048, 8, CALLA_D_MODEL)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
-CALLA_GEMV_ENTRY(gemv_q4_k4096, 4, CALLA_ATTN_OUT, 2)
-CALLA_GEMV_ENTRY(gemv_q8_k4096, 8, CALLA_ATTN_OUT, 1)
+CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
+CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

@@ -17,6 +17,9 @@ __device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float
     __shared__ float partial[WARPS];
     const int row = blockIdx.x;
     const int t = threadIdx.x;
+    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
+    const float4 wa = wr[0], wb = wr[1];  // weights: safe to read before the wait
+    calla_pdl_wait();
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * D) + 2 * t;
     float4 a = xr[0], b = xr[1];
     float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
@@ -28,8 +31,7 @@ __device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float
 #pragma unroll
     for (int i = 0; i < WARPS; ++i) tot += partial[i];
     const float inv = rsqrtf(tot / float(D) + eps);
-    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
-    float4 wa = wr[0], wb = wr[1];
+    calla_pdl_launch_dependents();
     float4* yr = reinterpret_cast<float4*>(y + (size_t)row * D) + 2 * t;
     yr[0] = make_float4(a.x * inv * (1.f + wa.x), a.y * inv * (1.f + wa.y), a.z * inv * (1.f + wa.z), a.w * inv * (1.f + wa.w));
     yr[1] = make_float4(b.x * inv * (1.f + wb.x), b.y * inv * (1.f + wb.y), b.z * inv * (1.f + wb.z), b.w * inv * (1.f + wb.w));

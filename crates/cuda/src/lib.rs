@@ -6,11 +6,22 @@
 //! * [`nvrtc`]: loading `libnvrtc`, compiling a source to a cubin, the on-disk cache. Needs no
 //!   GPU and no driver: CI compiles every kernel with it (`tests/compile.rs`).
 //! * [`CudaContext`]: a device context with the kernels loaded; [`DeviceQMat`] (a quantized
-//!   matrix on the device), [`CudaContext::gemv`], [`CudaContext::rms_norm`].
+//!   matrix on the device), [`CudaContext::gemv`], [`CudaContext::gemv_residual`],
+//!   [`CudaContext::rms_norm`]; [`step`]: embedding gather, greedy argmax, position advance.
 //!
 //! See `docs/CUDA.md` for how to build, test and benchmark.
 
+pub mod attention;
+pub mod attn_prefill;
+pub mod gdn;
+pub mod gemm;
+pub mod gdn_prefill;
+pub mod moe;
+pub mod decode;
+pub mod graph;
 pub mod nvrtc;
+pub mod prefill;
+pub mod step;
 
 use std::sync::Arc;
 
@@ -45,6 +56,11 @@ pub struct KernelSource {
 /// Every kernel source of the crate. CI compiles each of them for [`ARCH`].
 pub const KERNELS: &[KernelSource] = &[
     KernelSource {
+        name: "prefill",
+        src: include_str!("../kernels/prefill.cu"),
+        entries: &["embed_rows_q4", "embed_rows_q8", "router_f32_q4", "router_f32_q8"],
+    },
+    KernelSource {
         name: "gemv",
         src: include_str!("../kernels/gemv.cu"),
         entries: &[
@@ -54,12 +70,98 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_q8_k2048",
             "gemv_q4_k4096",
             "gemv_q8_k4096",
+            "gemv_resid_q4_k512",
+            "gemv_resid_q8_k512",
+            "gemv_resid_q4_k2048",
+            "gemv_resid_q8_k2048",
+            "gemv_resid_q4_k4096",
+            "gemv_resid_q8_k4096",
+        ],
+    },
+    KernelSource {
+        name: "step",
+        src: include_str!("../kernels/step.cu"),
+        entries: &["embed_gather_q4", "embed_gather_q8", "argmax_step", "advance_pos"],
+    },
+    KernelSource {
+        name: "gemm",
+        src: include_str!("../kernels/gemm.cu"),
+        entries: &[
+            "qgemm_q4_big_wg",
+            "qgemm_q4_tall_wg",
+            "qgemm_q4_small_wg",
+            "qgemm_q8_big_wg",
+            "qgemm_q8_tall_wg",
+            "qgemm_q8_small_wg",
+            "qgemm_q4_big_mma",
+            "qgemm_q4_tall_mma",
+            "qgemm_q4_small_mma",
+            "qgemm_q8_big_mma",
+            "qgemm_q8_tall_mma",
+            "qgemm_q8_small_mma",
+            "qgemm_x_to_bf16",
+            "qgemm_moe_route",
+            "qgemm_moe_hist",
+            "qgemm_moe_scan",
+            "qgemm_moe_place",
+            "qgemm_moe_combine",
         ],
     },
     KernelSource {
         name: "rms_norm",
         src: include_str!("../kernels/rms_norm.cu"),
         entries: &["rms_norm_d_model"],
+    },
+    KernelSource {
+        name: "gdn",
+        src: include_str!("../kernels/gdn.cu"),
+        entries: &[
+            "gdn_decode_step",
+            "gdn_diag_null_cluster",
+            "gdn_diag_null",
+        ],
+    },
+    KernelSource {
+        name: "gdn_prefill",
+        src: include_str!("../kernels/gdn_prefill.cu"),
+        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm"],
+    },
+    KernelSource {
+        name: "attention",
+        src: include_str!("../kernels/attention.cu"),
+        entries: &["attn_decode_split", "attn_decode_combine"],
+    },
+    KernelSource {
+        name: "attn_prefill",
+        src: include_str!("../kernels/attn_prefill.cu"),
+        entries: &[
+            "attn_prefill_prep",
+            "attn_prefill_flash_q64",
+            "attn_prefill_flash_q128",
+            "attn_prefill_flash_wg64",
+            "attn_prefill_flash_wg128",
+            "attn_prefill_flash_wg64_split",
+            "attn_prefill_combine",
+            "attn_prefill_wgmma_probe",
+        ],
+    },
+    KernelSource {
+        name: "moe",
+        src: include_str!("../kernels/moe.cu"),
+        entries: &[
+            "moe_router_r4_g4",
+            "moe_router_r4_g8",
+            "moe_router_r8_g4",
+            "moe_router_r8_g8",
+            "moe_gate_up_e4_s4",
+            "moe_gate_up_e4_s8",
+            "moe_gate_up_e8_s4",
+            "moe_gate_up_e8_s8",
+            "moe_down_e4_s4",
+            "moe_down_e4_s8",
+            "moe_down_e8_s4",
+            "moe_down_e8_s8",
+        ],
     },
 ];
 
@@ -158,6 +260,10 @@ pub struct CudaContext {
     ctx: Arc<cudarc::driver::CudaContext>,
     stream: Arc<CudaStream>,
     gemv: [[Option<CudaFunction>; 3]; 2], // [bits 4|8][k 512|2048|4096]
+    gemv_resid: [[Option<CudaFunction>; 3]; 2],
+    /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
+    /// zero between launches): [`step::STEP_SCRATCH_WORDS`] words.
+    step_scratch: CudaSlice<u32>,
     rms_norm_d_model: CudaFunction,
     /// Every entry point of every file in [`KERNELS`], by name.
     funcs: std::collections::HashMap<&'static str, CudaFunction>,
@@ -199,14 +305,28 @@ impl CudaContext {
         }
         let f = |module: &str, name: &str| modules[module].load_function(name);
         let mut gemv: [[Option<CudaFunction>; 3]; 2] = Default::default();
+        let mut gemv_resid: [[Option<CudaFunction>; 3]; 2] = Default::default();
         for (bi, b) in [4, 8].iter().enumerate() {
             for (ki, k) in [512, 2048, 4096].iter().enumerate() {
-                gemv[bi][ki] = Some(f("gemv", &format!("gemv_q{b}_k{k}"))?);
+                let cols = [p::D_EXPERT, p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM][ki];
+                let smem = gemv_smem_bytes(*b, cols) as i32;
+                for (slot, name) in [(&mut gemv, format!("gemv_q{b}_k{k}")), (&mut gemv_resid, format!("gemv_resid_q{b}_k{k}"))] {
+                    let func = f("gemv", &name)?;
+                    // more than the default 48 KB of dynamic shared memory, and all of the
+                    // L1/shared carve-out for it (one 512-thread block per SM, up to 221 KB)
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)?;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                    slot[bi][ki] = Some(func);
+                }
             }
         }
+        let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         Ok(CudaContext {
             rms_norm_d_model: f("rms_norm", "rms_norm_d_model")?,
             gemv,
+            gemv_resid,
+            step_scratch,
             funcs,
             ctx,
             stream,
@@ -293,9 +413,16 @@ impl CudaContext {
         if parts.len() == 1 {
             return self.upload_qmat(*first);
         }
-        let packed: Vec<u32> = parts.iter().flat_map(|m| m.packed.iter().copied()).collect();
-        let scales: Vec<half::bf16> = parts.iter().flat_map(|m| m.scales.iter().copied()).collect();
-        let biases: Vec<half::bf16> = parts.iter().flat_map(|m| m.biases.iter().copied()).collect();
+        fn concat<'a, T: Copy + 'a>(parts: impl Iterator<Item = &'a [T]> + Clone) -> Vec<T> {
+            let mut v = Vec::with_capacity(parts.clone().map(<[T]>::len).sum());
+            for p in parts {
+                v.extend_from_slice(p);
+            }
+            v
+        }
+        let packed = concat(parts.iter().map(|m| m.packed));
+        let scales = concat(parts.iter().map(|m| m.scales));
+        let biases = concat(parts.iter().map(|m| m.biases));
         let rows = parts.iter().map(|m| m.rows).sum();
         let m = QMatRef::new(rows, first.cols, first.spec, &packed, &scales, &biases)
             .map_err(|e| CudaError::Unsupported(e.to_string()))?;
@@ -313,39 +440,111 @@ impl CudaContext {
     }
 
     /// `out[r] = Σ_c W[r, c]·x[c]` for a quantized `W` ([`DeviceQMat`]): the batch-1 decode
-    /// GEMV. `x` has `mat.cols` f32, `out` has `mat.rows` f32. Asynchronous on [`Self::stream`].
+    /// GEMV (`kernels/gemv.cu`: exact integer products on the tensor cores, x split into three
+    /// 8-bit digits per group of 64; relative error ~1e-6 against `quant::reference::gemv`).
+    /// `x` has `mat.cols` f32 (16-byte aligned: a view starting at a multiple of 4 elements),
+    /// `out` has `mat.rows` f32. Asynchronous on [`Self::stream`]; graph-capturable.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] on mismatched lengths, a misaligned `x`, or a column count the
+    /// kernels are not built for; driver errors from the launch.
     pub fn gemv(
         &self,
         out: &mut CudaViewMut<'_, f32>,
         mat: &DeviceQMat,
         x: &CudaView<'_, f32>,
     ) -> Result<(), CudaError> {
-        if out.len() != mat.rows || x.len() != mat.cols {
+        self.gemv_tuned(out, mat, x, None, None)
+    }
+
+    /// `out[r] = resid[r] + Σ_c W[r, c]·x[c]`: [`Self::gemv`] with the residual add fused
+    /// (attention `o_proj` / GDN `out_proj` into the residual stream, MODEL.md §3.3). `resid`
+    /// has `mat.rows` f32 and may not be `out` itself. Same shapes, errors and accuracy as
+    /// [`Self::gemv`].
+    pub fn gemv_residual(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        mat: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        resid: &CudaView<'_, f32>,
+    ) -> Result<(), CudaError> {
+        self.gemv_tuned(out, mat, x, Some(resid), None)
+    }
+
+    /// [`Self::gemv`] (or, with `resid`, [`Self::gemv_residual`]) with the launch configuration
+    /// forced: `tune = Some((ks_log2, blocks))` splits K over `2^ks_log2` warps (clamped to
+    /// `0..=min(4, log2(cols / 256))`) and uses `blocks` blocks (clamped to the blocks with
+    /// work). For the self-test's sweeps.
+    #[doc(hidden)]
+    pub fn gemv_tuned(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        mat: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        resid: Option<&CudaView<'_, f32>>,
+        tune: Option<(i32, u32)>,
+    ) -> Result<(), CudaError> {
+        let op = if resid.is_some() { "gemv_residual" } else { "gemv" };
+        let (f, mut cfg, mut ks_log2, rows) = self.gemv_prepare(op, out.len(), mat, x, resid.map(|r| r.len()))?;
+        if let Some((ks, blocks)) = tune {
+            let nstep = mat.cols / 256;
+            ks_log2 = ks.clamp(0, GEMV_WARPS.trailing_zeros() as i32).min(nstep.trailing_zeros() as i32);
+            let tpb = GEMV_WARPS >> ks_log2;
+            let useful = mat.rows.div_ceil(16).div_ceil(tpb) as u32;
+            cfg.grid_dim.0 = blocks.clamp(1, useful);
+        }
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(&mat.packed)
+            .arg(&mat.scales)
+            .arg(&mat.biases)
+            .arg(x);
+        if let Some(r) = resid {
+            b.arg(r);
+        }
+        b.arg(&rows).arg(&ks_log2);
+        // SAFETY: argument types and lengths match the kernel's signature (checked in
+        // gemv_prepare); the grid never exceeds the blocks with work.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Checks a GEMV's shapes and picks the entry point and launch configuration.
+    fn gemv_prepare(
+        &self,
+        op: &str,
+        out_len: usize,
+        mat: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        resid_len: Option<usize>,
+    ) -> Result<(&CudaFunction, LaunchConfig, i32, i32), CudaError> {
+        if out_len != mat.rows
+            || x.len() != mat.cols
+            || resid_len.is_some_and(|n| n != mat.rows)
+            || mat.rows == 0
+            || mat.rows > i32::MAX as usize
+        {
             return Err(CudaError::Unsupported(format!(
-                "gemv shapes: out {} x {} for a [{}, {}] matrix",
-                out.len(),
+                "{op} shapes: out {out_len} x {} resid {resid_len:?} for a [{}, {}] matrix",
                 x.len(),
                 mat.rows,
                 mat.cols
+            )));
+        }
+        let (xp, _guard) = x.device_ptr(&self.stream);
+        if xp % 16 != 0 {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: x must be 16-byte aligned (device address {xp:#x})"
             )));
         }
         let bi = match mat.bits {
             Bits::B4 => 0,
             Bits::B8 => 1,
         };
-        let f = self.gemv[bi][k_index(mat.cols)?].as_ref().expect("loaded");
-        let cfg = gemv_launch(mat.rows, mat.cols, mat.bits.bits() as usize, self.sm_count);
-        let rows = mat.rows as i32;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(&mat.packed)
-            .arg(&mat.scales)
-            .arg(&mat.biases)
-            .arg(x)
-            .arg(&rows);
-        // SAFETY: argument types and lengths match the kernel's signature (checked above).
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let table = if resid_len.is_some() { &self.gemv_resid } else { &self.gemv };
+        let f = table[bi][k_index(mat.cols)?].as_ref().expect("loaded");
+        let (cfg, ks_log2) = gemv_launch(mat.rows, mat.cols, mat.bits.bits() as usize, self.sm_count);
+        Ok((f, cfg, ks_log2, mat.rows as i32))
     }
 
     /// Zero-centred RMSNorm over rows of `D_MODEL`: `y = x / sqrt(mean(x²) + eps) · (1 + w)`
@@ -405,26 +604,99 @@ fn k_index(cols: usize) -> Result<usize, CudaError> {
     }
 }
 
-/// Grid for the GEMV: 256-thread blocks, rows spread over teams grid-stride; no more blocks
-/// than `sm_count * 8` (each warp keeps its slice of `x` in registers, so fewer, longer-lived
-/// warps read `x` fewer times).
-fn gemv_launch(rows: usize, cols: usize, bits: usize, sm_count: u32) -> LaunchConfig {
-    let chunks = cols * bits / 128;
-    let lanes = chunks.min(32);
-    let teams_per_warp = 32 / lanes;
-    let rpw = match (bits, cols) {
-        (_, 512) => 4,
-        (8, 4096) => 1,
+/// The GEMV launch the host picks for a `[rows, cols]` matrix at `bits` on `sm_count` SMs:
+/// `(ks_log2, blocks)` (see [`CudaContext::gemv_tuned`]). For the self-test's sweeps.
+#[doc(hidden)]
+pub fn gemv_config(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (i32, u32) {
+    let (cfg, ks_log2) = gemv_launch(rows, cols, bits, sm_count);
+    (ks_log2, cfg.grid_dim.0)
+}
+
+/// Warps per GEMV block (`NW` in `kernels/gemv.cu`); one block per SM.
+const GEMV_WARPS: usize = 16;
+
+/// Dynamic shared memory of a GEMV block, as `calla_gemv::Cfg<BITS, K>::SMEM` in
+/// `kernels/gemv.cu`: the B-fragment table (1 KB per 128 columns), the per-super-step constants
+/// (64 B per 128 columns), and per warp a cp.async ring of `STAGES` steps, each the codes of
+/// 16 rows x 256 columns (2 KB at 4 bits, 4 KB at 8) and 256 B of scales/biases. `STAGES` is 5
+/// at 4 bits, 3 at 8 bits (2 above 2,048 columns): at most 221 KB of the 227 KB a block may use.
+fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
+    let nss = cols / 128;
+    let stages = match (bits, nss) {
+        (4, _) => 5,
+        (_, n) if n <= 16 => 3,
         _ => 2,
     };
-    let rows_per_block = 8 * teams_per_warp * rpw;
-    let blocks = rows
-        .div_ceil(rows_per_block)
-        .min(sm_count as usize * 8)
-        .max(1);
-    LaunchConfig {
+    let stage_bytes = 2 * (bits / 2) * 32 * 16 + 32 * 8;
+    nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
+}
+
+/// `(ks_log2, blocks)` of [`gemv_launch`].
+fn gemv_split(rows: usize, cols: usize, sm_count: u32) -> (i32, usize) {
+    let nstep = cols / 256;
+    let m_tiles = rows.div_ceil(16);
+    let max_blocks = sm_count.max(1) as usize;
+    let splits = (0..=GEMV_WARPS.trailing_zeros() as i32).filter(|&k| (1usize << k) <= nstep);
+    // one round on at least half of the SMs: the most blocks
+    let one_round = splits
+        .clone()
+        .map(|k| (k, m_tiles.div_ceil(GEMV_WARPS >> k)))
+        .filter(|&(_, b)| b <= max_blocks && 2 * b >= max_blocks)
+        .max_by_key(|&(_, b)| b);
+    if let Some(best) = one_round {
+        return best;
+    }
+    let mut best: Option<(f64, usize, i32)> = None;
+    for ks_log2 in splits {
+        let ksplit = 1usize << ks_log2;
+        let block_iters = m_tiles.div_ceil(GEMV_WARPS / ksplit);
+        let blocks = block_iters.min(max_blocks);
+        let iters = block_iters.div_ceil(blocks);
+        let cost = (iters * (nstep / ksplit)) as f64 + if ks_log2 > 0 { 0.1 * iters as f64 } else { 0.0 };
+        if best.is_none_or(|(c, _, _)| cost < c) {
+            best = Some((cost, blocks, ks_log2));
+        }
+    }
+    let (_, blocks, ks_log2) = best.expect("cols >= 256");
+    (ks_log2, blocks)
+}
+
+/// Launch configuration of the GEMV and its `ks_log2` (K split over `2^ks_log2` warps of a
+/// block): 512-thread blocks, one per SM; a block-iteration covers `16 / 2^ks_log2` tiles of
+/// 16 rows, each warp a k-slice of `cols / 256 / 2^ks_log2` steps (256 columns).
+///
+/// The choice follows the H200 sweep (`cuda_selftest --only gemv --gemv-sweep`, docs/CUDA.md):
+/// * when some split covers the matrix in a single block-iteration on at least half of the SMs,
+///   the one with the most blocks: every byte is requested at kernel start and no warp waits on
+///   a second round of barriers (9,216 x 2,048 at 4 bits: split 2 on 72 blocks 7.9 µs, split 8
+///   in up to 3 rounds on 132 blocks 8.2 µs; 2,048 x 4,096: split 16 on 128 blocks 5.2 µs,
+///   split 8 on 64 blocks 5.8 µs);
+/// * otherwise the fewest steps per warp, a split-K reduction (a block barrier) counted as 0.1
+///   step (LM head: split 2, 15 rounds of 4 steps, 72.1 µs; unsplit, 8 rounds of 8 steps with
+///   the last one 35% full, 77.0 µs).
+fn gemv_launch(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (LaunchConfig, i32) {
+    let (ks_log2, blocks) = gemv_split(rows, cols, sm_count);
+    let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: gemv_smem_bytes(bits, cols) as u32,
+    };
+    (cfg, ks_log2)
+}
+
+#[cfg(test)]
+mod gemv_launch_tests {
+    use super::gemv_split;
+
+    /// The launch choices the H200 sweep measured as best (docs/CUDA.md, GEMV).
+    #[test]
+    fn splits_follow_the_sweep() {
+        assert_eq!(gemv_split(248_320, 2048, 132), (1, 132)); // LM head
+        assert_eq!(gemv_split(12_352, 2048, 132), (1, 97)); // GDN in_proj
+        assert_eq!(gemv_split(9216, 2048, 132), (1, 72)); // attention q|gate|k|v
+        assert_eq!(gemv_split(4096, 2048, 132), (3, 128));
+        assert_eq!(gemv_split(2048, 4096, 132), (4, 128)); // o_proj / out_proj
+        assert_eq!(gemv_split(2048, 512, 132), (1, 16)); // expert down
+        assert_eq!(gemv_split(8, 512, 132), (1, 1));
     }
 }

@@ -7,8 +7,15 @@
 //!
 //! Usage: `cuda_selftest [--quick] [--only SECTION[,SECTION...]]`; sections: see `SECTIONS`.
 
+mod attention;
+mod attn_prefill;
 mod common;
+mod gdn;
+mod gdn_prefill;
+mod gemm;
 mod gemv;
+mod step;
+mod moe;
 
 use std::time::Instant;
 
@@ -17,7 +24,7 @@ use cuda::CudaContext;
 use common::{median, Suite};
 
 /// Every section: name and entry point.
-const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run)];
+const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("step", step::run), ("gdn", gdn::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("gdnpre", gdn_prefill::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

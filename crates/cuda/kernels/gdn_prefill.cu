@@ -1,0 +1,975 @@
+// Gated DeltaNet prefill for a block of T prompt tokens, chunked form (docs/MODEL.md §3.5
+// steps 2-7 with chunk C = 64, and step 8's gated RMSNorm; transformers
+// `torch_chunk_gated_delta_rule`; CPU twin: the prefill path of model::Model's GDN mixer with
+// model::reference::{causal_conv_silu, l2norm_inplace, gdn_chunk, gated_rms_norm}).
+//
+// T is padded to Tpad = 64·NC (NC chunks); padded rows have q = k = v = 0, g = 0, beta = 0, so
+// they change neither the state nor the real rows. Four launches per layer:
+//
+//   gdnp_conv      causal conv + SiLU of q|k|v over the T tokens, continuing from the conv
+//                  state; L2 norm of q and k (q scaled by d_k^-1/2); the gates g (log-decay) and
+//                  beta. Writes q̂, k̂ [n_k, Tpad, d_k], v [n_v, Tpad, d_v], g, beta [n_v, Tpad].
+//   gdnp_prep_*    one block per (QK head, chunk), covering both V heads of the QK head:
+//                  everything of a chunk that does not depend on the state S:
+//                    γ_r = Σ_{s≤r} g_s,  A[r,s] = β_r (k̂_r·k̂_s) e^{γ_r−γ_s} (s < r),
+//                    Tm = (I + A)^-1 (forward substitution, one column per thread, fp32),
+//                    U = Tm·diag(β)·V (written over v), W = Tm·diag(β e^γ)·K̂,
+//                    P = (Q̂K̂ᵀ) ⊙ D, D[r,s] = e^{γ_r−γ_s} for s ≤ r, else 0.
+//                  Also shifts the conv state (every read of it is in gdnp_conv).
+//   gdnp_state_*   one block per (V head, quarter of the value columns); the chunks in order:
+//                    V' = U − W S,  O = diag(e^γ) Q̂ S + P V',
+//                    S ← e^{γ_C} S + K̂ᵀ (diag(e^{γ_C−γ}) V').
+//                  Writes O (before the norm) into out. Chunk inputs are prefetched with
+//                  cp.async one phase ahead.
+//   gdnp_norm      gated RMSNorm of out in place: norm_w ⊙ o/rms(o) ⊙ SiLU(z), per V head.
+//
+// _f32 variants: every product on the CUDA cores in fp32. _tf32 variants: the matrix products
+// on the tensor cores (mma.sync m16n8k8, operands rounded to TF32 with cvt.rna, fp32
+// accumulation). In both, the state S, its accumulation, the triangular solve, the gates and
+// all elementwise math are fp32.
+
+#ifndef CALLA_N_V_HEADS
+#error "dims header missing"
+#endif
+
+namespace calla_gdnp {
+
+constexpr int NK = CALLA_N_K_HEADS;
+constexpr int NV = CALLA_N_V_HEADS;
+constexpr int DK = CALLA_D_K;
+constexpr int DV = CALLA_D_V;
+constexpr int KEY_DIM = NK * DK;
+constexpr int CONV_DIM = 2 * KEY_DIM + NV * DV;
+constexpr int Z_OFF = CONV_DIM;
+constexpr int B_OFF = Z_OFF + NV * DV;
+constexpr int A_OFF = B_OFF + NV;
+constexpr int PROJ = A_OFF + NV;       // floats per token of the stacked in_proj output
+constexpr int VPK = NV / NK;           // V heads per QK head (consecutive grouping)
+constexpr int CH = 64;                 // chunk length C (= spec GDN_CHUNK, checked on the host)
+constexpr float L2_EPS = 1e-6f;        // l2norm epsilon, inside the sum (as the reference)
+
+static_assert(CALLA_CONV_KERNEL == 4, "conv taps are read as one float4");
+static_assert(VPK == 2, "gdnp_prep handles the two V heads of one QK head");
+static_assert(DK == 128 && DV == 128, "tiling assumes 128-wide heads");
+static_assert(PROJ % 4 == 0 && CONV_DIM % 4 == 0, "float4 rows");
+
+// ---- accurate elementwise helpers (no fast-math intrinsics: the CPU twin uses libm)
+__device__ __forceinline__ float sigmoid_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu_acc(float x) { return x * sigmoid_acc(x); }
+// PyTorch softplus (threshold 20): x for x > 20, else log(1 + e^x).
+__device__ __forceinline__ float softplus_acc(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float comp(const float4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// ---- tensor cores: mma.sync m16n8k8 TF32 with fp32 accumulation
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
+__device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Warp-level product: acc[nt] (the 16 x 8 tile nt of a 16 x 8·NT block) += A·B over k-steps
+// [0, ksteps) of 8, where a(r, k) = A[r*AR + k*AK] (r < 16) and b(k, n) = B[k*BK + n*BN]
+// (n < 8·NT). Fragments (PTX ISA, mma.m16n8k8 .tf32), g = lane/4, q = lane%4:
+// a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); b0 (k q, n g), b1 (k q+4, n g);
+// c0, c1 (g, 2q), (g, 2q+1); c2, c3 (g+8, 2q), (g+8, 2q+1).
+// With BR, B already holds TF32-rounded values (no cvt on load).
+template <int NT, int AR, int AK, int BK, int BN, bool BR = false>
+__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const float* A, const float* B, int ksteps) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const float* a = A + g * AR + q * AK;
+    const float* b = B + q * BK + g * BN;
+#pragma unroll 2
+    for (int ks = 0; ks < ksteps; ++ks) {
+        const float* ak = a + ks * 8 * AK;
+        const unsigned a0 = to_tf32(ak[0]), a1 = to_tf32(ak[8 * AR]);
+        const unsigned a2 = to_tf32(ak[4 * AK]), a3 = to_tf32(ak[8 * AR + 4 * AK]);
+        const float* bk = b + ks * 8 * BK;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float f0 = bk[nt * 8 * BN], f1 = bk[4 * BK + nt * 8 * BN];
+            mma_tf32(acc[nt], a0, a1, a2, a3, BR ? __float_as_uint(f0) : to_tf32(f0), BR ? __float_as_uint(f1) : to_tf32(f1));
+        }
+    }
+}
+
+// ---- cp.async (16-byte global -> shared copies, grouped)
+__device__ __forceinline__ void cp16(float* smem, const float* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// =====================================================================================
+// gdnp_conv: grid (Tpad / 32, 2·n_k + n_v), 128 threads. Block y: q head (y < n_k), k head
+// (y < 2·n_k) or V head; each warp handles 8 consecutive tokens of the block's 128 channels,
+// lane = 4 channels (float4), with the conv window in registers.
+// =====================================================================================
+constexpr int CV_TOK = 8;                    // tokens per warp
+constexpr int CV_WARPS = 4;
+constexpr int CV_BLOCK_TOK = CV_TOK * CV_WARPS;
+
+__device__ __forceinline__ float conv4(const float4& w, float x0, float x1, float x2, float x3) {
+    float acc = w.x * x0;
+    acc = fmaf(w.y, x1, acc);
+    acc = fmaf(w.z, x2, acc);
+    acc = fmaf(w.w, x3, acc);
+    return silu_acc(acc);
+}
+
+}  // namespace calla_gdnp
+
+extern "C" __global__ void __launch_bounds__(128)
+gdnp_conv(float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vb, float* __restrict__ g_out,
+          float* __restrict__ beta_out, const float* __restrict__ proj, const float* __restrict__ conv_state,
+          const float* __restrict__ conv_w, const float* __restrict__ a_neg_exp,
+          const float* __restrict__ dt_bias, int T, int Tpad) {
+    using namespace calla_gdnp;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int hb = blockIdx.y;
+    const int kind = hb < NK ? 0 : (hb < 2 * NK ? 1 : 2);  // q, k, v
+    const int head = kind == 0 ? hb : (kind == 1 ? hb - NK : hb - 2 * NK);
+    const int ch = (kind == 0 ? head * DK : (kind == 1 ? KEY_DIM + head * DK : 2 * KEY_DIM + head * DV)) + 4 * lane;
+    float* dst = kind == 0 ? qn : (kind == 1 ? kn : vb);
+    float4 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const float4*>(conv_w)[ch + i];
+    float ane = 0.f, dtb = 0.f;
+    if (kind == 2) {
+        ane = a_neg_exp[head];
+        dtb = dt_bias[head];
+    }
+
+    calla_pdl_wait();
+
+    const int t0 = blockIdx.x * CV_BLOCK_TOK + warp * CV_TOK;
+    if (t0 >= Tpad) return;
+    // window: x[r] = pre-conv row of token t0 - 3 + r (the conv state for tokens < 0)
+    float4 x[CV_TOK + 3];
+#pragma unroll
+    for (int r = 0; r < CV_TOK + 3; ++r) {
+        const int tt = t0 - 3 + r;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (tt < 0)
+            v = *reinterpret_cast<const float4*>(conv_state + (size_t)(tt + 3) * CONV_DIM + ch);
+        else if (tt < T)
+            v = *reinterpret_cast<const float4*>(proj + (size_t)tt * PROJ + ch);
+        x[r] = v;
+    }
+    const float qscale = 1.0f / sqrtf((float)DK);
+#pragma unroll
+    for (int r = 0; r < CV_TOK; ++r) {
+        const int tt = t0 + r;
+        if (tt >= Tpad) break;
+        float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (tt < T) {  // warp-uniform
+            y.x = conv4(w[0], x[r].x, x[r + 1].x, x[r + 2].x, x[r + 3].x);
+            y.y = conv4(w[1], x[r].y, x[r + 1].y, x[r + 2].y, x[r + 3].y);
+            y.z = conv4(w[2], x[r].z, x[r + 1].z, x[r + 2].z, x[r + 3].z);
+            y.w = conv4(w[3], x[r].w, x[r + 1].w, x[r + 2].w, x[r + 3].w);
+            if (kind < 2) {
+                const float ss = calla_warp_sum(y.x * y.x + y.y * y.y + y.z * y.z + y.w * y.w);
+                const float inv = 1.0f / sqrtf(ss + L2_EPS);
+                y.x *= inv;
+                y.y *= inv;
+                y.z *= inv;
+                y.w *= inv;
+                if (kind == 0) {
+                    y.x *= qscale;
+                    y.y *= qscale;
+                    y.z *= qscale;
+                    y.w *= qscale;
+                }
+            }
+        }
+        reinterpret_cast<float4*>(dst + ((size_t)head * Tpad + tt) * DK)[lane] = y;
+        if (kind == 2 && lane == 0) {
+            float gv = 0.f, bv = 0.f;
+            if (tt < T) {
+                const float* pr = proj + (size_t)tt * PROJ;
+                gv = ane * softplus_acc(pr[A_OFF + head] + dtb);
+                bv = sigmoid_acc(pr[B_OFF + head]);
+            }
+            g_out[(size_t)head * Tpad + tt] = gv;
+            beta_out[(size_t)head * Tpad + tt] = bv;
+        }
+    }
+}
+
+// =====================================================================================
+// gdnp_prep_{f32,tf32}: grid (n_k, NC), 256 threads, dynamic shared memory PB_FLOATS floats.
+// =====================================================================================
+namespace calla_gdnp {
+
+constexpr int PB_THREADS = 256;
+constexpr int KSP = DK + 4;    // row stride of K̂ / Q̂ chunks (row-major operands)
+constexpr int XSP = DK + 8;    // row stride of the scaled V / K̂ chunk (k-major operand)
+constexpr int AP = CH + 4;     // row stride of the 64 x 64 matrices
+constexpr int PB_KS = 0;                   // [CH][KSP]  K̂ chunk
+constexpr int PB_XS = PB_KS + CH * KSP;    // [CH][XSP]  Q̂ chunk (stride KSP), then A_0, A_1
+                                           //            ([CH][AP] each), then β V, β e^γ K̂
+constexpr int PB_A0 = PB_XS + CH * XSP;    // [CH][AP]   Tm of V head 0
+constexpr int PB_A1 = PB_A0 + CH * AP;     // [CH][AP]   K̂K̂ᵀ, then Tm of V head 1
+constexpr int PB_G = PB_A1 + CH * AP;      // [2][CH]    g
+constexpr int PB_GAM = PB_G + 2 * CH;      // [2][CH]    γ
+constexpr int PB_BET = PB_GAM + 2 * CH;    // [2][CH]    β
+constexpr int PB_BEG = PB_BET + 2 * CH;    // [2][CH]    β e^γ
+constexpr int PB_FLOATS = PB_BEG + 2 * CH;
+static_assert(PB_XS % 4 == 0 && PB_A0 % 4 == 0 && PB_A1 % 4 == 0 && PB_G % 4 == 0, "16-byte alignment");
+static_assert(2 * CH * AP <= CH * XSP, "A_0 and A_1 fit in the XS space");
+
+// Position (row, col) of element e (0..31) of this thread's share of a 64 x 64 product computed
+// by 128 threads (tid 0..127): TC: warp tid/32 owns rows 16w..16w+15 as 8 mma tiles; SIMT: rows
+// 4(tid/8)+ii, cols (tid%8) + 8u.
+template <bool TC>
+__device__ __forceinline__ void gram_pos(int e, int tid, int& r, int& c) {
+    if constexpr (TC) {
+        const int wq = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+        const int nt = e >> 2, el = e & 3;
+        r = 16 * wq + g + 8 * (el >> 1);
+        c = 8 * nt + 2 * q + (el & 1);
+    } else {
+        const int ii = e >> 3, u = e & 7;
+        r = 4 * (tid >> 3) + ii;
+        c = (tid & 7) + 8 * u;
+    }
+}
+
+// acc = Arows · Browsᵀ (64 x 64 over DK), rows of both with stride KSP; 128 threads.
+template <bool TC>
+__device__ __forceinline__ void gram(float (&acc)[32], const float* Arows, const float* Brows, int tid) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+    if constexpr (TC) {
+        float(&a)[8][4] = *reinterpret_cast<float(*)[8][4]>(acc);
+        const int wq = tid >> 5;
+        warp_mma<8, KSP, 1, 1, KSP>(a, Arows + 16 * wq * KSP, Brows, DK / 8);
+    } else {
+        const int rt = tid >> 3, ct = tid & 7;
+#pragma unroll 2
+        for (int k = 0; k < DK; k += 4) {
+            float4 a[4], b[8];
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii) a[ii] = *reinterpret_cast<const float4*>(Arows + (4 * rt + ii) * KSP + k);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) b[u] = *reinterpret_cast<const float4*>(Brows + (ct + 8 * u) * KSP + k);
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii)
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    float s = acc[ii * 8 + u];
+                    s = fmaf(a[ii].x, b[u].x, s);
+                    s = fmaf(a[ii].y, b[u].y, s);
+                    s = fmaf(a[ii].z, b[u].z, s);
+                    s = fmaf(a[ii].w, b[u].w, s);
+                    acc[ii * 8 + u] = s;
+                }
+        }
+    }
+}
+
+// Tm = (I + A)^-1 for a strictly lower-triangular A (stride AP), by blocked forward
+// substitution over row blocks of 16: for row block b (rows r0 = 16b ..), first
+// R = -A[rows, :r0] · Tm[:r0, :r0] (the part from finished rows), then per column c the
+// 16-row forward substitution (I + A_bb) X = R (c < r0) or = the identity block (r0 <= c <
+// r0+16); columns beyond are zero. 128 threads per matrix (ht = 0..127); every thread of the
+// block calls this (it synchronises the block).
+__device__ __forceinline__ void solve_blocked(float* __restrict__ Tm, const float* __restrict__ A, int ht) {
+    for (int b = 0; b < CH / 16; ++b) {
+        const int r0 = 16 * b;
+        for (int e = ht; e < 16 * r0; e += 128) {
+            const int rr = e / r0, c = e - rr * r0;
+            const float* arow = A + (r0 + rr) * AP;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // Tm[k][c] = 0 for k < c
+            for (int k = c & ~3; k < r0; k += 4) {
+                const float4 av = *reinterpret_cast<const float4*>(arow + k);
+                a0 = fmaf(av.x, Tm[k * AP + c], a0);
+                a1 = fmaf(av.y, Tm[(k + 1) * AP + c], a1);
+                a2 = fmaf(av.z, Tm[(k + 2) * AP + c], a2);
+                a3 = fmaf(av.w, Tm[(k + 3) * AP + c], a3);
+            }
+            Tm[(r0 + rr) * AP + c] = -((a0 + a1) + (a2 + a3));
+        }
+        __syncthreads();
+        if (ht < CH) {
+            const int c = ht;
+            float x[16];
+            if (c < r0 + 16) {
+#pragma unroll
+                for (int rr = 0; rr < 16; ++rr) x[rr] = c < r0 ? Tm[(r0 + rr) * AP + c] : (c - r0 == rr ? 1.f : 0.f);
+#pragma unroll
+                for (int rr = 1; rr < 16; ++rr) {
+                    const float* arow = A + (r0 + rr) * AP + r0;
+                    float sum = x[rr];
+#pragma unroll
+                    for (int m = 0; m < rr; ++m) sum = fmaf(-arow[m], x[m], sum);
+                    x[rr] = sum;
+                }
+            } else {
+#pragma unroll
+                for (int rr = 0; rr < 16; ++rr) x[rr] = 0.f;
+            }
+#pragma unroll
+            for (int rr = 0; rr < 16; ++rr) Tm[(r0 + rr) * AP + c] = x[rr];
+        }
+        __syncthreads();
+    }
+}
+
+// dst[r][c] = scale[r] · src[r][c] for a 64 x 128 chunk; dst stride XSP, src stride sstride;
+// threads tid = 0..nthreads-1.
+__device__ __forceinline__ void scale_rows(float* dst, const float* src, int sstride, const float* scale, int tid,
+                                           int nthreads) {
+    for (int e = tid; e < CH * DK / 4; e += nthreads) {
+        const int r = e >> 5, c4 = e & 31;
+        float4 v = *reinterpret_cast<const float4*>(src + (size_t)r * sstride + 4 * c4);
+        const float s = scale[r];
+        v.x *= s;
+        v.y *= s;
+        v.z *= s;
+        v.w *= s;
+        *reinterpret_cast<float4*>(dst + r * XSP + 4 * c4) = v;
+    }
+}
+
+// out (global, 64 rows of stride DV) = Tm (stride AP, lower triangular) · X (64 x 128, stride
+// XSP); 256 threads. Warps skip the k range above their rows.
+template <bool TC>
+__device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm, const float* X, int t) {
+    const int warp = t >> 5;
+    if constexpr (TC) {
+        const int mt = warp & 3, nh = warp >> 2;
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+        warp_mma<8, AP, 1, XSP, 1>(acc, Tm + 16 * mt * AP, X + 64 * nh, 2 * mt + 2);
+        const int lane = t & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 16 * mt + g + 8 * h, c = 64 * nh + 8 * nt + 2 * q;
+                *reinterpret_cast<float2*>(out + (size_t)r * DV + c) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+            }
+    } else {
+        const int rt = t >> 4, ct = t & 15, mend = 8 * warp + 8;
+        float acc[4][8];
+#pragma unroll
+        for (int ii = 0; ii < 4; ++ii)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[ii][c] = 0.f;
+#pragma unroll 2
+        for (int m = 0; m < mend; m += 4) {
+            float4 a[4], b0[4], b1[4];
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii) a[ii] = *reinterpret_cast<const float4*>(Tm + (4 * rt + ii) * AP + m);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                b0[kk] = *reinterpret_cast<const float4*>(X + (m + kk) * XSP + 4 * ct);
+                b1[kk] = *reinterpret_cast<const float4*>(X + (m + kk) * XSP + 64 + 4 * ct);
+            }
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii)
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+                    const float av = comp(a[ii], kk);
+                    acc[ii][0] = fmaf(av, b0[kk].x, acc[ii][0]);
+                    acc[ii][1] = fmaf(av, b0[kk].y, acc[ii][1]);
+                    acc[ii][2] = fmaf(av, b0[kk].z, acc[ii][2]);
+                    acc[ii][3] = fmaf(av, b0[kk].w, acc[ii][3]);
+                    acc[ii][4] = fmaf(av, b1[kk].x, acc[ii][4]);
+                    acc[ii][5] = fmaf(av, b1[kk].y, acc[ii][5]);
+                    acc[ii][6] = fmaf(av, b1[kk].z, acc[ii][6]);
+                    acc[ii][7] = fmaf(av, b1[kk].w, acc[ii][7]);
+                }
+        }
+#pragma unroll
+        for (int ii = 0; ii < 4; ++ii) {
+            float* o = out + (size_t)(4 * rt + ii) * DV;
+            *reinterpret_cast<float4*>(o + 4 * ct) = make_float4(acc[ii][0], acc[ii][1], acc[ii][2], acc[ii][3]);
+            *reinterpret_cast<float4*>(o + 64 + 4 * ct) = make_float4(acc[ii][4], acc[ii][5], acc[ii][6], acc[ii][7]);
+        }
+    }
+}
+
+template <bool TC>
+__device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out,
+                                          float* __restrict__ gam_out, float* __restrict__ conv_state,
+                                          const float* __restrict__ qn, const float* __restrict__ kn,
+                                          const float* __restrict__ g_in, const float* __restrict__ beta_in,
+                                          const float* __restrict__ proj, int T, int Tpad, int NC) {
+    extern __shared__ float4 smem4[];
+    float* S = reinterpret_cast<float*>(smem4);
+    float* KS = S + PB_KS;
+    float* XS = S + PB_XS;
+    float* A0 = S + PB_A0;
+    float* A1 = S + PB_A1;
+    float* G = S + PB_G;
+    float* GAM = S + PB_GAM;
+    float* BET = S + PB_BET;
+    float* BEG = S + PB_BEG;
+    const int i = blockIdx.x, n = blockIdx.y, t = threadIdx.x, warp = t >> 5, tid = t & 127;
+    if (t == 0 && dynamic_smem_bytes() < PB_FLOATS * 4u) __trap();
+
+    calla_pdl_wait();
+
+    // Conv-state shift: new row r = window row T + r (window = [old state ‖ T pre-conv rows]).
+    // One thread per channel reads all three sources before writing; gdnp_conv (the only
+    // reader of the old state) has finished.
+    {
+        const int nb = gridDim.x * gridDim.y, b = n * gridDim.x + i;
+        for (int c = b * PB_THREADS + t; c < CONV_DIM; c += nb * PB_THREADS) {
+            float v[3];
+#pragma unroll
+            for (int r = 0; r < 3; ++r) {
+                const int w = T + r;
+                v[r] = w < 3 ? conv_state[(size_t)w * CONV_DIM + c] : proj[(size_t)(w - 3) * PROJ + c];
+            }
+#pragma unroll
+            for (int r = 0; r < 3; ++r) conv_state[(size_t)r * CONV_DIM + c] = v[r];
+        }
+    }
+
+    const size_t qk0 = ((size_t)i * Tpad + (size_t)n * CH) * DK;
+    for (int e = t; e < CH * DK / 4; e += PB_THREADS) {
+        const int r = e >> 5, c4 = e & 31;
+        *reinterpret_cast<float4*>(KS + r * KSP + 4 * c4) = *reinterpret_cast<const float4*>(kn + qk0 + r * DK + 4 * c4);
+        *reinterpret_cast<float4*>(XS + r * KSP + 4 * c4) = *reinterpret_cast<const float4*>(qn + qk0 + r * DK + 4 * c4);
+    }
+    if (t < 2 * CH) {
+        const size_t gi = (size_t)(VPK * i + t / CH) * Tpad + (size_t)n * CH + (t % CH);
+        G[t] = g_in[gi];
+        BET[t] = beta_in[gi];
+    }
+    __syncthreads();
+    if ((t & 31) == 0 && t < 32 * VPK) {
+        // γ_r = Σ_{s≤r} g_s, summed in order (as the reference): lane 0 of warp h, head h
+        const int h = t >> 5;
+        float acc = 0.f;
+#pragma unroll
+        for (int s4 = 0; s4 < CH; s4 += 4) {
+            const float4 gv = *reinterpret_cast<const float4*>(G + h * CH + s4);
+            acc += gv.x;
+            GAM[h * CH + s4] = acc;
+            acc += gv.y;
+            GAM[h * CH + s4 + 1] = acc;
+            acc += gv.z;
+            GAM[h * CH + s4 + 2] = acc;
+            acc += gv.w;
+            GAM[h * CH + s4 + 3] = acc;
+        }
+    }
+
+    // K̂K̂ᵀ (warps 0-3) and Q̂K̂ᵀ (warps 4-7), 32 elements per thread.
+    float acc[32];
+    gram<TC>(acc, warp < 4 ? KS : XS, KS, tid);
+    if (warp < 4) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+            int r, c;
+            gram_pos<TC>(e, tid, r, c);
+            A1[r * AP + c] = acc[e];
+        }
+    }
+    __syncthreads();  // γ and K̂K̂ᵀ ready
+    if (t < 2 * CH) {
+        const float gm = GAM[t];
+        BEG[t] = BET[t] * expf(gm);
+        gam_out[(size_t)(VPK * i + t / CH) * Tpad + (size_t)n * CH + (t % CH)] = gm;
+    }
+
+    float* AX0 = XS;            // A_0, A_1 in the XS space (Q̂ is no longer needed)
+    float* AX1 = XS + CH * AP;
+    if (warp < 4) {
+        // A_h[r, m] = β_h[r] (k̂_r·k̂_m) e^{γ_h[r] − γ_h[m]} for m < r, else 0.
+        for (int e = tid; e < CH * CH; e += 128) {
+            const int r = e >> 6, m = e & 63;
+            const float kk = A1[r * AP + m];
+            float a0 = 0.f, a1 = 0.f;
+            if (m < r) {
+                a0 = (BET[r] * kk) * expf(GAM[r] - GAM[m]);
+                a1 = (BET[CH + r] * kk) * expf(GAM[CH + r] - GAM[CH + m]);
+            }
+            AX0[r * AP + m] = a0;
+            AX1[r * AP + m] = a1;
+        }
+    } else {
+        // P_h = (Q̂K̂ᵀ) ⊙ D_h, lower triangle with the diagonal, zeros above.
+#pragma unroll
+        for (int h = 0; h < VPK; ++h) {
+            float* P = p_out + ((size_t)(VPK * i + h) * NC + n) * CH * CH;
+#pragma unroll
+            for (int e = 0; e < 32; ++e) {
+                int r, c;
+                gram_pos<TC>(e, tid, r, c);
+                float v = 0.f;
+                if (c <= r) v = acc[e] * expf(GAM[h * CH + r] - GAM[h * CH + c]);
+                P[r * CH + c] = v;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Tm_h = (I + A_h)^-1 into the A0 / A1 buffers: threads 0-127 head 0, 128-255 head 1.
+    solve_blocked((t >> 7) ? A1 : A0, (t >> 7) ? AX1 : AX0, tid);
+
+    const size_t v0 = ((size_t)(VPK * i) * Tpad + (size_t)n * CH) * DV;
+    const size_t v1 = ((size_t)(VPK * i + 1) * Tpad + (size_t)n * CH) * DV;
+    scale_rows(XS, vb + v0, DV, BET, t, PB_THREADS);
+    __syncthreads();
+
+    // U_0 = Tm_0 β_0 V_0 (over v, in place), U_1, then W_0 = Tm_0 β_0 e^γ0 K̂, W_1.
+    tri_mm<TC>(vb + v0, A0, XS, t);
+    __syncthreads();
+    scale_rows(XS, vb + v1, DV, BET + CH, t, PB_THREADS);
+    __syncthreads();
+    tri_mm<TC>(vb + v1, A1, XS, t);
+    __syncthreads();
+    scale_rows(XS, KS, KSP, BEG, t, PB_THREADS);
+    __syncthreads();
+    tri_mm<TC>(w_out + v0, A0, XS, t);
+    __syncthreads();
+    scale_rows(XS, KS, KSP, BEG + CH, t, PB_THREADS);
+    __syncthreads();
+    tri_mm<TC>(w_out + v1, A1, XS, t);
+}
+
+}  // namespace calla_gdnp
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+gdnp_prep_f32(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out,
+              float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,
+              const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,
+              int Tpad, int NC) {
+    calla_gdnp::prep_body<false>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T, Tpad, NC);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+gdnp_prep_tf32(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out,
+               float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,
+               const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,
+               int Tpad, int NC) {
+    calla_gdnp::prep_body<true>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T, Tpad, NC);
+}
+
+// =====================================================================================
+// gdnp_state_{f32,tf32}: grid (n_v · SPLIT), 256 (f32) or 512 (tf32) threads, dynamic shared
+// memory SC_FLOATS floats.
+// Block = (V head j, value columns [c0, c0 + CW)); the block's slice of S lives in registers
+// (16 per thread) and, as the B operand of W·S and Q̂·S, in shared memory.
+//
+// Pipeline (cp.async groups, committed in this order per chunk n, one group each):
+//   H(g): half g%2 (key columns 64·(g%2) ..) of the W and Q̂ rows of chunk g/2, into ring slot
+//         g%3; H(2n+1) also carries U_n (the block's columns) and γ_n into buffer n%2.
+//   KP(n): K̂ and P of chunk n (single buffer).
+// Chunk n: X = [W; Q̂]·S over half 0 (slot of H(2n)), wait H(2n+1), barrier, issue H(2n+3);
+// X += half 1, epilogue (V', e^{γ_C−γ}V', e^γ Q̂S), wait KP(n), barrier, issue H(2n+4); state
+// update and O = e^γQ̂S + P V'; S to shared memory; barrier; issue KP(n+1). Every W/Q̂ half is
+// requested about one chunk before it is used. Groups past the last chunk are empty.
+// =====================================================================================
+namespace calla_gdnp {
+
+constexpr int SPLIT = 4;               // blocks per V head
+constexpr int CW = DV / SPLIT;         // value columns per block
+template <bool TC>
+constexpr int sc_threads() { return TC ? 512 : 256; }  // TC: 16 warps, f32: 8 warps
+template <bool TC>
+constexpr int sc_ns() { return TC ? 8 : 16; }          // S elements per thread
+constexpr int HK = DK / 2;             // key columns per ring slot
+constexpr int HP = HK + 4;             // row stride of a slot (row-major A operand)
+constexpr int KCP = DK + 8;            // K̂ rows (read transposed)
+constexpr int PP = CH + 4;             // P rows
+constexpr int CWP = CW + 8;            // rows of the CW-wide slices (k-major B operands)
+constexpr int SC_SLOT = 2 * CH * HP;        // floats per ring slot: W rows 0..63, Q̂ rows 64..127
+constexpr int SC_WQ = 0;                    // 3 ring slots
+constexpr int SC_U = SC_WQ + 3 * SC_SLOT;   // 2 x [CH][CWP] U slices
+constexpr int SC_GAM = SC_U + 2 * CH * CWP; // 2 x [CH] γ
+constexpr int SC_KC = SC_GAM + 2 * CH;      // [CH][KCP]
+constexpr int SC_P = SC_KC + CH * KCP;      // [CH][PP]
+constexpr int SC_S = SC_P + CH * PP;        // [DK][CWP]
+constexpr int SC_VP = SC_S + DK * CWP;      // [CH][CWP] V'
+constexpr int SC_VD = SC_VP + CH * CWP;     // [CH][CWP] e^{γ_C − γ} V'
+constexpr int SC_OB = SC_VD + CH * CWP;     // [CH][CWP] e^γ Q̂ S (f32 variant)
+constexpr int SC_FLOATS = SC_OB + CH * CWP;
+static_assert(CW == 32, "thread mappings assume 32 value columns per block");
+static_assert(SC_U % 4 == 0 && SC_GAM % 4 == 0 && SC_KC % 4 == 0 && SC_P % 4 == 0 && SC_S % 4 == 0, "alignment");
+static_assert(SC_FLOATS * 4 <= 232448, "shared memory per block");
+
+// Position of element e (0..sc_ns()-1) of this thread's share of the S slice [DK][CW]. TC:
+// warp w owns the mma tiles of rows 16·(w%8).. and columns 16·(w/8)..+15 (two n-tiles).
+template <bool TC>
+__device__ __forceinline__ void s_pos(int e, int t, int& r, int& c) {
+    if constexpr (TC) {
+        const int warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+        const int nt = e >> 2, el = e & 3;
+        r = 16 * (warp & 7) + g + 8 * (el >> 1);
+        c = 16 * (warp >> 3) + 8 * nt + 2 * q + (el & 1);
+    } else {
+        r = 4 * (t >> 3) + (e >> 2);
+        c = 4 * (t & 7) + (e & 3);
+    }
+}
+
+struct StateArgs {
+    const float* qn;
+    const float* kn;
+    const float* vu;
+    const float* w;
+    const float* P;
+    const float* gam;
+    int j, c0, Tpad, NC;
+};
+
+// Issues H(g) and commits it (an empty group past the last chunk); NTH threads.
+template <int NTH>
+__device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, int t) {
+    const int n = g >> 1, half = g & 1;
+    if (n < a.NC) {
+        float* slot = S + SC_WQ + (g % 3) * SC_SLOT;
+        const float* wsrc = a.w + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DK + HK * half;
+        const float* qsrc = a.qn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK + HK * half;
+        for (int e = t; e < 2 * CH * HK / 4; e += NTH) {
+            const int r = e >> 4, c4 = e & 15;
+            const float* src = r < CH ? wsrc + (size_t)r * DK : qsrc + (size_t)(r - CH) * DK;
+            cp16(slot + r * HP + 4 * c4, src + 4 * c4);
+        }
+        if (half == 1) {
+            const int ub = n & 1;
+            const float* usrc = a.vu + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DV + a.c0;
+            for (int e = t; e < CH * CW / 4; e += NTH) {
+                const int r = e >> 3, c4 = e & 7;
+                cp16(S + SC_U + ub * CH * CWP + r * CWP + 4 * c4, usrc + (size_t)r * DV + 4 * c4);
+            }
+            if (t < CH / 4) cp16(S + SC_GAM + ub * CH + 4 * t, a.gam + (size_t)a.j * a.Tpad + (size_t)n * CH + 4 * t);
+        }
+    }
+    cp_commit();
+}
+
+// Issues KP(n) and commits it (empty past the last chunk); NTH threads.
+template <int NTH>
+__device__ __forceinline__ void issue_kp(float* S, const StateArgs& a, int n, int t) {
+    if (n < a.NC) {
+        const float* ksrc = a.kn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK;
+        for (int e = t; e < CH * DK / 4; e += NTH) {
+            const int r = e >> 5, c4 = e & 31;
+            cp16(S + SC_KC + r * KCP + 4 * c4, ksrc + (size_t)r * DK + 4 * c4);
+        }
+        const float* psrc = a.P + ((size_t)a.j * a.NC + n) * CH * CH;
+        for (int e = t; e < CH * CH / 4; e += NTH) {
+            const int r = e >> 4, c4 = e & 15;
+            cp16(S + SC_P + r * PP + 4 * c4, psrc + (size_t)r * CH + 4 * c4);
+        }
+    }
+    cp_commit();
+}
+
+// X += slot[:, 0..HK) · S[k0 .. k0+HK, :]. TC: warp w computes the mma tiles of rows
+// 16·(w%8).. and columns 16·(w/8)..+15 (acc[0..8)); S in shared memory is TF32-rounded.
+// f32: rows 4·(t/8)..+3 x columns 4·(t%8)..+3 (acc[0..16)).
+template <bool TC>
+__device__ __forceinline__ void half_product(float (&acc)[16], const float* slot, const float* Srows, int t) {
+    if constexpr (TC) {
+        float(&a2)[2][4] = *reinterpret_cast<float(*)[2][4]>(acc);
+        const int warp = t >> 5;
+        warp_mma<2, HP, 1, CWP, 1, true>(a2, slot + 16 * (warp & 7) * HP, Srows + 16 * (warp >> 3), HK / 8);
+    } else {
+        const int rg = t >> 3, cg = t & 7;
+        const float* A = slot + 4 * rg * HP;
+#pragma unroll 2
+        for (int k = 0; k < HK; k += 4) {
+            float4 a[4], b[4];
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii) a[ii] = *reinterpret_cast<const float4*>(A + ii * HP + k);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) b[kk] = *reinterpret_cast<const float4*>(Srows + (k + kk) * CWP + 4 * cg);
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii)
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+                    const float av = comp(a[ii], kk);
+                    acc[ii * 4 + 0] = fmaf(av, b[kk].x, acc[ii * 4 + 0]);
+                    acc[ii * 4 + 1] = fmaf(av, b[kk].y, acc[ii * 4 + 1]);
+                    acc[ii * 4 + 2] = fmaf(av, b[kk].z, acc[ii * 4 + 2]);
+                    acc[ii * 4 + 3] = fmaf(av, b[kk].w, acc[ii * 4 + 3]);
+                }
+        }
+    }
+}
+
+template <bool TC>
+__device__ __forceinline__ void state_body(float* __restrict__ out, float* __restrict__ s_state,
+                                           const float* __restrict__ qn, const float* __restrict__ kn,
+                                           const float* __restrict__ vu, const float* __restrict__ w,
+                                           const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad,
+                                           int NC) {
+    constexpr int NTH = sc_threads<TC>(), NS = sc_ns<TC>();
+    extern __shared__ float4 smem4[];
+    float* S = reinterpret_cast<float*>(smem4);
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+    const int mt = warp & 7, cn = 16 * (warp >> 3);  // TC: m-tile and first column of the warp
+    const int j = blockIdx.x / SPLIT, c0 = (blockIdx.x % SPLIT) * CW;
+    if (t == 0 && dynamic_smem_bytes() < SC_FLOATS * 4u) __trap();
+    const StateArgs a{qn, kn, vu, w, P, gam, j, c0, Tpad, NC};
+
+    calla_pdl_wait();
+
+    float* sg = s_state + (size_t)j * DK * DV + c0;
+    for (int e = t; e < DK * CW / 4; e += NTH) {
+        const int r = e >> 3, c4 = e & 7;
+        *reinterpret_cast<float4*>(S + SC_S + r * CWP + 4 * c4) = *reinterpret_cast<const float4*>(sg + (size_t)r * DV + 4 * c4);
+    }
+    issue_half<NTH>(S, a, 0, t);
+    issue_half<NTH>(S, a, 1, t);
+    issue_half<NTH>(S, a, 2, t);
+    issue_kp<NTH>(S, a, 0, t);
+    cp_wait<3>();  // H(0)
+    __syncthreads();
+    float sr[16];  // this thread's share of S (s_pos), sr[0..NS)
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+        int r, c;
+        s_pos<TC>(e, t, r, c);
+        sr[e] = S[SC_S + r * CWP + c];
+    }
+    if constexpr (TC) {
+        // the shared copy of S is only an mma operand: keep it TF32-rounded
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < NS; ++e) {
+            int r, c;
+            s_pos<TC>(e, t, r, c);
+            S[SC_S + r * CWP + c] = round_tf32(sr[e]);
+        }
+        __syncthreads();
+    }
+    float xo[8];  // TC, m-tiles 4-7: O rows 16(mt-4).. as mma accumulators
+
+    for (int n = 0; n < NC; ++n) {
+        // ---- X = [W; Q̂] · S: rows 0..63 give V' = U − W S, rows 64..127 give e^γ Q̂ S.
+        float acc[16];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[e] = 0.f;  // TC uses acc[0..8)
+        half_product<TC>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, t);
+        cp_wait<2>();  // H(2n+1)
+        __syncthreads();
+        issue_half<NTH>(S, a, 2 * n + 3, t);  // into the slot just read
+        half_product<TC>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S + HK * CWP, t);
+
+        const float* U = S + SC_U + (n & 1) * CH * CWP;
+        const float* GM = S + SC_GAM + (n & 1) * CH;
+        const float gC = GM[CH - 1];
+        if constexpr (TC) {
+            // V' and e^{γ_C−γ}V' are only mma operands: stored TF32-rounded.
+            if (mt < 4) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = 16 * mt + g + 8 * h;
+                    const float d = expf(gC - GM[r]);
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt) {
+                        const int c = cn + 8 * nt + 2 * q;
+                        const float2 u = *reinterpret_cast<const float2*>(U + r * CWP + c);
+                        const float p0 = u.x - acc[nt * 4 + 2 * h], p1 = u.y - acc[nt * 4 + 2 * h + 1];
+                        *reinterpret_cast<float2*>(S + SC_VP + r * CWP + c) = make_float2(round_tf32(p0), round_tf32(p1));
+                        *reinterpret_cast<float2*>(S + SC_VD + r * CWP + c) =
+                            make_float2(round_tf32(p0 * d), round_tf32(p1 * d));
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = 16 * (mt - 4) + g + 8 * h;
+                    const float eg = expf(GM[r]);
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt) {
+                        xo[nt * 4 + 2 * h] = acc[nt * 4 + 2 * h] * eg;
+                        xo[nt * 4 + 2 * h + 1] = acc[nt * 4 + 2 * h + 1] * eg;
+                    }
+                }
+            }
+        } else {
+            const int rg = t >> 3, cg = t & 7;
+            if (warp < 4) {
+#pragma unroll
+                for (int ii = 0; ii < 4; ++ii) {
+                    const int r = 4 * rg + ii;
+                    const float d = expf(gC - GM[r]);
+                    const float4 u = *reinterpret_cast<const float4*>(U + r * CWP + 4 * cg);
+                    const float4 pv = make_float4(u.x - acc[ii * 4 + 0], u.y - acc[ii * 4 + 1], u.z - acc[ii * 4 + 2],
+                                                  u.w - acc[ii * 4 + 3]);
+                    *reinterpret_cast<float4*>(S + SC_VP + r * CWP + 4 * cg) = pv;
+                    *reinterpret_cast<float4*>(S + SC_VD + r * CWP + 4 * cg) =
+                        make_float4(pv.x * d, pv.y * d, pv.z * d, pv.w * d);
+                }
+            } else {
+#pragma unroll
+                for (int ii = 0; ii < 4; ++ii) {
+                    const int r = 4 * rg + ii - CH;
+                    const float eg = expf(GM[r]);
+                    *reinterpret_cast<float4*>(S + SC_OB + r * CWP + 4 * cg) =
+                        make_float4(acc[ii * 4 + 0] * eg, acc[ii * 4 + 1] * eg, acc[ii * 4 + 2] * eg, acc[ii * 4 + 3] * eg);
+                }
+            }
+        }
+        cp_wait<1>();  // KP(n) (and H(2n+2))
+        __syncthreads();
+        issue_half<NTH>(S, a, 2 * n + 4, t);  // into the slot of H(2n+1)
+
+        // ---- S ← e^{γ_C} S + K̂ᵀ V'd;  O = e^γ Q̂ S + P V'
+        const float eC = expf(gC);
+#pragma unroll
+        for (int e = 0; e < NS; ++e) sr[e] *= eC;
+        if constexpr (TC) {
+            float(&s2)[2][4] = *reinterpret_cast<float(*)[2][4]>(sr);
+            warp_mma<2, 1, KCP, CWP, 1, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn, CH / 8);
+            if (mt >= 4) {
+                const int om = mt - 4;
+                float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
+                warp_mma<2, PP, 1, CWP, 1, true>(o2, S + SC_P + 16 * om * PP, S + SC_VP + cn, 2 * om + 2);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = 16 * om + g + 8 * h, tok = n * CH + r;
+                    if (tok < T) {
+                        float* o = out + (size_t)tok * (NV * DV) + j * DV + c0 + cn;
+#pragma unroll
+                        for (int nt = 0; nt < 2; ++nt)
+                            *reinterpret_cast<float2*>(o + 8 * nt + 2 * q) = make_float2(o2[nt][2 * h], o2[nt][2 * h + 1]);
+                    }
+                }
+            }
+        } else {
+            const int kg = t >> 3, cg = t & 7;
+#pragma unroll 4
+            for (int r = 0; r < CH; ++r) {
+                const float4 ka = *reinterpret_cast<const float4*>(S + SC_KC + r * KCP + 4 * kg);
+                const float4 b = *reinterpret_cast<const float4*>(S + SC_VD + r * CWP + 4 * cg);
+#pragma unroll
+                for (int ii = 0; ii < 4; ++ii) {
+                    const float av = comp(ka, ii);
+                    sr[ii * 4 + 0] = fmaf(av, b.x, sr[ii * 4 + 0]);
+                    sr[ii * 4 + 1] = fmaf(av, b.y, sr[ii * 4 + 1]);
+                    sr[ii * 4 + 2] = fmaf(av, b.z, sr[ii * 4 + 2]);
+                    sr[ii * 4 + 3] = fmaf(av, b.w, sr[ii * 4 + 3]);
+                }
+            }
+            // O rows 2·(t/8), +1; columns 4·(t%8)..+3; s up to the warp's last row
+            const int r0 = 2 * (t >> 3), send = 8 * warp + 8;
+            float o[2][4];
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const float4 ob = *reinterpret_cast<const float4*>(S + SC_OB + (r0 + rr) * CWP + 4 * cg);
+                o[rr][0] = ob.x;
+                o[rr][1] = ob.y;
+                o[rr][2] = ob.z;
+                o[rr][3] = ob.w;
+            }
+#pragma unroll 2
+            for (int s = 0; s < send; s += 4) {
+                float4 p[2], v[4];
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) p[rr] = *reinterpret_cast<const float4*>(S + SC_P + (r0 + rr) * PP + s);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) v[kk] = *reinterpret_cast<const float4*>(S + SC_VP + (s + kk) * CWP + 4 * cg);
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+                        const float pv = comp(p[rr], kk);
+                        o[rr][0] = fmaf(pv, v[kk].x, o[rr][0]);
+                        o[rr][1] = fmaf(pv, v[kk].y, o[rr][1]);
+                        o[rr][2] = fmaf(pv, v[kk].z, o[rr][2]);
+                        o[rr][3] = fmaf(pv, v[kk].w, o[rr][3]);
+                    }
+            }
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const int tok = n * CH + r0 + rr;
+                if (tok < T)
+                    *reinterpret_cast<float4*>(out + (size_t)tok * (NV * DV) + j * DV + c0 + 4 * cg) =
+                        make_float4(o[rr][0], o[rr][1], o[rr][2], o[rr][3]);
+            }
+        }
+        // S slice → shared memory for the next chunk's products (this chunk's reads of it
+        // finished before the previous barrier); TF32-rounded for the mma variant.
+#pragma unroll
+        for (int e = 0; e < NS; ++e) {
+            int r, c;
+            s_pos<TC>(e, t, r, c);
+            S[SC_S + r * CWP + c] = TC ? round_tf32(sr[e]) : sr[e];
+        }
+        __syncthreads();
+        issue_kp<NTH>(S, a, n + 1, t);  // K̂ / P buffers are free now
+    }
+    cp_wait<0>();
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+        int r, c;
+        s_pos<TC>(e, t, r, c);
+        sg[(size_t)r * DV + c] = sr[e];
+    }
+}
+
+}  // namespace calla_gdnp
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+gdnp_state_f32(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
+               const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+               const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
+    calla_gdnp::state_body<false>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+gdnp_state_tf32(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
+                const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+                const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
+    calla_gdnp::state_body<true>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
+}
+
+// =====================================================================================
+// gdnp_norm: gated RMSNorm in place, one warp per (token, V head), 256 threads per block:
+// out = norm_w ⊙ (o / sqrt(mean(o²) + eps)) ⊙ SiLU(z), with norm_w used as stored (no +1).
+// =====================================================================================
+extern "C" __global__ void __launch_bounds__(256)
+gdnp_norm(float* __restrict__ out, const float* __restrict__ proj, const float* __restrict__ norm_w, int T) {
+    using namespace calla_gdnp;
+    const int lane = threadIdx.x & 31;
+    const int wg = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const float4 nw = reinterpret_cast<const float4*>(norm_w)[lane];
+
+    calla_pdl_wait();
+
+    if (wg >= T * NV) return;
+    const int tok = wg / NV, j = wg % NV;
+    float4* op = reinterpret_cast<float4*>(out + (size_t)tok * (NV * DV) + j * DV) + lane;
+    float4 o = *op;
+    const float4 z = reinterpret_cast<const float4*>(proj + (size_t)tok * PROJ + Z_OFF + j * DV)[lane];
+    const float ss = calla_warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
+    const float r = 1.0f / sqrtf(ss / (float)DV + CALLA_RMS_EPS);
+    o.x = nw.x * (o.x * r) * silu_acc(z.x);
+    o.y = nw.y * (o.y * r) * silu_acc(z.y);
+    o.z = nw.z * (o.z * r) * silu_acc(z.z);
+    o.w = nw.w * (o.w * r) * silu_acc(z.w);
+    *op = o;
+}

@@ -1,0 +1,815 @@
+// Prefill (batched) matrix products for MLX affine-quantized weights on Hopper tensor cores, and
+// the MoE top-k routing they need.
+//
+//   Y[t, n] = sum_k X[t, k] * W[n, k],   W[n, k] = scale[n, k/64] * q[n, k] + bias[n, k/64]
+//
+// W layout (crates/quant/README.md): packed u32 [N, K*BITS/32], element 0 in the low bits;
+// scales/biases bf16 [N, K/64] (raw u16 bits). One K tile of the kernels is one quantization
+// group (64 columns), so a tile has exactly one scale and one bias per row.
+//
+// Roles: W is the MMA's A operand (M = output features), X the B operand (N = tokens), so the
+// accumulator holds Y^T tiles and the packed weights never go through a bf16 copy in shared
+// memory: each warp owns 16 rows of W per 64-row slice, reads its packed words from shared
+// memory (cp.async, 5-stage ring; 4 for the 8-bit tall tile) and dequantizes them straight into
+// the A fragment registers.
+//
+// K permutation. A dot product does not care in which order the 64 columns of a tile meet, so
+// the MMA's k slots are mapped to columns to suit the dequantization: thread c (= lane % 4) of
+// a quad owns columns 16c .. 16c+15 of the tile (one u32 pair at 4 bits, one uint4 at 8 bits)
+// and at k-step s (0..3) of the tile feeds slot pairs
+//   (2c, 2c+1)   <- columns (16c + s,     16c + s + 4)
+//   (2c+8, 2c+9) <- columns (16c + 8 + s, 16c + 12 + s)
+// i.e. tile position P = 16s + 8h + 2c + l holds column k = 16c + 8h + 4l + s. At 4 bits the
+// pair (s, s+4) is nibbles s and s+4 of one word, which one LOP3 turns into two bf16 lanes
+// (0x4300 | q = 128 + q), so a pair costs SHF + LOP3 + 2 HFMA2.BF16 (the second computes
+// scale*q + bias with one rounding). At 8 bits a PRMT builds the f32 32768 + q, one FFMA with
+// (bias - 32768*scale) gives scale*q + bias, and one F2FP packs two of them.
+// The activations are converted once per GEMM (qgemm_x_to_bf16) to bf16 in the same permuted
+// order, so the B operand needs no shuffling: shared memory holds rows of 64 bf16 (128 bytes)
+// per token, 128-byte swizzled (16-byte chunk j of row r at chunk j ^ (r & 7)).
+//
+// MMA engines (template WG):
+// * WG = true: wgmma.mma_async m64nBNk16, A from registers (the dequantized fragments), B from
+//   the swizzled shared tile through a descriptor. Asynchronous: the dequantization of the next
+//   64-row slice overlaps the running MMAs; two A register buffers, wgmma.wait_group 1.
+// * WG = false: mma.sync m16n8k16, B fragments with ldmatrix from the same shared layout.
+// Both leave the accumulators in the same layout (per 8-token chunk j: rows g and g+8, tokens
+// 8j + 2c and 8j + 2c + 1), so the epilogues are shared.
+//
+// Block: 256 threads = 2 warpgroups; each warpgroup owns MS slices of 64 W rows (BM = 128*MS
+// rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
+// tall (MS 2, BN 64, two per SM), small (MS 1, BN 64, two per SM).
+//
+// Modes (runtime, uniform per launch):
+//   0 dense          y[t, n] = acc (+ res[t, n])           rows n < n_rows, tokens t < T
+//   1 dense SwiGLU   y[t, j] = silu(acc_gate) * acc_up    W = [gate (I rows) | up (I rows)]
+//   2 MoE gate/up    act[entry, j] (bf16, permuted layout) = silu(G_e x) * (U_e x) for the
+//                    entries (token*k + slot) routed to expert e; W rows e*n_rows ..
+//   3 MoE down       y[entry, n] = D_e act[entry]                     W rows e*n_rows ..
+// In the SwiGLU modes a warp's 16-row slice holds gate rows j..j+7 (rows 0-7) and the matching
+// up rows (rows 8-15), so both values of an output meet in the same thread (c0/c2 registers).
+// In the MoE modes blockIdx.y indexes the tiles of BN entries of all experts
+// (tile_offs = exclusive scan of ceil(count_e / BN), written by qgemm_moe_scan).
+
+#ifndef CALLA_QUANT_GROUP
+#error "dims header missing"
+#endif
+
+namespace calla_qgemm {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+static_assert(CALLA_QUANT_GROUP == 64, "one K tile is one quantization group of 64 columns");
+constexpr int KTILE = CALLA_QUANT_GROUP;
+constexpr int THREADS = 256;
+
+// MODE_BENCH: dense mapping, nothing stored (benchmarks of the main loop alone).
+enum { MODE_DENSE = 0, MODE_SWIGLU = 1, MODE_MOE_GATE_UP = 2, MODE_MOE_DOWN = 3, MODE_BENCH = 4 };
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to
+// the async proxy (wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Keeps the 16 registers of an A buffer alive (unmodified) up to this point: an in-flight
+// wgmma reads them asynchronously, which the compiler cannot see.
+__device__ __forceinline__ void keep_alive(const u32 (&a)[4][4]) {
+    asm volatile("" ::"r"(a[0][0]), "r"(a[0][1]), "r"(a[0][2]), "r"(a[0][3]), "r"(a[1][0]), "r"(a[1][1]),
+                 "r"(a[1][2]), "r"(a[1][3]), "r"(a[2][0]), "r"(a[2][1]), "r"(a[2][2]), "r"(a[2][3]),
+                 "r"(a[3][0]), "r"(a[3][1]), "r"(a[3][2]), "r"(a[3][3]));
+}
+
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// Two f32 to one bf16x2 (round to nearest even): lo in bits 0-15, hi in bits 16-31.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// 4-bit: nibbles 0 and 4 of v (bits 0-3 and 16-19) -> bf16x2 (scale*q + bias), one rounding.
+__device__ __forceinline__ u32 deq4(u32 v, u32 s2, u32 b2) {
+    const u32 t = (v & 0x000F000Fu) | 0x43004300u;            // bf16 (128 + q) in both halves
+    const u32 q = fma_bf16x2(t, 0x3F803F80u, 0xC300C300u);    // (128 + q) * 1 - 128 = q, exact
+    return fma_bf16x2(q, s2, b2);
+}
+// 8-bit: byte S of word -> f32 scale*q + bias; bq = bias - 32768*scale.
+template <int S>
+__device__ __forceinline__ float deq8(u32 word, float s, float bq) {
+    const float f = __uint_as_float(__byte_perm(word, 0x47000000u, 0x7504 | (S << 4)));  // 32768 + q
+    return fmaf(f, s, bq);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float* d, const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Position inside a 64-column tile of the permuted layout for column kk (0..63).
+__device__ __forceinline__ int perm_pos(int kk) {
+    return 16 * (kk & 3) + 8 * ((kk >> 3) & 1) + 2 * (kk >> 4) + ((kk >> 2) & 1);
+}
+
+// D[64 x 64] += A[64 x 16] (registers, bf16) * B[16 x 64] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 128] += A[64 x 16] (registers, bf16) * B[16 x 128] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n128(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// Shared-memory descriptor bits for a K-major B tile with 128-byte swizzle: SBO = 1024 bytes
+// (8 rows of 128 bytes), LBO unused (1), layout type 1 (bits 62-63). The start address (bits
+// 0-13, in 16-byte units) is ORed in; +2 per k-step of 16 bf16 (32 bytes).
+constexpr u64 DESC_SW128 = (1ull << 62) | (64ull << 32) | (1ull << 16);
+
+template <int BN>
+__device__ __forceinline__ void wgmma_bn(float* d, const u32* a, u64 desc);
+template <>
+__device__ __forceinline__ void wgmma_bn<64>(float* d, const u32* a, u64 desc) { wgmma_n64(d, a, desc); }
+template <>
+__device__ __forceinline__ void wgmma_bn<128>(float* d, const u32* a, u64 desc) { wgmma_n128(d, a, desc); }
+
+template <int BITS, int MS, int BN>
+struct Cfg {
+    static constexpr int BM = 128 * MS;                 // W rows per block (2 warpgroups x 64 x MS)
+    static constexpr int RB = BITS * 8;                 // packed bytes per W row per K tile
+    static constexpr int XB = BN * 128;                 // X tile: BN rows of 64 bf16
+    static constexpr int WB = BM * RB;                  // W tile
+    static constexpr int SB = BM * 4;                   // a bf16 pair per row (scales; biases after)
+    static constexpr int STAGE = (XB + WB + 2 * SB + 1023) / 1024 * 1024;
+    // ring stages: 5, but 4 for the 8-bit tall tile so that two blocks fit an SM
+    static constexpr int STAGES = (BITS == 8 && MS == 2 && BN == 64) ? 4 : 5;
+    static constexpr int SMEM = STAGES * STAGE + 1024;  // + slack to align the ring to 1024
+    static constexpr int NJ = BN / 8;                   // 8-token chunks
+    static constexpr int XPT = BN * 8 / THREADS;        // 16-byte X copies per thread per tile
+    static constexpr int WPT = BM * RB / 16 / THREADS;  // 16-byte W copies per thread per tile
+    static constexpr int SPT = BM * 2 / THREADS;        // 4-byte scale/bias copies per thread
+    static_assert(XPT >= 1 && WPT >= 1 && SPT >= 1, "tile too small for the block");
+    static_assert(BN * (BM / 2) * 2 <= STAGES * STAGE, "MoE epilogue staging must fit the ring");
+};
+
+template <int BITS, int MS, int BN, bool WG>
+__device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
+                                           const u16* __restrict__ biases, const u16* __restrict__ xb, float* y,
+                                           const float* res, u16* act, const int* __restrict__ sorted,
+                                           const int* __restrict__ offsets, const int* __restrict__ tile_offs,
+                                           int n_rows, int K, int T, int mode, int ldy, int topk) {
+    using C = Cfg<BITS, MS, BN>;
+    extern __shared__ unsigned char smem_dyn[];
+    __shared__ int s_wrow[C::BM];
+    __shared__ int s_xrow[BN];
+    __shared__ int s_orow[BN];
+
+    calla_pdl_wait();
+    const int tid = threadIdx.x;
+
+    // ---- work item: which W rows, which tokens (or routed entries)
+    const bool moe = mode == MODE_MOE_GATE_UP || mode == MODE_MOE_DOWN;
+    int expert = 0, tok0, cnt;
+    if (moe) {
+        const int tile = blockIdx.y;
+        if (tile >= tile_offs[CALLA_N_EXPERTS]) return;  // grid is sized for the worst case
+        int lo = 0, hi = CALLA_N_EXPERTS - 1;             // last e with tile_offs[e] <= tile
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (tile_offs[mid] <= tile) lo = mid;
+            else hi = mid - 1;
+        }
+        expert = lo;
+        tok0 = offsets[expert] + (tile - tile_offs[expert]) * BN;
+        cnt = min(BN, offsets[expert + 1] - tok0);
+    } else {
+        tok0 = blockIdx.y * BN;
+        if (tok0 >= T) return;
+        cnt = min(BN, T - tok0);
+    }
+    const int half_rows = n_rows >> 1;  // I in the SwiGLU modes
+    for (int i = tid; i < C::BM; i += THREADS) {
+        int row;
+        if (mode != MODE_SWIGLU && mode != MODE_MOE_GATE_UP) {
+            row = min((int)blockIdx.x * C::BM + i, n_rows - 1);  // clamped; stores are skipped
+        } else {
+            const int col = min((int)blockIdx.x * (C::BM / 2) + (i >> 4) * 8 + (i & 7), half_rows - 1);
+            row = ((i & 15) >= 8 ? half_rows : 0) + col;
+        }
+        s_wrow[i] = row + expert * n_rows;
+    }
+    for (int i = tid; i < BN; i += THREADS) {
+        int xr = -1, orow = -1;
+        if (i < cnt) {
+            if (moe) {
+                const int e = sorted[tok0 + i];
+                orow = e;
+                xr = mode == MODE_MOE_GATE_UP ? e / topk : e;
+            } else {
+                xr = orow = tok0 + i;
+            }
+        }
+        s_xrow[i] = xr;
+        s_orow[i] = orow;
+    }
+    __syncthreads();
+
+    // ---- shared ring, aligned to 1024 bytes (128-byte swizzle atoms)
+    const u32 sraw = smem_addr(smem_dyn);
+    const u32 sbase = (sraw + 1023u) & ~1023u;
+    unsigned char* const sptr = smem_dyn + (sbase - sraw);
+
+    const int KT = K / KTILE;
+    const int wpr = K * BITS / 32;  // packed words per W row
+    const int gpr = K / KTILE;      // groups per W row
+
+    // fixed per-thread copy assignments
+    int xoff[C::XPT], xsz[C::XPT];
+    u32 xdst[C::XPT];
+#pragma unroll
+    for (int v = 0; v < C::XPT; ++v) {
+        const int id = tid + v * THREADS, row = id >> 3, ch = id & 7;
+        const int xr = s_xrow[row];
+        xoff[v] = max(xr, 0) * K + ch * 8;
+        xsz[v] = xr >= 0 ? 16 : 0;  // zero-fill the rows past the end
+        xdst[v] = row * 128 + ((ch ^ (row & 7)) << 4);
+    }
+    constexpr int PIECES = C::RB / 16;
+    int woff[C::WPT];
+    u32 wdst[C::WPT];
+#pragma unroll
+    for (int v = 0; v < C::WPT; ++v) {
+        const int id = tid + v * THREADS, row = id / PIECES, pc = id % PIECES;
+        woff[v] = s_wrow[row] * wpr + pc * 4;
+        wdst[v] = C::XB + row * C::RB + pc * 16;
+    }
+    int soff[C::SPT];
+    u32 sdst[C::SPT];
+    const u16* const sb_src = (tid & 1) ? biases : scales;
+#pragma unroll
+    for (int v = 0; v < C::SPT; ++v) {
+        const int id = tid + v * THREADS, row = id >> 1;
+        soff[v] = s_wrow[row] * gpr;
+        sdst[v] = C::XB + C::WB + (id & 1) * C::SB + row * 4;
+    }
+    auto load_tile = [&](int t, int stage) {
+        const u32 st = sbase + stage * C::STAGE;
+#pragma unroll
+        for (int v = 0; v < C::XPT; ++v) cp_async16(st + xdst[v], xb + xoff[v] + t * KTILE, xsz[v]);
+#pragma unroll
+        for (int v = 0; v < C::WPT; ++v) cp_async16(st + wdst[v], packed + woff[v] + t * (2 * BITS), 16);
+        // the aligned bf16 pair holding group t (K/64 is even)
+#pragma unroll
+        for (int v = 0; v < C::SPT; ++v) cp_async4(st + sdst[v], sb_src + soff[v] + (t & ~1));
+    };
+
+    const int warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int rbase = (warp >> 2) * 64 * MS + (warp & 3) * 16 + g;  // block-local row (slice 0, row g)
+
+    // Dequantizes this thread's A fragments of slice m (rows rbase + 64m and +8) for the 4
+    // k-steps of tile t (in stage `stage`).
+    auto dequant = [&](int stage, int t, int m, u32 (&A)[4][4]) {
+        const unsigned char* st = sptr + stage * C::STAGE;
+        const int r0 = rbase + m * 64, r1 = r0 + 8;
+        const u32 sp0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r0 * 4);
+        const u32 bp0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + C::SB + r0 * 4);
+        const u32 sp1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r1 * 4);
+        const u32 bp1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + C::SB + r1 * 4);
+        if constexpr (BITS == 4) {
+            const u32 sel = (t & 1) ? 0x3232u : 0x1010u;  // splat the bf16 of group t
+            const u32 s0 = __byte_perm(sp0, 0, sel), b0 = __byte_perm(bp0, 0, sel);
+            const u32 s1 = __byte_perm(sp1, 0, sel), b1 = __byte_perm(bp1, 0, sel);
+            const uint2 w0 = *reinterpret_cast<const uint2*>(st + C::XB + r0 * C::RB + c * 8);
+            const uint2 w1 = *reinterpret_cast<const uint2*>(st + C::XB + r1 * C::RB + c * 8);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                A[s][0] = deq4(w0.x >> (4 * s), s0, b0);
+                A[s][1] = deq4(w1.x >> (4 * s), s1, b1);
+                A[s][2] = deq4(w0.y >> (4 * s), s0, b0);
+                A[s][3] = deq4(w1.y >> (4 * s), s1, b1);
+            }
+        } else {
+            const bool hi = t & 1;
+            const float fs0 = __uint_as_float(hi ? (sp0 & 0xFFFF0000u) : (sp0 << 16));
+            const float fb0 = __uint_as_float(hi ? (bp0 & 0xFFFF0000u) : (bp0 << 16));
+            const float fs1 = __uint_as_float(hi ? (sp1 & 0xFFFF0000u) : (sp1 << 16));
+            const float fb1 = __uint_as_float(hi ? (bp1 & 0xFFFF0000u) : (bp1 << 16));
+            const float bq0 = fmaf(-32768.0f, fs0, fb0), bq1 = fmaf(-32768.0f, fs1, fb1);
+            const uint4 w0 = *reinterpret_cast<const uint4*>(st + C::XB + r0 * C::RB + c * 16);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(st + C::XB + r1 * C::RB + c * 16);
+#define CALLA_DEQ8_STEP(S)                                                                         \
+    A[S][0] = pack_bf16x2(deq8<S>(w0.x, fs0, bq0), deq8<S>(w0.y, fs0, bq0));                      \
+    A[S][1] = pack_bf16x2(deq8<S>(w1.x, fs1, bq1), deq8<S>(w1.y, fs1, bq1));                      \
+    A[S][2] = pack_bf16x2(deq8<S>(w0.z, fs0, bq0), deq8<S>(w0.w, fs0, bq0));                      \
+    A[S][3] = pack_bf16x2(deq8<S>(w1.z, fs1, bq1), deq8<S>(w1.w, fs1, bq1));
+            CALLA_DEQ8_STEP(0)
+            CALLA_DEQ8_STEP(1)
+            CALLA_DEQ8_STEP(2)
+            CALLA_DEQ8_STEP(3)
+#undef CALLA_DEQ8_STEP
+        }
+    };
+
+    float acc[MS][C::NJ * 4];
+#pragma unroll
+    for (int m = 0; m < MS; ++m)
+#pragma unroll
+        for (int i = 0; i < C::NJ * 4; ++i) acc[m][i] = 0.f;
+    u32 A0[4][4], A1[4][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) A0[s][i] = A1[s][i] = 0u;
+
+    // Ring: tile t lives in stage t % C::STAGES; tiles t+1 .. t+C::STAGES-3 are in flight while t is
+    // consumed. The stage refilled at tile t held tile t-2, whose MMAs every thread has waited
+    // for (wgmma.wait_group 1 at the end of tile t-1) before the barrier of tile t.
+#pragma unroll
+    for (int p = 0; p < C::STAGES - 2; ++p) {
+        if (p < KT) load_tile(p, p);
+        cp_async_commit();
+    }
+    auto begin_tile = [&](int t) {
+        cp_async_wait<C::STAGES - 3>();
+        fence_proxy_async();
+        __syncthreads();
+        const int tn = t + C::STAGES - 2;
+        if (tn < KT) load_tile(tn, tn % C::STAGES);
+        cp_async_commit();
+    };
+
+    if constexpr (WG) {
+        auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
+            const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
+            wgmma_commit();
+        };
+        if constexpr (MS == 2) {
+            for (int t = 0; t < KT; ++t) {
+                begin_tile(t);
+                const int st = t % C::STAGES;
+                dequant(st, t, 0, A0);
+                issue(st, 0, A0);
+                wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
+                keep_alive(A1);
+                dequant(st, t, 1, A1);
+                issue(st, 1, A1);
+                wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
+                keep_alive(A0);
+            }
+        } else {
+            for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
+                begin_tile(t);
+                dequant(t % C::STAGES, t, 0, A0);
+                issue(t % C::STAGES, 0, A0);
+                wgmma_wait<1>();
+                keep_alive(A1);
+                begin_tile(t + 1);
+                dequant((t + 1) % C::STAGES, t + 1, 0, A1);
+                issue((t + 1) % C::STAGES, 0, A1);
+                wgmma_wait<1>();
+                keep_alive(A0);
+            }
+        }
+        wgmma_wait<0>();
+        keep_alive(A0);
+        keep_alive(A1);
+    } else {
+        const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: matrix and row this lane addresses
+        for (int t = 0; t < KT; ++t) {
+            begin_tile(t);
+            const int st = t % C::STAGES;
+            dequant(st, t, 0, A0);
+            if constexpr (MS == 2) dequant(st, t, 1, A1);
+            const u32 xs = sbase + st * C::STAGE;
+#pragma unroll
+            for (int j = 0; j < C::NJ; ++j) {
+                const u32 ra = xs + (j * 8 + rr) * 128;
+                u32 b[2][4];
+                ldmatrix_x4(b[0], ra + ((mi ^ rr) << 4));        // chunks 0-3: k-steps 0, 1
+                ldmatrix_x4(b[1], ra + (((4 + mi) ^ rr) << 4));  // chunks 4-7: k-steps 2, 3
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    const u32 b0 = b[s >> 1][(s & 1) * 2], b1 = b[s >> 1][(s & 1) * 2 + 1];
+                    mma_bf16(&acc[0][4 * j], A0[s], b0, b1);
+                    if constexpr (MS == 2) mma_bf16(&acc[1][4 * j], A1[s], b0, b1);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();  // only empty groups remain; the ring is reused below
+    __syncthreads();
+
+    // ---- epilogues
+    if (mode == MODE_MOE_GATE_UP) {
+        // act tile [BN entries][BM/2 columns] bf16 in the permuted layout, staged in shared
+        // memory, then written with 16-byte stores.
+        constexpr int OC = C::BM / 2;
+        u16* stg = reinterpret_cast<u16*>(sptr);
+#pragma unroll
+        for (int m = 0; m < MS; ++m) {
+            const int cl = ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;  // block-local column
+            const int pos = (cl & ~63) + perm_pos(cl & 63);
+#pragma unroll
+            for (int j = 0; j < C::NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = 8 * j + 2 * c + e;
+                    const float v = calla_silu(acc[m][4 * j + e]) * acc[m][4 * j + 2 + e];
+                    stg[tok * OC + pos] = calla_f32_to_bf16(v);
+                }
+        }
+        __syncthreads();
+        const int col0 = blockIdx.x * OC;
+        for (int idx = tid; idx < BN * (OC / 8); idx += THREADS) {
+            const int tok = idx / (OC / 8), ch = idx % (OC / 8);
+            const int orow = s_orow[tok];
+            if (orow >= 0)
+                *reinterpret_cast<uint4*>(act + (size_t)orow * ldy + col0 + ch * 8) =
+                    *reinterpret_cast<const uint4*>(stg + tok * OC + ch * 8);
+        }
+        return;
+    }
+    if (mode == MODE_SWIGLU) {
+#pragma unroll
+        for (int m = 0; m < MS; ++m) {
+            const int col = blockIdx.x * (C::BM / 2) + ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;
+#pragma unroll
+            for (int j = 0; j < C::NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int orow = s_orow[8 * j + 2 * c + e];
+                    if (col < half_rows && orow >= 0)
+                        y[(size_t)orow * ldy + col] = calla_silu(acc[m][4 * j + e]) * acc[m][4 * j + 2 + e];
+                }
+        }
+        return;
+    }
+    if (mode == MODE_BENCH) {  // keep the MMAs alive without storing
+        float sum = 0.f;
+#pragma unroll
+        for (int m = 0; m < MS; ++m)
+#pragma unroll
+            for (int i = 0; i < C::NJ * 4; ++i) sum += acc[m][i];
+        if (sum == 1234.5f) y[0] = sum;
+        return;
+    }
+    // dense / MoE down
+#pragma unroll
+    for (int m = 0; m < MS; ++m)
+#pragma unroll
+        for (int j = 0; j < C::NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = blockIdx.x * C::BM + rbase + m * 64 + (e >> 1) * 8;
+                const int orow = s_orow[8 * j + 2 * c + (e & 1)];
+                if (n < n_rows && orow >= 0) {
+                    const size_t o = (size_t)orow * ldy + n;
+                    float v = acc[m][4 * j + e];
+                    if (res) v += res[o];
+                    y[o] = v;
+                }
+            }
+}
+
+}  // namespace calla_qgemm
+
+// ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
+// 2 blocks/SM | small: 128 x 64, 2 blocks/SM) x (engine)
+#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                  \
+        NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
+             const unsigned short* xb, float* y, const float* res, unsigned short* act, const int* sorted,   \
+             const int* offsets, const int* tile_offs, int n_rows, int k, int t, int mode, int ldy,          \
+             int topk) {                                                                                     \
+        calla_qgemm::qgemm_body<BITS, MS, BN, WG>(packed, scales, biases, xb, y, res, act, sorted, offsets,  \
+                                                  tile_offs, n_rows, k, t, mode, ldy, topk);                 \
+    }
+
+CALLA_QGEMM_ENTRY(qgemm_q4_big_wg, 4, 2, 128, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_tall_wg, 4, 2, 64, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_small_wg, 4, 1, 64, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_big_wg, 8, 2, 128, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_tall_wg, 8, 2, 64, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_small_wg, 8, 1, 64, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_big_mma, 4, 2, 128, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_tall_mma, 4, 2, 64, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_small_mma, 4, 1, 64, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_big_mma, 8, 2, 128, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_tall_mma, 8, 2, 64, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_small_mma, 8, 1, 64, false, 2)
+
+// X f32 [rows, k] -> bf16 [rows, k] in the permuted tile order (header comment): word m of a
+// 64-column tile holds columns (16c + 8h + s, +4) with s = m >> 3, h = (m >> 2) & 1, c = m & 3.
+extern "C" __global__ void qgemm_x_to_bf16(const float* __restrict__ x, unsigned* __restrict__ xb, int rows,
+                                           int k) {
+    calla_pdl_wait();
+    const int hk = k >> 1;
+    const long long total = (long long)rows * hk;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long row = idx / hk;
+        const int w = (int)(idx - row * hk);
+        const int m = w & 31;
+        const int col = (w >> 5) * 64 + 16 * (m & 3) + 8 * ((m >> 2) & 1) + (m >> 3);
+        const float* xr = x + row * k + col;
+        xb[idx] = (unsigned)calla_f32_to_bf16(xr[0]) | ((unsigned)calla_f32_to_bf16(xr[4]) << 16);
+    }
+}
+
+// ---- MoE routing (MODEL.md 3.7; model::top_k_renorm)
+
+// One warp per token: softmax over the N_EXPERTS router logits (f32), the TOP_K largest
+// probabilities (ties: lower id), weights renormalised over the k (summed in choice order, as
+// the CPU does), shared-expert weight sigmoid(logit[N_EXPERTS]).
+// logits: [t, N_EXPERTS + 1]; ids, wts: [t, TOP_K] (descending weight); shared_w: [t].
+extern "C" __global__ void qgemm_moe_route(const float* __restrict__ logits, int t, int* __restrict__ ids,
+                                          float* __restrict__ wts, float* __restrict__ shared_w) {
+    constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32, TK = CALLA_TOP_K;
+    static_assert(NE % 32 == 0 && TK <= 32, "router layout");
+    calla_pdl_wait();
+    const int tok = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (tok >= t) return;
+    const float* row = logits + (size_t)tok * (NE + 1);
+    float p[PER];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        p[i] = row[lane + 32 * i];
+        mx = fmaxf(mx, p[i]);
+    }
+    mx = calla_warp_max(mx);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        p[i] = expf(p[i] - mx);
+        s += p[i];
+    }
+    s = calla_warp_sum(s);
+    const float inv = 1.0f / s;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) p[i] *= inv;
+    unsigned taken = 0;
+    int my_id = 0;
+    float my_p = 0.f;
+    for (int r = 0; r < TK; ++r) {
+        float bv = -1.f;
+        int bi = NE;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int e = lane + 32 * i;
+            if (!((taken >> i) & 1u) && (p[i] > bv || (p[i] == bv && e < bi))) {
+                bv = p[i];
+                bi = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+        if (lane == r) {
+            my_id = bi;
+            my_p = bv;
+        }
+    }
+    float sum = 0.f;
+    for (int r = 0; r < TK; ++r) sum += __shfl_sync(0xffffffffu, my_p, r);
+    if (lane < TK) {
+        ids[tok * TK + lane] = my_id;
+        wts[tok * TK + lane] = my_p / sum;
+    }
+    if (lane == 0) shared_w[tok] = 1.0f / (1.0f + expf(-row[NE]));
+}
+
+// Sorting the entries (token*k + slot) by expert, deterministically (a stable counting sort):
+// the entries are cut into chunks of SORT_CHUNK, one warp per chunk.
+//   qgemm_moe_hist:  hist[e * n_chunks + chunk] = entries of the chunk routed to e
+//   qgemm_moe_scan:  base[e * n_chunks + chunk] = exclusive scan of hist in that (expert-major)
+//                    order; counts, offsets (its expert starts) and the tile offsets
+//   qgemm_moe_place: sorted[base + rank] = entry, rank = earlier entries of the chunk with the
+//                    same expert (rounds of 32 entries, __match_any_sync), so every expert's
+//                    list is in ascending entry order.
+constexpr int SORT_CHUNK = 1024;
+
+extern "C" __global__ void __launch_bounds__(256) qgemm_moe_hist(const int* __restrict__ ids, int n_entries,
+                                                                 int n_chunks, int* __restrict__ hist) {
+    constexpr int NE = CALLA_N_EXPERTS;
+    __shared__ int cnt[8][NE];
+    calla_pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunk = blockIdx.x * 8 + warp;
+    if (chunk >= n_chunks) return;  // whole warps
+    for (int e = lane; e < NE; e += 32) cnt[warp][e] = 0;
+    __syncwarp();
+    const int end = min((chunk + 1) * SORT_CHUNK, n_entries);
+    for (int i0 = chunk * SORT_CHUNK; i0 < end; i0 += 32) {
+        const int i = i0 + lane;
+        const int e = i < end ? ids[i] : -1;
+        const unsigned m = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+        __syncwarp();
+    }
+    for (int e = lane; e < NE; e += 32) hist[e * n_chunks + chunk] = cnt[warp][e];
+}
+
+// One block of 1024 threads (32 warps; warp w owns experts w, w+32, ...).
+extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __restrict__ hist, int n_chunks,
+                                                                  int* __restrict__ base, int* __restrict__ counts,
+                                                                  int* __restrict__ offsets, int* __restrict__ tiles64,
+                                                                  int* __restrict__ tiles128) {
+    constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32;
+    static_assert(NE % 32 == 0, "experts per lane");
+    __shared__ int s_tot[NE];
+    __shared__ int s_pre[NE];
+    calla_pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int e = warp; e < NE; e += 32) {
+        int sum = 0;
+        for (int c = lane; c < n_chunks; c += 32) sum += hist[e * n_chunks + c];
+        sum = __reduce_add_sync(0xffffffffu, sum);
+        if (lane == 0) s_tot[e] = sum;
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scans over the experts: lane owns experts lane*PER ..
+        int a = 0, b = 0, c = 0;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int n = s_tot[lane * PER + j];
+            a += n;
+            b += (n + 63) >> 6;
+            c += (n + 127) >> 7;
+        }
+        int ia = a, ib = b, ic = c;  // inclusive scans over lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int va = __shfl_up_sync(0xffffffffu, ia, o);
+            const int vb = __shfl_up_sync(0xffffffffu, ib, o);
+            const int vc = __shfl_up_sync(0xffffffffu, ic, o);
+            if (lane >= o) {
+                ia += va;
+                ib += vb;
+                ic += vc;
+            }
+        }
+        a = ia - a;
+        b = ib - b;
+        c = ic - c;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int e = lane * PER + j, n = s_tot[e];
+            s_pre[e] = a;
+            counts[e] = n;
+            offsets[e] = a;
+            tiles64[e] = b;
+            tiles128[e] = c;
+            a += n;
+            b += (n + 63) >> 6;
+            c += (n + 127) >> 7;
+        }
+        if (lane == 31) {
+            offsets[NE] = a;
+            tiles64[NE] = b;
+            tiles128[NE] = c;
+        }
+    }
+    __syncthreads();
+    for (int e = warp; e < NE; e += 32) {
+        int run = s_pre[e];
+        for (int c0 = 0; c0 < n_chunks; c0 += 32) {
+            const int c = c0 + lane;
+            const int v = c < n_chunks ? hist[e * n_chunks + c] : 0;
+            int inc = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int u = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += u;
+            }
+            if (c < n_chunks) base[e * n_chunks + c] = run + inc - v;
+            run += __shfl_sync(0xffffffffu, inc, 31);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) qgemm_moe_place(const int* __restrict__ ids, int n_entries,
+                                                                  int n_chunks, const int* __restrict__ base,
+                                                                  int* __restrict__ sorted) {
+    constexpr int NE = CALLA_N_EXPERTS;
+    __shared__ int pos[8][NE];
+    calla_pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunk = blockIdx.x * 8 + warp;
+    if (chunk >= n_chunks) return;  // whole warps
+    for (int e = lane; e < NE; e += 32) pos[warp][e] = base[e * n_chunks + chunk];
+    __syncwarp();
+    const int end = min((chunk + 1) * SORT_CHUNK, n_entries);
+    for (int i0 = chunk * SORT_CHUNK; i0 < end; i0 += 32) {
+        const int i = i0 + lane;
+        const int e = i < end ? ids[i] : -1;
+        const unsigned m = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) sorted[pos[warp][e] + __popc(m & ((1u << lane) - 1u))] = i;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(m) - 1) pos[warp][e] += __popc(m);
+        __syncwarp();
+    }
+}
+
+// out[tok] = resid[tok] + (sum_slot w[tok, slot] * slot_out[tok*k + slot] + shared_w[tok] * shared[tok])
+// over D_MODEL columns; one block per token. out may alias resid.
+extern "C" __global__ void qgemm_moe_combine(float* out, const float* resid, const float* __restrict__ slot_out,
+                                       const float* __restrict__ wts, const float* __restrict__ shared,
+                                       const float* __restrict__ shared_w, int t) {
+    constexpr int D = CALLA_D_MODEL, TK = CALLA_TOP_K;
+    calla_pdl_wait();
+    const int tok = blockIdx.x;
+    if (tok >= t) return;
+    float w[TK];
+#pragma unroll
+    for (int s = 0; s < TK; ++s) w[s] = wts[tok * TK + s];
+    const float sw = shared_w[tok];
+    for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < TK; ++s) {
+            const float4 v = reinterpret_cast<const float4*>(slot_out + ((size_t)tok * TK + s) * D)[d4];
+            acc.x = fmaf(w[s], v.x, acc.x);
+            acc.y = fmaf(w[s], v.y, acc.y);
+            acc.z = fmaf(w[s], v.z, acc.z);
+            acc.w = fmaf(w[s], v.w, acc.w);
+        }
+        const float4 sh = reinterpret_cast<const float4*>(shared + (size_t)tok * D)[d4];
+        const float4 r = reinterpret_cast<const float4*>(resid + (size_t)tok * D)[d4];
+        float4 o;
+        o.x = r.x + fmaf(sw, sh.x, acc.x);
+        o.y = r.y + fmaf(sw, sh.y, acc.y);
+        o.z = r.z + fmaf(sw, sh.z, acc.z);
+        o.w = r.w + fmaf(sw, sh.w, acc.w);
+        reinterpret_cast<float4*>(out + (size_t)tok * D)[d4] = o;
+    }
+}

@@ -1,0 +1,637 @@
+// Sparse MoE block, decode step (batch 1): MODEL.md §3.7. CPU definition: crates/model/src/lib.rs
+// (`Model::moe`, `top_k_renorm`, `expert_forward`).
+//
+//   p      = softmax(router · u)                       (fp32, over all N_EXPERTS logits)
+//   S      = top-k of p (descending; ties: lower expert id first), w_k = p_k / Σ_S p
+//   y_e    = down_e(silu(gate_e · u) * (up_e · u))
+//   out    = resid + Σ_k w_k y_{S_k} + sigmoid(shared_gate · u) · y_shared
+//
+// Three kernels, fixed grids, everything on the device (graph-capturable):
+//
+//  1. moe_router_r{RB}_g{GB}: router rows (then the shared-expert gate row, one more block) on
+//     the CUDA cores, each lane one 16-byte chunk of a row (a row spans D*BITS/128/32 warps of
+//     a block); weights are loaded before calla_pdl_wait(). Warps 0..DG/2-1 of the grid also
+//     write u as integer digits for the tensor cores (below) to `uq`/`umeta`. With
+//     F_TOPK_IN_ROUTER (the default), the last block to finish (atomic counter, reset by it) runs
+//     softmax + top-k + renormalisation in one warp and writes sel_ids[TOP_K], sel_w[TOP_K + 1]
+//     (routing weights, then the shared gate's sigmoid).
+//  2. moe_gate_up_e{EB}_s{SB}: one block per (slot, 16-row tile): slots 0..TOP_K-1 are the
+//     chosen experts (ids read from device memory), slot TOP_K the shared expert. A tile holds 8
+//     gate rows and the 8 up rows of the same outputs, so SwiGLU happens in the block: act[slot]
+//     = silu(gate·u) * (up·u). 4 warps split K; the shared expert's weights are loaded before
+//     calla_pdl_wait(). Without F_TOPK_IN_ROUTER every routed block does the top-k itself from
+//     the logits (block 0 stores sel_ids/sel_w). With F_PREFETCH_DOWN each block also asks for
+//     its expert's down tiles of kernel 3 to be prefetched into L2 (measured slower: off).
+//  3. moe_down_e{EB}_s{SB}: one block per 16 output rows, two warps per slot (K halves), then
+//     out[r] = resid[r] + Σ_k w_k y_k[r] + w_shared y_shared[r] from shared memory (no
+//     atomics). With F_TOPK_IN_ROUTER the routed experts' ids (written by kernel 1) are read and
+//     their weights loaded BEFORE calla_pdl_wait(): kernel 2 triggers its dependents only after
+//     its own wait, i.e. after kernel 1 has completed, so kernel 1's writes are visible whenever
+//     kernel 3 runs. (Otherwise kernel 2 wrote the ids: read after the wait.)
+//
+// Expert products on the integer tensor cores (mma.m16n8k32 u8 x s8 -> s32), exact:
+//   * weights: the MLX codes q (0..15 or 0..255) are the u8 A operand as they are (4-bit codes are
+//     split into bytes with one LOP3 per 4 codes). The host restacks each expert into tiles of
+//     16 rows x 64 columns (one quantization group), 512 B (4-bit) or 1 KB (8-bit), laid out so
+//     that lane l's 16-byte load(s) are exactly its A fragments (see crates/cuda/src/moe.rs
+//     `pack_tile`); scale and bias of rows g and g+8 of the tile are one 8-byte load.
+//   * activations: per group of 64 values x with m = max|x| < 2^E, X = round(x · 2^(30-E)) is
+//     written as four balanced base-256 digits d0..d3 (s8): x = 2^(E-30) Σ_i 256^i d_i up to
+//     2^(E-31) <= m·2^-30 (fp32 itself keeps 2^-24 of each value). The digits are the B operand
+//     (column n = digit n, columns 4..7 zero), so C[row][n] = Σ_k q·d_n exactly in int32 and
+//       Σ_k q_k x_k = 2^(E-30) ((C0 + 256 C1) + 65536 (C2 + 256 C3)),
+//       Σ_k w_k x_k = scale · Σ q x + bias · Σ x      (per row and group, in fp32).
+//     Fragment layout of one group (64 words): word 16n + 4t + 2h + r holds digit n of the four
+//     values x[32h + 16r + 4t + 0..3] (byte b <-> value b), so lane l = 4n + t reads its B
+//     fragments of both k-halves h as one uint4 at word 4l.
+//
+// Dims come from the generated header (CALLA_* macros) prepended by the host.
+
+#ifndef CALLA_QUANT_GROUP
+#error "dims header missing"
+#endif
+
+namespace calla_moe {
+
+constexpr int D = CALLA_D_MODEL;
+constexpr int NE = CALLA_N_EXPERTS;
+constexpr int TOPK = CALLA_TOP_K;
+constexpr int DE = CALLA_D_EXPERT;
+constexpr int GROUP = CALLA_QUANT_GROUP;
+constexpr int NSLOT = TOPK + 1;  // routed slots, then the shared expert
+constexpr int DG = D / GROUP;    // quantization groups along D_MODEL
+constexpr int EG = DE / GROUP;   // quantization groups along D_EXPERT
+
+static_assert(GROUP == 64, "a tile is 16 rows x one 64-column group = two k32 mmas");
+static_assert(CALLA_D_SHARED_EXPERT == CALLA_D_EXPERT, "the shared expert is one more slot of the same shape");
+static_assert(NE % 32 == 0 && TOPK <= 32, "top-k: N_EXPERTS / 32 logits per lane");
+static_assert(DE % 8 == 0 && D % 16 == 0 && DE % GROUP == 0 && D % GROUP == 0, "tiles");
+
+// router kernel
+constexpr int R_WARPS = 8;  // warps per block; a router row spans D*BITS/128/32 of them
+static_assert(DG % 2 == 0 && DG / 2 <= NE, "router warps (at least NE) that write u's digits, two groups each");
+// gate/up kernel
+constexpr int GU_RT = 2 * DE / 16;  // 16-row tiles per expert: 8 gate rows + the 8 up rows of the same outputs
+constexpr int GU_KS = 4;            // warps per block, splitting K
+constexpr int GU_GPW = DG / GU_KS;  // groups per warp
+static_assert(DG % GU_KS == 0, "K split");
+// down kernel
+constexpr int DN_RT = D / 16;        // 16-row tiles of the output
+constexpr int DN_KS = 2;             // warps per slot, splitting K
+constexpr int DN_GPW = EG / DN_KS;   // groups per warp
+static_assert(DN_RT == 2 * GU_RT, "each gate/up block prefetches two down row tiles");
+static_assert(EG % DN_KS == 0 && DN_GPW % 2 == 0, "K split (quantize_group: two groups per warp pass)");
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+// D += A (16x32 u8, row-major) * B (32x8 s8, col-major), int32.
+// Fragments (lane = 4g + t): a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][16+4t..],
+// a3 = A[g+8][16+4t..]; b0 = B[4t..4t+3][g], b1 = B[16+4t..][g]; d0,d1 = D[g][2t, 2t+1],
+// d2,d3 = D[g+8][2t, 2t+1].
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ int warp_max_s32(int v) {
+    int r;
+    asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;\n" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// Runtime options of a step (kernel argument `flags`, the same for the three launches):
+constexpr int F_TOPK_IN_ROUTER = 1;  // the router's last block does the top-k (else every gate/up block does)
+constexpr int F_PREFETCH_DOWN = 2;   // gate/up blocks prefetch the down kernel's tiles into L2
+
+// Hint: bring `bytes` (multiple of 16) at `p` (16-byte aligned, global) into L2.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+    unsigned long long g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
+}
+
+// Exactly the CPU's sigmoid / silu (crates/model/src/reference.rs): 1 / (1 + exp(-x)).
+__device__ __forceinline__ float sigmoid_ref(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// One 16-row x 64-column tile as one lane holds it: its A fragments (BITS/4 uint4) and the
+// {scale | bias << 16} words of rows g and g+8.
+template <int BITS>
+struct Tile {
+    uint4 c[BITS / 4];
+    uint2 sb;
+};
+
+// Words of one tile: 32 * BITS (512 B at 4 bits, 1 KB at 8 bits), as uint4.
+template <int BITS>
+constexpr int tile_u4() { return 8 * BITS; }
+
+template <int BITS>
+__device__ __forceinline__ void tile_load(Tile<BITS>& t, const uint4* __restrict__ tile,
+                                          const uint2* __restrict__ sb, int lane) {
+#pragma unroll
+    for (int c = 0; c < BITS / 4; ++c) t.c[c] = __ldcs(tile + c * 32 + lane);
+    t.sb = __ldcs(sb + (lane >> 2));
+}
+
+// acc0 (row g) and acc1 (row g+8) += this lane's share of the tile's dot products with the group
+// whose digits are bq (this lane's B fragments; zero for lanes >= 16) and meta = {2^(E-30), Σx}.
+// tmul = 65536 for odd t (digits 2, 3), 1 for even t; xmask = 1 for t == 0 (adds bias·Σx once).
+template <int BITS>
+__device__ __forceinline__ void tile_dot(const Tile<BITS>& t, uint4 bq, float2 meta, float tmul, float xmask,
+                                         float& acc0, float& acc1) {
+    unsigned a[8];
+    if constexpr (BITS == 4) {
+        const unsigned w[4] = {t.c[0].x, t.c[0].y, t.c[0].z, t.c[0].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            a[2 * j] = w[j] & 0x0F0F0F0Fu;
+            a[2 * j + 1] = (w[j] >> 4) & 0x0F0F0F0Fu;
+        }
+    } else {
+        a[0] = t.c[0].x; a[1] = t.c[0].y; a[2] = t.c[0].z; a[3] = t.c[0].w;
+        a[4] = t.c[1].x; a[5] = t.c[1].y; a[6] = t.c[1].z; a[7] = t.c[1].w;
+    }
+    int d[4] = {0, 0, 0, 0};
+    mma_u8s8(d, a[0], a[1], a[2], a[3], bq.x, bq.y);
+    mma_u8s8(d, a[4], a[5], a[6], a[7], bq.z, bq.w);
+    const float v0 = (float)(d[0] + d[1] * 256);
+    const float v1 = (float)(d[2] + d[3] * 256);
+    const float f = meta.x * tmul;
+    const float xs = meta.y * xmask;
+    acc0 = fmaf(bf16_lo(t.sb.x) * f, v0, fmaf(bf16_hi(t.sb.x), xs, acc0));
+    acc1 = fmaf(bf16_lo(t.sb.y) * f, v1, fmaf(bf16_hi(t.sb.y), xs, acc1));
+}
+
+// Sum over the 4 lanes t of a quad (the four digit-pair lanes of one row).
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    return v;
+}
+
+// Half a warp (16 lanes, q = lane & 15) writes one group of 64 values xg[0..63] as digits (see
+// the header): lane q = 8h + 4r + t converts x[32h + 16r + 4t + 0..3]. words: the group's 64
+// words; meta: {2^(E-30), Σ x}. Must be called by all 32 lanes (shuffles).
+__device__ __forceinline__ void quantize_group(const float* __restrict__ xg, int q, unsigned* words, float2* meta) {
+    const int t = q & 3, r = (q >> 2) & 1, h = q >> 3;
+    const float4 v = *reinterpret_cast<const float4*>(xg + 32 * h + 16 * r + 4 * t);
+    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    float s = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    }
+    // m < 2^e; e >= -90 keeps 2^(30-e) and 2^(e-30) normal (values below 2^-90 round to 0)
+    const int e = max((int)((__float_as_uint(m) >> 23) & 0xFFu) - 126, -90);
+    const float up = __uint_as_float((unsigned)(157 - e) << 23);  // 2^(30-e)
+    // X + 0x80808080 has the bytes d_i + 128 of the balanced digits (|X| <= 2^30); ^0x80 -> d_i
+    const unsigned d0 = ((unsigned)__float2int_rn(v.x * up) + 0x80808080u) ^ 0x80808080u;
+    const unsigned d1 = ((unsigned)__float2int_rn(v.y * up) + 0x80808080u) ^ 0x80808080u;
+    const unsigned d2 = ((unsigned)__float2int_rn(v.z * up) + 0x80808080u) ^ 0x80808080u;
+    const unsigned d3 = ((unsigned)__float2int_rn(v.w * up) + 0x80808080u) ^ 0x80808080u;
+    // transpose 4 values x 4 digits -> 4 digits x 4 values
+    const unsigned lo01 = __byte_perm(d0, d1, 0x5140), hi01 = __byte_perm(d0, d1, 0x7362);
+    const unsigned lo23 = __byte_perm(d2, d3, 0x5140), hi23 = __byte_perm(d2, d3, 0x7362);
+    const int base = 4 * t + 2 * h + r;
+    words[base] = __byte_perm(lo01, lo23, 0x5410);
+    words[16 + base] = __byte_perm(lo01, lo23, 0x7632);
+    words[32 + base] = __byte_perm(hi01, hi23, 0x5410);
+    words[48 + base] = __byte_perm(hi01, hi23, 0x7632);
+    if (q == 0) *meta = make_float2(__uint_as_float((unsigned)(e + 97) << 23), s);  // 2^(e-30)
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. router
+
+// Router rows in MLX layout (packed [D*BITS/32] u32, element 0 in the low bits): each lane of a
+// warp takes one 16-byte chunk, so a row spans WPR warps of one block.
+template <int BITS>
+struct RouterShape {
+    static constexpr int CH = D * BITS / 128;  // 16-byte chunks per row
+    static constexpr int WPR = CH / 32;        // warps per row
+    static constexpr int RPB = R_WARPS / WPR;  // rows per block
+    static constexpr int EPC = 128 / BITS;     // values per chunk
+    static_assert(CH % 32 == 0 && R_WARPS % WPR == 0 && NE % RPB == 0, "router split");
+};
+
+// This lane's share of W[row] . x: chunk c of the row (values c*EPC ..), in fp32.
+template <int BITS>
+__device__ __forceinline__ float router_part(uint4 w, unsigned sbw, const float* __restrict__ x, int c) {
+    constexpr int EPC = 128 / BITS, EPW = 32 / BITS;
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    const float4* xv = reinterpret_cast<const float4*>(x + c * EPC);
+    float4 xx[EPC / 4];
+#pragma unroll
+    for (int v = 0; v < EPC / 4; ++v) xx[v] = xv[v];  // all loads first
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    float qx0 = 0.f, qx1 = 0.f, xs0 = 0.f, xs1 = 0.f;
+#pragma unroll
+    for (int v = 0; v < EPC / 4; ++v) {
+        const float e4[4] = {xx[v].x, xx[v].y, xx[v].z, xx[v].w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int j = 4 * v + u;
+            const unsigned code = (words[j / EPW] >> ((j % EPW) * BITS)) & MASK;
+            const float f = __uint_as_float(0x4B000000u | code) - 8388608.0f;  // exact
+            if (u & 1) {
+                qx1 = fmaf(f, e4[u], qx1);
+                xs1 += e4[u];
+            } else {
+                qx0 = fmaf(f, e4[u], qx0);
+                xs0 += e4[u];
+            }
+        }
+    }
+    return fmaf(bf16_lo(sbw), qx0 + qx1, bf16_hi(sbw) * (xs0 + xs1));
+}
+
+// Softmax over the NE logits, top-k (ties: lower id first), renormalise; one warp.
+// Matches crates/model: softmax_inplace (max, exp, sum, multiply by 1/sum) and top_k_renorm
+// (descending p, sum of the k in that order, p / sum).
+__device__ __forceinline__ void router_topk(const float* __restrict__ logits, int* sel_ids, float* sel_w, int lane) {
+    constexpr int PER = NE / 32;  // lane l holds ids PER*l .. PER*l + PER-1 (lowest lane = lowest id)
+    float l[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) l[i] = logits[lane * PER + i];
+    const float gate_logit = logits[NE];
+    float m = l[0];
+#pragma unroll
+    for (int i = 1; i < PER; ++i) m = fmaxf(m, l[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float e[PER], s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        e[i] = expf(l[i] - m);
+        s += e[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const float inv = 1.0f / s;
+    int key[PER];  // bits of p >= 0 order like p; -1 = taken
+#pragma unroll
+    for (int i = 0; i < PER; ++i) key[i] = __float_as_int(e[i] * inv);
+    int ids[TOPK];
+    float ps[TOPK];
+#pragma unroll
+    for (int k = 0; k < TOPK; ++k) {
+        int best = -1, bi = 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (key[i] > best) {
+                best = key[i];
+                bi = i;
+            }
+        const int wbest = warp_max_s32(best);
+        const int src = __ffs(__ballot_sync(0xffffffffu, best == wbest)) - 1;  // lowest lane = lowest id
+        ids[k] = __shfl_sync(0xffffffffu, lane * PER + bi, src);
+        ps[k] = __int_as_float(wbest);
+        if (lane == src) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+                if (i == bi) key[i] = -1;
+        }
+    }
+    if (lane == 0) {
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < TOPK; ++k) sum += ps[k];
+#pragma unroll
+        for (int k = 0; k < TOPK; ++k) {
+            sel_ids[k] = ids[k];
+            sel_w[k] = ps[k] / sum;
+        }
+        sel_w[TOPK] = sigmoid_ref(gate_logit);
+    }
+}
+
+// Blocks 0 .. NE/RPB-1: RPB router rows each; the last block: the shared-expert gate row.
+template <int RB, int GB>
+__device__ __forceinline__ void router_body(const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,
+                                            const uint4* __restrict__ g_packed, const unsigned* __restrict__ g_sb,
+                                            const float* __restrict__ u, float* __restrict__ logits,
+                                            unsigned* __restrict__ uq, float2* __restrict__ umeta,
+                                            int* __restrict__ sel_ids, float* __restrict__ sel_w,
+                                            unsigned* __restrict__ counter, int flags) {
+    using R = RouterShape<RB>;
+    using G = RouterShape<GB>;
+    __shared__ float s_part[R_WARPS];
+    __shared__ unsigned s_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool gate_block = blockIdx.x == NE / R::RPB;
+    // this lane's chunk: row, chunk index c
+    int row, c;
+    bool active;
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    unsigned sbw = 0u;
+    if (!gate_block) {
+        row = blockIdx.x * R::RPB + warp / R::WPR;
+        c = (warp % R::WPR) * 32 + lane;
+        active = true;
+        w = __ldg(r_packed + (size_t)row * R::CH + c);
+        sbw = __ldg(r_sb + (size_t)row * DG + c * R::EPC / GROUP);
+    } else {
+        row = NE;
+        c = warp * 32 + lane;
+        active = warp < G::WPR;
+        if (active) {
+            w = __ldg(g_packed + c);
+            sbw = __ldg(g_sb + c * G::EPC / GROUP);
+        }
+    }
+    calla_pdl_wait();  // u comes from the previous kernel
+    float v = 0.f;
+    if (active) v = gate_block ? router_part<GB>(w, sbw, u, c) : router_part<RB>(w, sbw, u, c);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) s_part[warp] = v;
+    // u's digits for the gate/up kernel: warps 0 .. DG/2-1 of the grid, two groups each
+    const int gw = blockIdx.x * R_WARPS + warp;
+    if (gw < DG / 2) {
+        const int gi = 2 * gw + (lane >> 4);
+        quantize_group(u + gi * GROUP, lane & 15, uq + gi * 64, umeta + gi);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (!gate_block) {
+#pragma unroll
+            for (int r = 0; r < R::RPB; ++r) {
+                float sum = 0.f;
+#pragma unroll
+                for (int k = 0; k < R::WPR; ++k) sum += s_part[r * R::WPR + k];
+                logits[blockIdx.x * R::RPB + r] = sum;
+            }
+        } else {
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < G::WPR; ++k) sum += s_part[k];
+            logits[NE] = sum;
+        }
+    }
+    calla_pdl_launch_dependents();
+    if (!(flags & F_TOPK_IN_ROUTER)) return;
+    // The last block to finish does the top-k. Thread 0 wrote this block's logits: release them
+    // with the counter increment (threadFenceReduction pattern).
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(counter, 1u) == gridDim.x - 1 ? 1u : 0u;
+    }
+    __syncthreads();
+    if (s_last == 0u || warp != 0) return;
+    __threadfence();
+    router_topk(logits, sel_ids, sel_w, lane);
+    if (lane == 0) *counter = 0u;  // for the next launch (kernel boundaries order it)
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. gate/up + SwiGLU
+
+// Where the down kernel's weights of an expert live, to prefetch them into L2: tiles
+// [experts][DN_RT][EG] of `tile_bytes`, scale/bias [experts][DN_RT][EG][64 B].
+struct DownRef {
+    const char* codes;
+    const char* sb;
+    unsigned tile_bytes;
+};
+
+// Prefetch the down tiles of output row tiles 2*rt, 2*rt+1 (this block's share: DN_RT = 2*GU_RT).
+__device__ __forceinline__ void prefetch_down(const DownRef& dn, int e, int rt) {
+    const size_t t0 = ((size_t)e * DN_RT + 2 * rt) * EG;
+    prefetch_l2(dn.codes + t0 * dn.tile_bytes, 2 * EG * dn.tile_bytes);
+    prefetch_l2(dn.sb + t0 * 64, 2 * EG * 64);
+}
+
+// codes: [experts][GU_RT][DG] tiles; sb: [experts][GU_RT][DG][8] uint2.
+template <int BITS>
+__device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, const uint2* __restrict__ sb,
+                                              const DownRef& dn, int* __restrict__ sel_ids,
+                                              float* __restrict__ sel_w, const float* __restrict__ logits,
+                                              int slot, bool routed, int rt, const unsigned* __restrict__ uq,
+                                              const float2* __restrict__ umeta, float* __restrict__ act, int flags,
+                                              uint4 (*s_bq)[GU_GPW][16], float2 (*s_meta)[GU_GPW],
+                                              float (*s_red)[16], int* s_ids, float* s_w) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g0 = warp * GU_GPW;  // first group of this warp's K range
+    Tile<BITS> tl[GU_GPW];
+    auto load = [&](int e) {
+        const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
+#pragma unroll
+        for (int i = 0; i < GU_GPW; ++i)
+            tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
+    };
+    if (!routed) {  // the shared expert: before the wait
+        load(0);
+        if ((flags & F_PREFETCH_DOWN) && threadIdx.x == 0) prefetch_down(dn, 0, rt);
+    }
+    calla_pdl_wait();
+    if (routed) {
+        int e;
+        if (flags & F_TOPK_IN_ROUTER) {
+            e = sel_ids[slot];
+        } else {
+            // softmax + top-k here, from the router's logits (one warp; the block waits for it)
+            if (warp == 0) router_topk(logits, s_ids, s_w, lane);
+            __syncthreads();
+            e = s_ids[slot];
+            if (blockIdx.x == 0 && threadIdx.x < NSLOT) {  // for the down kernel and telemetry
+                if (threadIdx.x < TOPK) sel_ids[threadIdx.x] = s_ids[threadIdx.x];
+                sel_w[threadIdx.x] = s_w[threadIdx.x];
+            }
+        }
+        load(e);
+        if ((flags & F_PREFETCH_DOWN) && threadIdx.x == 0) prefetch_down(dn, e, rt);
+    }
+    calla_pdl_launch_dependents();  // after the wait: moe_down relies on it (see the header)
+
+    // this warp's B fragments (u's digits, written by the router kernel) into shared memory
+    const uint4* uq4 = reinterpret_cast<const uint4*>(uq) + g0 * 16;
+#pragma unroll
+    for (int i = lane; i < GU_GPW * 16; i += 32) s_bq[warp][i / 16][i % 16] = uq4[i];
+    if (lane < GU_GPW) s_meta[warp][lane] = umeta[g0 + lane];
+    __syncwarp();
+
+    const int t = lane & 3;
+    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
+    float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < GU_GPW; ++i) {
+        const uint4 bq = lane < 16 ? s_bq[warp][i][lane] : make_uint4(0u, 0u, 0u, 0u);
+        tile_dot<BITS>(tl[i], bq, s_meta[warp][i], tmul, xmask, acc0, acc1);
+    }
+    acc0 = quad_sum(acc0);
+    acc1 = quad_sum(acc1);
+    if (t == 0) {
+        s_red[warp][lane >> 2] = acc0;        // gate row 8rt + g
+        s_red[warp][8 + (lane >> 2)] = acc1;  // up row 8rt + g
+    }
+    __syncthreads();
+    if (threadIdx.x < 8) {
+        float g = 0.f, up = 0.f;
+#pragma unroll
+        for (int w = 0; w < GU_KS; ++w) {
+            g += s_red[w][threadIdx.x];
+            up += s_red[w][8 + threadIdx.x];
+        }
+        act[slot * DE + rt * 8 + threadIdx.x] = g * sigmoid_ref(g) * up;
+    }
+}
+
+template <int EB, int SB>
+__device__ __forceinline__ void gate_up_body(const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
+                                             const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
+                                             DownRef dn_e, DownRef dn_s, int* __restrict__ sel_ids,
+                                             float* __restrict__ sel_w, const float* __restrict__ logits,
+                                             const unsigned* __restrict__ uq, const float2* __restrict__ umeta,
+                                             float* __restrict__ act, int flags) {
+    __shared__ uint4 s_bq[GU_KS][GU_GPW][16];
+    __shared__ float2 s_meta[GU_KS][GU_GPW];
+    __shared__ float s_red[GU_KS][16];
+    __shared__ int s_ids[TOPK];
+    __shared__ float s_w[NSLOT];
+    const int slot = blockIdx.x / GU_RT, rt = blockIdx.x % GU_RT;
+    if (slot == TOPK)
+        gate_up_block<SB>(codes_s, sb_s, dn_s, sel_ids, sel_w, logits, slot, false, rt, uq, umeta, act, flags, s_bq,
+                          s_meta, s_red, s_ids, s_w);
+    else
+        gate_up_block<EB>(codes_e, sb_e, dn_e, sel_ids, sel_w, logits, slot, true, rt, uq, umeta, act, flags, s_bq,
+                          s_meta, s_red, s_ids, s_w);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. down + combine + residual
+
+// One warp: slot's expert, output rows 16rt..16rt+15, K groups kh*DN_GPW .. +DN_GPW of D_EXPERT.
+// codes: [experts][DN_RT][EG] tiles; sb: [experts][DN_RT][EG][8] uint2. Returns the rows' partial
+// dot products (valid in lanes t == 0).
+template <int BITS>
+__device__ __forceinline__ void down_warp(const uint4* __restrict__ codes, const uint2* __restrict__ sb,
+                                          const int* __restrict__ sel_ids, int slot, bool routed, int kh, int rt,
+                                          const float* __restrict__ act, int flags, unsigned* s_words,
+                                          float2* s_meta, float& r0, float& r1) {
+    const int lane = threadIdx.x & 31;
+    const int g0 = kh * DN_GPW;
+    Tile<BITS> tl[DN_GPW];
+    auto load = [&](int e) {
+        const size_t t0 = ((size_t)e * DN_RT + rt) * EG + g0;
+#pragma unroll
+        for (int i = 0; i < DN_GPW; ++i)
+            tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
+    };
+    // With the top-k in the router kernel, the routed ids are read before the wait: see the
+    // header (kernel 1 has completed by now). Else the gate/up kernel wrote them: after it.
+    const bool early = !routed || (flags & F_TOPK_IN_ROUTER);
+    if (early) load(routed ? sel_ids[slot] : 0);
+    calla_pdl_wait();  // act (and maybe sel_ids) come from moe_gate_up
+    if (!early) load(sel_ids[slot]);
+    calla_pdl_launch_dependents();
+    const float* a = act + slot * DE + g0 * GROUP;
+#pragma unroll
+    for (int i = lane >> 4; i < DN_GPW; i += 2) quantize_group(a + i * GROUP, lane & 15, s_words + i * 64, s_meta + i);
+    __syncwarp();
+    const int t = lane & 3;
+    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
+    float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < DN_GPW; ++i) {
+        const uint4 bq = lane < 16 ? reinterpret_cast<const uint4*>(s_words + i * 64)[lane] : make_uint4(0u, 0u, 0u, 0u);
+        tile_dot<BITS>(tl[i], bq, s_meta[i], tmul, xmask, acc0, acc1);
+    }
+    r0 = quad_sum(acc0);
+    r1 = quad_sum(acc1);
+}
+
+// Warp w: slot w % NSLOT, K half w / NSLOT. out may alias resid (each element is read, then
+// written, by the same thread).
+template <int EB, int SB>
+__device__ __forceinline__ void down_body(float* out, const float* resid, const float* __restrict__ act,
+                                          const int* __restrict__ sel_ids, const float* __restrict__ sel_w,
+                                          const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
+                                          const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
+                                          int flags) {
+    __shared__ __align__(16) unsigned s_words[DN_KS * NSLOT][DN_GPW * 64];
+    __shared__ float2 s_meta[DN_KS * NSLOT][DN_GPW];
+    __shared__ float s_red[DN_KS][NSLOT][16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int slot = warp % NSLOT, kh = warp / NSLOT;
+    const int rt = blockIdx.x;
+    float r0, r1;
+    if (slot == TOPK)
+        down_warp<SB>(codes_s, sb_s, sel_ids, slot, false, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
+    else
+        down_warp<EB>(codes_e, sb_e, sel_ids, slot, true, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
+    if ((lane & 3) == 0) {
+        s_red[kh][slot][lane >> 2] = r0;
+        s_red[kh][slot][8 + (lane >> 2)] = r1;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float m = 0.f;
+#pragma unroll
+        for (int k = 0; k < NSLOT; ++k) {
+            float y = 0.f;
+#pragma unroll
+            for (int h = 0; h < DN_KS; ++h) y += s_red[h][k][threadIdx.x];
+            m = fmaf(sel_w[k], y, m);
+        }
+        const int r = rt * 16 + threadIdx.x;
+        out[r] = resid[r] + m;
+    }
+}
+
+}  // namespace calla_moe
+
+// ---------------------------------------------------------------------------------------------
+// entry points: router bits x shared-gate bits; routed x shared expert bits
+
+#define CALLA_MOE_ROUTER(NAME, RB, GB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(calla_moe::R_WARPS * 32) NAME(                          \
+        const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,                            \
+        const uint4* __restrict__ g_packed, const unsigned* __restrict__ g_sb, const float* __restrict__ u, \
+        float* __restrict__ logits, unsigned* __restrict__ uq, float2* __restrict__ umeta,                \
+        int* __restrict__ sel_ids, float* __restrict__ sel_w, unsigned* __restrict__ counter, int flags) { \
+        calla_moe::router_body<RB, GB>(r_packed, r_sb, g_packed, g_sb, u, logits, uq, umeta, sel_ids,     \
+                                       sel_w, counter, flags);                                            \
+    }
+CALLA_MOE_ROUTER(moe_router_r4_g4, 4, 4)
+CALLA_MOE_ROUTER(moe_router_r4_g8, 4, 8)
+CALLA_MOE_ROUTER(moe_router_r8_g4, 8, 4)
+CALLA_MOE_ROUTER(moe_router_r8_g8, 8, 8)
+
+// 5 blocks of 128 threads per SM at 4 bits (<= 102 registers): the whole grid in one wave.
+#define CALLA_MOE_GATE_UP(NAME, EB, SB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(calla_moe::GU_KS * 32, (EB == 8 || SB == 8) ? 4 : 5) NAME( \
+        const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,                                \
+        const char* dn_codes_e, const char* dn_sb_e, unsigned dn_tile_e,                                   \
+        const char* dn_codes_s, const char* dn_sb_s, unsigned dn_tile_s,                                   \
+        int* __restrict__ sel_ids, float* __restrict__ sel_w, const float* __restrict__ logits,           \
+        const unsigned* __restrict__ uq, const float2* __restrict__ umeta, float* __restrict__ act,        \
+        int flags) {                                                                                       \
+        calla_moe::gate_up_body<EB, SB>(codes_e, sb_e, codes_s, sb_s, {dn_codes_e, dn_sb_e, dn_tile_e},   \
+                                        {dn_codes_s, dn_sb_s, dn_tile_s}, sel_ids, sel_w, logits, uq,      \
+                                        umeta, act, flags);                                                \
+    }
+CALLA_MOE_GATE_UP(moe_gate_up_e4_s4, 4, 4)
+CALLA_MOE_GATE_UP(moe_gate_up_e4_s8, 4, 8)
+CALLA_MOE_GATE_UP(moe_gate_up_e8_s4, 8, 4)
+CALLA_MOE_GATE_UP(moe_gate_up_e8_s8, 8, 8)
+
+#define CALLA_MOE_DOWN(NAME, EB, SB)                                                                      \
+    extern "C" __global__ void __launch_bounds__(calla_moe::DN_KS * calla_moe::NSLOT * 32, 1) NAME(       \
+        float* out, const float* resid, const float* __restrict__ act,                                    \
+        const int* __restrict__ sel_ids, const float* __restrict__ sel_w,                                  \
+        const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags) {                   \
+        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags); \
+    }
+CALLA_MOE_DOWN(moe_down_e4_s4, 4, 4)
+CALLA_MOE_DOWN(moe_down_e4_s8, 4, 8)
+CALLA_MOE_DOWN(moe_down_e8_s4, 8, 4)
+CALLA_MOE_DOWN(moe_down_e8_s8, 8, 8)

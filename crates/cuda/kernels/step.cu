@@ -1,0 +1,176 @@
+// Decode-step bookkeeping on the device, so that a whole step (and the prompt, token by token)
+// replays from one CUDA graph with no host value changing between replays:
+//
+// * embed_gather_q{4,8}: x[0..D_MODEL] = dequantized row ids[pos[0]] of the quantized embedding
+//   (MODEL.md §3.3), computed as quant::dequantize does: scale * q rounded, then + bias rounded
+//   (no fused multiply-add), so the row is bit-identical to the CPU one.
+// * argmax_step: t = argmax(logits[0..vocab_limit)) (ties -> lowest id, NaN never wins, no
+//   non-NaN value -> 0: sampler::argmax), then ids[pos+1] = t when pos+1 is past the prompt
+//   (pos+1 >= n_fixed[0]) and inside the history (pos+1 < max_ctx), then pos[0] += 1.
+//   Many blocks: each reduces a grid-stride share to (value, id) in the scratch, the last block to
+//   finish (an atomic ticket) reduces the partials, writes, and resets the ticket to 0 so the next
+//   launch or graph replay starts clean.
+// * advance_pos: pos[0] += 1 (a prompt step that skips the LM head).
+//
+// Dims from the generated header.
+
+#ifndef CALLA_D_MODEL
+#error "dims header missing"
+#endif
+
+namespace calla_step {
+
+constexpr int ARGMAX_THREADS = 512;
+constexpr int ARGMAX_MAX_BLOCKS = 256; // crates/cuda/src/step.rs ARGMAX_MAX_BLOCKS
+constexpr int NONE = 0x7fffffff;       // "no candidate yet" (loses every tie)
+#define CALLA_NEG_INF __uint_as_float(0xff800000u)
+
+// Scratch words: [0, MAXB) best values (f32 bits), [MAXB, 2 MAXB) their ids, [2 MAXB] ticket.
+constexpr int SCRATCH_IDS = ARGMAX_MAX_BLOCKS;
+constexpr int SCRATCH_TICKET = 2 * ARGMAX_MAX_BLOCKS;
+
+// (bv, bi) <- (v, i) when v is larger, or equal with a lower id. NaN compares false.
+__device__ __forceinline__ void take_better(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+__device__ __forceinline__ void warp_best(float& bv, int& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int i = __shfl_xor_sync(0xffffffffu, bi, o);
+        take_better(bv, bi, v, i);
+    }
+}
+
+// Best (value, id) of the whole block, valid in every thread of warp 0.
+__device__ __forceinline__ void block_best(float& bv, int& bi) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    warp_best(bv, bi);
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        bv = lane < nw ? sv[lane] : CALLA_NEG_INF;
+        bi = lane < nw ? si[lane] : NONE;
+        warp_best(bv, bi);
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ void embed_body(float* __restrict__ x, const unsigned* __restrict__ packed,
+                                           const unsigned short* __restrict__ scales,
+                                           const unsigned short* __restrict__ biases, const int* __restrict__ ids,
+                                           const int* __restrict__ pos, int n_ids, int n_rows) {
+    constexpr int D = CALLA_D_MODEL;
+    constexpr int WPR = D * BITS / 32;       // packed words per row
+    constexpr int GPR = D / CALLA_QUANT_GROUP; // groups per row
+    static_assert(D % 8 == 0 && CALLA_QUANT_GROUP % 8 == 0, "8 columns per thread inside one group");
+    calla_pdl_wait(); // ids and pos are written by earlier kernels
+    const int c0 = threadIdx.x * 8;
+    const int p = __ldcg(pos);
+    const int id = (p >= 0 && p < n_ids) ? __ldcg(ids + p) : -1;
+    float v[8];
+    if (id < 0 || id >= n_rows) {
+        // a bad position or token id poisons the step visibly instead of reading another row
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = __int_as_float(0x7fc00000);
+    } else {
+        const size_t g = (size_t)id * GPR + c0 / CALLA_QUANT_GROUP;
+        const float s = calla_bf16_to_f32(scales[g]);
+        const float b = calla_bf16_to_f32(biases[g]);
+        if (BITS == 4) {
+            const unsigned w = packed[(size_t)id * WPR + threadIdx.x];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(s, (float)((w >> (4 * k)) & 15u)), b);
+        } else {
+            const uint2 w = *reinterpret_cast<const uint2*>(packed + (size_t)id * WPR + 2 * threadIdx.x);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                v[k] = __fadd_rn(__fmul_rn(s, (float)((w.x >> (8 * k)) & 255u)), b);
+                v[4 + k] = __fadd_rn(__fmul_rn(s, (float)((w.y >> (8 * k)) & 255u)), b);
+            }
+        }
+    }
+    calla_pdl_launch_dependents();
+    float4* xo = reinterpret_cast<float4*>(x + c0);
+    xo[0] = make_float4(v[0], v[1], v[2], v[3]);
+    xo[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+}  // namespace calla_step
+
+// One block of D_MODEL / 8 threads. ids: [n_ids] token history, pos: [1].
+extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
+embed_gather_q4(float* __restrict__ x, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,
+                const unsigned short* __restrict__ biases, const int* __restrict__ ids, const int* __restrict__ pos,
+                int n_ids, int n_rows) {
+    calla_step::embed_body<4>(x, packed, scales, biases, ids, pos, n_ids, n_rows);
+}
+extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
+embed_gather_q8(float* __restrict__ x, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,
+                const unsigned short* __restrict__ biases, const int* __restrict__ ids, const int* __restrict__ pos,
+                int n_ids, int n_rows) {
+    calla_step::embed_body<8>(x, packed, scales, biases, ids, pos, n_ids, n_rows);
+}
+
+// ARGMAX_THREADS threads, at most ARGMAX_MAX_BLOCKS blocks. scratch: SCRATCH_TICKET + 1 words,
+// the ticket zero before the launch (it is left zero after it).
+extern "C" __global__ void __launch_bounds__(calla_step::ARGMAX_THREADS)
+argmax_step(const float* __restrict__ logits, int vocab_limit, int* __restrict__ ids, int max_ctx,
+            const int* __restrict__ n_fixed, int* __restrict__ pos, unsigned* __restrict__ scratch) {
+    using namespace calla_step;
+    calla_pdl_wait(); // the logits come from the LM head
+    float bv = CALLA_NEG_INF;
+    int bi = NONE;
+    const int stride = gridDim.x * blockDim.x;
+#pragma unroll 4
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab_limit; i += stride) {
+        // ids grow along the loop, so an equal value never replaces; the first -inf is taken
+        const float v = __ldcg(logits + i);
+        if (v > bv || (v == bv && bi == NONE)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    calla_pdl_launch_dependents();
+    block_best(bv, bi);
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        scratch[blockIdx.x] = __float_as_uint(bv);
+        scratch[SCRATCH_IDS + blockIdx.x] = (unsigned)bi;
+        __threadfence(); // the partial is visible before the ticket is taken
+        last = atomicAdd(scratch + SCRATCH_TICKET, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence(); // every other block's partial is visible now
+    if (threadIdx.x < 32) {
+        bv = CALLA_NEG_INF;
+        bi = NONE;
+        for (int b = threadIdx.x; b < (int)gridDim.x; b += 32)
+            take_better(bv, bi, __uint_as_float(__ldcg(scratch + b)), (int)__ldcg(scratch + SCRATCH_IDS + b));
+        warp_best(bv, bi);
+        if (threadIdx.x == 0) {
+            const int tok = bi == NONE ? 0 : bi;
+            const int next = __ldcg(pos) + 1;
+            if (next >= __ldcg(n_fixed) && next >= 0 && next < max_ctx) ids[next] = tok;
+            pos[0] = next;
+            scratch[SCRATCH_TICKET] = 0u; // every block has taken its ticket: ready for the next launch
+        }
+    }
+}
+
+// One thread.
+extern "C" __global__ void advance_pos(int* __restrict__ pos) {
+    calla_pdl_wait();
+    if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += 1;
+}

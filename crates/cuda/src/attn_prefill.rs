@@ -1,0 +1,647 @@
+//! Gated full-attention layer core for a block of prompt tokens (prefill) on the GPU:
+//! docs/MODEL.md §3.6 steps 2-5 between the `q|k|v` projections and `o_proj`. Kernels:
+//! `kernels/attn_prefill.cu`.
+//!
+//! Two launches, queued eagerly on [`CudaContext::stream`] with `t` and `pos0` as host values
+//! (prefill runs outside the decode graph):
+//! * `attn_prefill_prep`: q/k ZNorm (`1 + w`, eps `RMS_EPS`) and rotate-half RoPE on the first
+//!   `ROTARY_DIM` dims at positions `pos0 .. pos0 + t`; queries to a bf16 scratch, keys and
+//!   values to the bf16 KV cache rows `pos0 .. pos0 + t`.
+//! * `attn_prefill_flash_q{64,128}`: causal flash attention on tensor cores (mma.sync m16n8k16
+//!   bf16, fp32 accumulation, FlashAttention-2 online softmax in fp32) over cache rows
+//!   `0 .. pos0 + t`, the 8 query heads of a KV head sharing every loaded K/V tile, then the
+//!   output gate `⊙ sigmoid(gate)`.
+//!
+//! The CPU twin is the attention path of `model::Model` (crates/model/src/lib.rs) with
+//! `model::reference::{zrms_norm, rope_inplace, attend, sigmoid}`.
+
+use cudarc::driver::{
+    sys::CUfunction_attribute, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use spec::production as p;
+
+use crate::{CudaContext, CudaError};
+
+/// Width of one token's row of `proj`: `q_proj` output (`N_Q_HEADS` heads × `[query HEAD_DIM |
+/// gate HEAD_DIM]`, interleaved per head as `model::load::AttnWeights::q_proj` rows) | k
+/// (`N_KV_HEADS · HEAD_DIM`) | v (`N_KV_HEADS · HEAD_DIM`) = 9216.
+pub const ATTN_PREFILL_PROJ: usize =
+    p::N_Q_HEADS * 2 * p::HEAD_DIM + 2 * p::N_KV_HEADS * p::HEAD_DIM;
+
+/// Width of one token's row of the output (input of `o_proj`): `N_Q_HEADS · HEAD_DIM`.
+pub const ATTN_PREFILL_OUT: usize = p::N_Q_HEADS * p::HEAD_DIM;
+
+/// bf16 elements of one position of a KV cache: `N_KV_HEADS · HEAD_DIM`.
+pub const KV_ROW: usize = p::N_KV_HEADS * p::HEAD_DIM;
+
+/// Keys per K/V tile of the flash kernel (`AP_BN` in the kernel).
+const BN: usize = 64;
+
+/// Entry point of the split-KV flash kernel (the Wg64 tile).
+const SPLIT_ENTRY: &str = "attn_prefill_flash_wg64_split";
+
+/// Q tile of the flash kernel: rows = 8 query heads × tokens, one block per tile and KV head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnTile {
+    /// 64 rows (8 tokens), 4 warps, 96 KiB shared memory, two blocks per SM.
+    Q64,
+    /// 128 rows (16 tokens), 8 warps, 128 KiB shared memory, one block per SM.
+    Q128,
+    /// 64 rows (8 tokens), one warpgroup issuing wgmma (operands straight from shared
+    /// memory), 97 KiB shared memory, two blocks per SM.
+    Wg64,
+    /// 128 rows (16 tokens), two warpgroups issuing wgmma, 129 KiB shared memory, one block
+    /// per SM.
+    Wg128,
+}
+
+impl AttnTile {
+    /// Every tile, for tests and benchmarks.
+    pub const ALL: [AttnTile; 4] = [
+        AttnTile::Q64,
+        AttnTile::Q128,
+        AttnTile::Wg64,
+        AttnTile::Wg128,
+    ];
+
+    fn warps(self) -> usize {
+        match self {
+            AttnTile::Q64 | AttnTile::Wg64 => 4,
+            AttnTile::Q128 | AttnTile::Wg128 => 8,
+        }
+    }
+
+    /// Tokens per Q tile.
+    pub fn tokens(self) -> usize {
+        self.warps() * 16 / (p::N_Q_HEADS / p::N_KV_HEADS)
+    }
+
+    fn entry(self) -> &'static str {
+        match self {
+            AttnTile::Q64 => "attn_prefill_flash_q64",
+            AttnTile::Q128 => "attn_prefill_flash_q128",
+            AttnTile::Wg64 => "attn_prefill_flash_wg64",
+            AttnTile::Wg128 => "attn_prefill_flash_wg128",
+        }
+    }
+
+    /// Dynamic shared memory: the Q tile and one K and one V tile of [`BN`] keys, bf16 (plus
+    /// 1 KiB for the wgmma kernel to align its tiles to the 128-byte swizzle's 1 KiB atoms).
+    fn smem_bytes(self) -> usize {
+        let slack = match self {
+            AttnTile::Wg64 | AttnTile::Wg128 => 1024,
+            AttnTile::Q64 | AttnTile::Q128 => 0,
+        };
+        (self.warps() * 16 + 2 * BN) * p::HEAD_DIM * 2 + slack
+    }
+}
+
+/// Most (token, split) pairs the split-KV partials of a scratch hold: `t · n_split ≤
+/// SPLIT_CAP` (32 MiB of f32 partial outputs).
+pub const SPLIT_CAP: usize = 2048;
+/// Most splits of one call.
+pub const MAX_SPLIT: usize = 32;
+/// Fewest 64-key blocks a split is planned with (a split also loads its Q tile and writes
+/// 64 KiB of partials).
+const MIN_SPLIT_BLOCKS: usize = 4;
+/// Planning cost of the split's combine pass, in units of one 64-key block of a Wg64 block
+/// (~3 µs: one more launch and the partials' round trip).
+const SPLIT_OVERHEAD_BLOCKS: usize = 3;
+
+/// How [`CudaContext::attn_prefill`] runs the flash part: the tile, and `n_split > 1` for
+/// split-KV (only with [`AttnTile::Wg64`]: `attn_prefill_flash_wg64_split` then
+/// `attn_prefill_combine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnPlan {
+    /// Q tile.
+    pub tile: AttnTile,
+    /// Key-range splits per tile (1: none).
+    pub n_split: usize,
+}
+
+/// The plan for `t` tokens at `pos0` on a GPU with `sm_count` SMs (a pure function; measured
+/// on the H200, docs/CUDA.md):
+/// * `t ≥ 1024`: [`AttnTile::Wg128`] (half the K/V traffic per FLOP of Wg64; faster from
+///   ~1-2k tokens on).
+/// * otherwise [`AttnTile::Wg64`]; when its blocks (`⌈t/8⌉ · N_KV_HEADS`) do not fill the SMs,
+///   the key range is split to minimise (waves of blocks) × (key blocks per split), counting
+///   the combine pass as [`SPLIT_OVERHEAD_BLOCKS`], with at least [`MIN_SPLIT_BLOCKS`] key
+///   blocks per split, `t · n_split ≤` [`SPLIT_CAP`] and `n_split ≤` [`MAX_SPLIT`].
+pub fn attn_prefill_plan(t: usize, pos0: usize, sm_count: usize) -> AttnPlan {
+    if t >= 1024 {
+        return AttnPlan {
+            tile: AttnTile::Wg128,
+            n_split: 1,
+        };
+    }
+    let tile = AttnTile::Wg64;
+    let blocks = t.div_ceil(tile.tokens()).max(1) * p::N_KV_HEADS;
+    let slots = 2 * sm_count.max(1); // two Wg64 blocks per SM
+    if blocks >= sm_count.max(1) {
+        return AttnPlan { tile, n_split: 1 };
+    }
+    let key_blocks = (pos0 + t).div_ceil(BN);
+    let max_split = (key_blocks / MIN_SPLIT_BLOCKS)
+        .min(SPLIT_CAP / t.max(1))
+        .clamp(1, MAX_SPLIT);
+    let cost = |n: usize| {
+        let waves = (blocks * n).div_ceil(slots);
+        waves * key_blocks.div_ceil(n) + if n > 1 { SPLIT_OVERHEAD_BLOCKS } else { 0 }
+    };
+    let n_split = (1..=max_split).min_by_key(|&n| (cost(n), n)).unwrap_or(1);
+    AttnPlan { tile, n_split }
+}
+
+/// Device scratch of [`CudaContext::attn_prefill`]: the normed, roped queries of up to `max_t`
+/// tokens as bf16, `[max_t, N_Q_HEADS, HEAD_DIM]`, and the split-KV partials (`[SPLIT_CAP,
+/// N_Q_HEADS, HEAD_DIM]` outputs and `[SPLIT_CAP, N_Q_HEADS, 2]` max and sum, f32). Create
+/// once with [`CudaContext::attn_prefill_scratch`] (which also raises the flash kernels'
+/// shared-memory limit) and reuse for every layer.
+pub struct AttnPrefillScratch {
+    max_t: usize,
+    q: CudaSlice<u16>,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+}
+
+impl AttnPrefillScratch {
+    /// Most tokens one call may take.
+    pub fn max_t(&self) -> usize {
+        self.max_t
+    }
+
+    /// The queries of the last call (bf16 bits, `[max_t, N_Q_HEADS, HEAD_DIM]`, the first `t`
+    /// rows valid): ZNormed with `q_norm` and roped, not scaled. For tests and diagnostics.
+    pub fn q_bf16(&self) -> &CudaSlice<u16> {
+        &self.q
+    }
+}
+
+/// Floating-point operations of causal attention for `t` queries at positions `pos0 ..
+/// pos0 + t` (query at `pos0 + i` sees `pos0 + i + 1` keys): `4 · HEAD_DIM · N_Q_HEADS ·
+/// Σ keys` (Q·Kᵀ and P·V, multiply and add each). What the TFLOP/s figures count.
+pub fn causal_flops(t: usize, pos0: usize) -> f64 {
+    let keys = t as f64 * pos0 as f64 + (t as f64) * (t as f64 + 1.0) / 2.0;
+    4.0 * (p::HEAD_DIM * p::N_Q_HEADS) as f64 * keys
+}
+
+impl CudaContext {
+    /// Scratch for [`Self::attn_prefill`] calls of up to `max_t` tokens (`max_t · 8 KiB` plus
+    /// 32.25 MiB of device memory). Also sets the flash kernels' dynamic shared-memory limit (above the
+    /// default 48 KiB), so create it before the first call.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `max_t` is 0; [`CudaError::Driver`] when allocation or the
+    /// attribute fails.
+    pub fn attn_prefill_scratch(&self, max_t: usize) -> Result<AttnPrefillScratch, CudaError> {
+        if max_t == 0 {
+            return Err(CudaError::Unsupported(
+                "attn_prefill_scratch: max_t = 0".into(),
+            ));
+        }
+        let entries = AttnTile::ALL
+            .iter()
+            .map(|t| (t.entry(), t.smem_bytes()))
+            .chain([(SPLIT_ENTRY, AttnTile::Wg64.smem_bytes())]);
+        for (entry, smem) in entries {
+            self.func(entry)?.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let stream = self.stream();
+        let q = stream.alloc_zeros::<u16>(max_t * p::N_Q_HEADS * p::HEAD_DIM)?;
+        let part_o = stream.alloc_zeros::<f32>(SPLIT_CAP * p::N_Q_HEADS * p::HEAD_DIM)?;
+        let part_ml = stream.alloc_zeros::<f32>(SPLIT_CAP * p::N_Q_HEADS * 2)?;
+        Ok(AttnPrefillScratch {
+            max_t,
+            q,
+            part_o,
+            part_ml,
+        })
+    }
+
+    /// The gated full-attention core for `t` prompt tokens at positions `pos0 .. pos0 + t`
+    /// (docs/MODEL.md §3.6 steps 2-5). Asynchronous on [`Self::stream`]:
+    /// [`Self::attn_prefill_prep`], then the flash part as [`attn_prefill_plan`] says
+    /// ([`Self::attn_prefill_flash`], or [`Self::attn_prefill_flash_split`] for few tokens
+    /// over a long prefix): two or three kernel launches.
+    ///
+    /// * `proj`: `[≥ t, ATTN_PREFILL_PROJ]` f32, per token the `q_proj` output (16 heads ×
+    ///   `[query 256 | gate 256]`) | k (2 × 256) | v (2 × 256); rows past `t` are not read.
+    /// * `q_norm`, `k_norm`: `[HEAD_DIM]` zero-centred ZNorm weights (applied as `1 + w`).
+    /// * `inv_freq`: `[ROTARY_DIM / 2]` = `model::reference::rope_inv_freq(ROPE_THETA,
+    ///   ROTARY_DIM)`.
+    /// * `k_cache`, `v_cache`: `[max_ctx, N_KV_HEADS, HEAD_DIM]` bf16 bits. Rows `0 .. pos0`
+    ///   must hold the earlier positions; rows `pos0 .. pos0 + t` are written (K normed and
+    ///   roped, V as projected, both rounded to nearest even); other rows are not touched.
+    /// * `out`: `[≥ t, N_Q_HEADS · HEAD_DIM]` f32, head-major per token: `softmax(q·Kᵀ/16)·V ⊙
+    ///   sigmoid(gate)` (the input of `o_proj`); rows past `t` are not written.
+    ///
+    /// `t = 0` does nothing.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `pos0 + t` exceeds the caches, `t` exceeds the scratch,
+    /// a length is wrong, or a buffer is not 16-byte aligned; [`CudaError::Driver`] when a
+    /// launch fails.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        q_norm: &CudaView<'_, f32>,
+        k_norm: &CudaView<'_, f32>,
+        inv_freq: &CudaView<'_, f32>,
+        k_cache: &mut CudaViewMut<'_, u16>,
+        v_cache: &mut CudaViewMut<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        self.attn_prefill_prep(
+            proj, t, pos0, q_norm, k_norm, inv_freq, k_cache, v_cache, scratch,
+        )?;
+        let plan = attn_prefill_plan(t, pos0, self.sm_count() as usize);
+        let (kc, vc) = (k_cache.as_view(), v_cache.as_view());
+        if plan.n_split > 1 {
+            self.attn_prefill_flash_split(plan.n_split, proj, t, pos0, &kc, &vc, scratch, out)
+        } else {
+            self.attn_prefill_flash(plan.tile, proj, t, pos0, &kc, &vc, scratch, out)
+        }
+    }
+
+    /// First half of [`Self::attn_prefill`]: ZNorm + RoPE of the queries into `scratch`, of the
+    /// keys into `k_cache` rows `pos0 .. pos0 + t`, and the values into `v_cache` rows
+    /// `pos0 .. pos0 + t` (bf16). One warp per token and head; arguments as there.
+    ///
+    /// # Errors
+    /// As [`Self::attn_prefill`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_prep(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        q_norm: &CudaView<'_, f32>,
+        k_norm: &CudaView<'_, f32>,
+        inv_freq: &CudaView<'_, f32>,
+        k_cache: &mut CudaViewMut<'_, u16>,
+        v_cache: &mut CudaViewMut<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+    ) -> Result<(), CudaError> {
+        let stream = self.stream();
+        check_common(
+            "attn_prefill_prep",
+            proj,
+            t,
+            pos0,
+            k_cache.len(),
+            v_cache.len(),
+            scratch,
+        )?;
+        let lens = [
+            ("q_norm", q_norm.len(), p::HEAD_DIM),
+            ("k_norm", k_norm.len(), p::HEAD_DIM),
+            ("inv_freq", inv_freq.len(), p::ROTARY_DIM / 2),
+        ];
+        for (name, got, want) in lens {
+            if got != want {
+                return Err(CudaError::Unsupported(format!(
+                    "attn_prefill_prep: {name} has {got} elements, expected {want}"
+                )));
+            }
+        }
+        check_aligned(
+            "attn_prefill_prep",
+            &[
+                ("proj", proj.device_ptr(stream).0),
+                ("q_norm", q_norm.device_ptr(stream).0),
+                ("k_norm", k_norm.device_ptr(stream).0),
+                ("k_cache", k_cache.device_ptr(stream).0),
+                ("v_cache", v_cache.device_ptr(stream).0),
+            ],
+        )?;
+        if t == 0 {
+            return Ok(());
+        }
+        let items = t * (p::N_Q_HEADS + 2 * p::N_KV_HEADS);
+        let cfg = LaunchConfig {
+            grid_dim: (items.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (t_i, pos0_i) = (t as i32, pos0 as i32);
+        let mut b = stream.launch_builder(self.func("attn_prefill_prep")?);
+        b.arg(&mut scratch.q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(proj)
+            .arg(q_norm)
+            .arg(k_norm)
+            .arg(inv_freq)
+            .arg(&t_i)
+            .arg(&pos0_i);
+        // SAFETY: argument order and types match the kernel; lengths and bounds checked above
+        // (the kernel touches proj rows < t, scratch rows < t ≤ max_t, cache rows < pos0 + t).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Second half of [`Self::attn_prefill`]: causal flash attention of the queries in
+    /// `scratch` (written by [`Self::attn_prefill_prep`] for the same `t`) over cache rows
+    /// `0 .. pos0 + t`, times `sigmoid(gate)` read from `proj`, into `out`. `tile` picks the Q
+    /// tile; arguments and errors as [`Self::attn_prefill`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_flash(
+        &self,
+        tile: AttnTile,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        scratch: &AttnPrefillScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let stream = self.stream();
+        check_common(
+            "attn_prefill_flash",
+            proj,
+            t,
+            pos0,
+            k_cache.len(),
+            v_cache.len(),
+            scratch,
+        )?;
+        if out.len() < t * ATTN_PREFILL_OUT {
+            return Err(CudaError::Unsupported(format!(
+                "attn_prefill_flash: out has {} elements, {t} tokens need {}",
+                out.len(),
+                t * ATTN_PREFILL_OUT
+            )));
+        }
+        check_aligned(
+            "attn_prefill_flash",
+            &[
+                ("proj", proj.device_ptr(stream).0),
+                ("k_cache", k_cache.device_ptr(stream).0),
+                ("v_cache", v_cache.device_ptr(stream).0),
+                ("out", out.device_ptr(stream).0),
+            ],
+        )?;
+        if t == 0 {
+            return Ok(());
+        }
+        let n_tiles = t.div_ceil(tile.tokens());
+        let cfg = LaunchConfig {
+            grid_dim: ((n_tiles * p::N_KV_HEADS) as u32, 1, 1),
+            block_dim: ((tile.warps() * 32) as u32, 1, 1),
+            shared_mem_bytes: tile.smem_bytes() as u32,
+        };
+        let (t_i, pos0_i) = (t as i32, pos0 as i32);
+        // softmax in base 2: exp(s / sqrt(d)) = 2^(s · log2(e) / sqrt(d))
+        let scale_log2 = std::f32::consts::LOG2_E / (p::HEAD_DIM as f32).sqrt();
+        let mut b = stream.launch_builder(self.func(tile.entry())?);
+        b.arg(out)
+            .arg(&scratch.q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(proj)
+            .arg(&t_i)
+            .arg(&pos0_i)
+            .arg(&scale_log2);
+        // SAFETY: argument order and types match the kernel; bounds checked above (reads proj
+        // rows < t, scratch rows < t, cache rows < pos0 + t; writes out rows < t). The shared
+        // memory limit was raised by attn_prefill_scratch, which made `scratch`.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+impl CudaContext {
+    /// Split-KV form of [`Self::attn_prefill_flash`] with [`AttnTile::Wg64`] (for few tokens
+    /// over a long prefix, where one block per tile leaves SMs idle): each tile's key range is
+    /// cut into `n_split` parts run as separate blocks (`attn_prefill_flash_wg64_split`, partial
+    /// outputs, maxima and sums into `scratch`), then `attn_prefill_combine` merges them,
+    /// normalises and applies the gate. Same results as the unsplit kernel up to f32
+    /// rounding. Arguments and errors as [`Self::attn_prefill`], plus
+    /// [`CudaError::Unsupported`] when `n_split` is 0, above [`MAX_SPLIT`], or `t · n_split`
+    /// exceeds [`SPLIT_CAP`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_flash_split(
+        &self,
+        n_split: usize,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let stream = self.stream();
+        let op = "attn_prefill_flash_split";
+        check_common(op, proj, t, pos0, k_cache.len(), v_cache.len(), scratch)?;
+        if n_split == 0 || n_split > MAX_SPLIT || t * n_split > SPLIT_CAP {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: {n_split} splits of {t} tokens (1 ..= {MAX_SPLIT} splits, t · splits ≤ \
+                 {SPLIT_CAP})"
+            )));
+        }
+        if out.len() < t * ATTN_PREFILL_OUT {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: out has {} elements, {t} tokens need {}",
+                out.len(),
+                t * ATTN_PREFILL_OUT
+            )));
+        }
+        check_aligned(
+            op,
+            &[
+                ("proj", proj.device_ptr(stream).0),
+                ("k_cache", k_cache.device_ptr(stream).0),
+                ("v_cache", v_cache.device_ptr(stream).0),
+                ("out", out.device_ptr(stream).0),
+            ],
+        )?;
+        if t == 0 {
+            return Ok(());
+        }
+        let tile = AttnTile::Wg64;
+        let n_tiles = t.div_ceil(tile.tokens());
+        let cfg = LaunchConfig {
+            grid_dim: ((n_tiles * p::N_KV_HEADS * n_split) as u32, 1, 1),
+            block_dim: ((tile.warps() * 32) as u32, 1, 1),
+            shared_mem_bytes: tile.smem_bytes() as u32,
+        };
+        let (t_i, pos0_i, n_split_i) = (t as i32, pos0 as i32, n_split as i32);
+        let scale_log2 = std::f32::consts::LOG2_E / (p::HEAD_DIM as f32).sqrt();
+        let mut b = stream.launch_builder(self.func(SPLIT_ENTRY)?);
+        b.arg(&mut scratch.part_o)
+            .arg(&mut scratch.part_ml)
+            .arg(&scratch.q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&t_i)
+            .arg(&pos0_i)
+            .arg(&scale_log2)
+            .arg(&n_split_i);
+        // SAFETY: argument order and types match the kernel; bounds checked above (partials
+        // rows < t · n_split ≤ SPLIT_CAP; reads as attn_prefill_flash). Shared memory limit
+        // raised by attn_prefill_scratch.
+        unsafe { b.launch(cfg) }?;
+        let cfg = LaunchConfig {
+            grid_dim: ((t * p::N_Q_HEADS).div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(self.func("attn_prefill_combine")?);
+        b.arg(out)
+            .arg(&scratch.part_o)
+            .arg(&scratch.part_ml)
+            .arg(proj)
+            .arg(&t_i)
+            .arg(&n_split_i);
+        // SAFETY: as above; writes out rows < t, reads proj rows < t.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+impl CudaContext {
+    /// Self-test hook for the wgmma forms and shared-memory layouts of
+    /// `attn_prefill_flash_wg128`, on one warpgroup: `s = q·kᵀ` (`[64, 64]`) and `o = p·v`
+    /// (`[64, HEAD_DIM]`), f32 out, from bf16 `q`, `k`, `v` (`[64, HEAD_DIM]`) and `p`
+    /// (`[64, 64]`). Synchronous use only (sets a kernel attribute).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] on wrong lengths; [`CudaError::Driver`] on launch failure.
+    #[doc(hidden)]
+    pub fn attn_prefill_wgmma_probe(
+        &self,
+        s_out: &mut CudaViewMut<'_, f32>,
+        o_out: &mut CudaViewMut<'_, f32>,
+        q: &CudaView<'_, u16>,
+        k: &CudaView<'_, u16>,
+        v: &CudaView<'_, u16>,
+        pm: &CudaView<'_, u16>,
+    ) -> Result<(), CudaError> {
+        let hd = p::HEAD_DIM;
+        if s_out.len() != 64 * 64
+            || o_out.len() != 64 * hd
+            || q.len() != 64 * hd
+            || k.len() != 64 * hd
+            || v.len() != 64 * hd
+            || pm.len() != 64 * 64
+        {
+            return Err(CudaError::Unsupported(
+                "attn_prefill_wgmma_probe: lengths".into(),
+            ));
+        }
+        let smem = 3 * 64 * hd * 2 + 1024;
+        let f = self.func("attn_prefill_wgmma_probe")?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut b = self.stream().launch_builder(f);
+        b.arg(s_out).arg(o_out).arg(q).arg(k).arg(v).arg(pm);
+        // SAFETY: argument order and types match the kernel; lengths checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// Checks shared by both launches: token count against the scratch, `pos0 + t` against the
+/// caches, `proj` long enough, the caches whole positions of equal size, and `i32` ranges.
+fn check_common(
+    op: &str,
+    proj: &CudaView<'_, f32>,
+    t: usize,
+    pos0: usize,
+    k_len: usize,
+    v_len: usize,
+    scratch: &AttnPrefillScratch,
+) -> Result<(), CudaError> {
+    let err = |m: String| Err(CudaError::Unsupported(format!("{op}: {m}")));
+    if k_len != v_len || !k_len.is_multiple_of(KV_ROW) {
+        return err(format!(
+            "k_cache ({k_len}) and v_cache ({v_len}) must be equal multiples of {KV_ROW} \
+             ([max_ctx, N_KV_HEADS, HEAD_DIM])"
+        ));
+    }
+    let max_ctx = k_len / KV_ROW;
+    if pos0 + t > max_ctx {
+        return err(format!(
+            "positions {pos0}..{} exceed the KV cache of {max_ctx} positions",
+            pos0 + t
+        ));
+    }
+    if max_ctx > i32::MAX as usize {
+        return err(format!("KV cache of {max_ctx} positions exceeds i32"));
+    }
+    if t > scratch.max_t {
+        return err(format!(
+            "{t} tokens exceed the scratch (max_t {})",
+            scratch.max_t
+        ));
+    }
+    if proj.len() < t * ATTN_PREFILL_PROJ {
+        return err(format!(
+            "proj has {} elements, {t} tokens need {}",
+            proj.len(),
+            t * ATTN_PREFILL_PROJ
+        ));
+    }
+    Ok(())
+}
+
+fn check_aligned(op: &str, ptrs: &[(&str, u64)]) -> Result<(), CudaError> {
+    for (name, ptr) in ptrs {
+        if ptr % 16 != 0 {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: {name} at {ptr:#x} is not 16-byte aligned (vector access)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_table() {
+        let plan = |t, pos0| {
+            let a = attn_prefill_plan(t, pos0, 132);
+            (a.tile, a.n_split)
+        };
+        // long blocks: the two-warpgroup tile, no split
+        assert_eq!(plan(8192, 0), (AttnTile::Wg128, 1));
+        assert_eq!(plan(2048, 6144), (AttnTile::Wg128, 1));
+        assert_eq!(plan(1024, 0), (AttnTile::Wg128, 1));
+        // enough Wg64 blocks to fill the SMs, or too few keys to split
+        assert_eq!(plan(1000, 0), (AttnTile::Wg64, 1));
+        assert_eq!(plan(300, 0), (AttnTile::Wg64, 1));
+        assert_eq!(plan(1, 0), (AttnTile::Wg64, 1));
+        // few tokens over a long prefix: split the keys
+        assert_eq!(plan(512, 7680), (AttnTile::Wg64, 2));
+        assert_eq!(plan(64, 8128), (AttnTile::Wg64, 16));
+        assert_eq!(plan(100, 1000), (AttnTile::Wg64, 4));
+        assert_eq!(plan(1, 100_000), (AttnTile::Wg64, MAX_SPLIT));
+        for t in [1, 7, 8, 9, 100, 500, 1023] {
+            for pos0 in [0, 1, 1000, 30_000, 200_000] {
+                let a = attn_prefill_plan(t, pos0, 132);
+                assert!(a.n_split >= 1 && a.n_split <= MAX_SPLIT && t * a.n_split <= SPLIT_CAP);
+                assert!(a.n_split == 1 || a.tile == AttnTile::Wg64);
+            }
+        }
+    }
+}

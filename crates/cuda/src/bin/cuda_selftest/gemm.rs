@@ -1,0 +1,930 @@
+//! Prefill GEMMs (`CudaContext::qgemm*`, `moe_route`, `moe_gate_up_grouped`,
+//! `moe_down_grouped`; `kernels/gemm.cu`).
+//!
+//! Correctness, at the model's real dimensions, T ∈ {1, 7, 64, 300, 2048} (not multiples of
+//! the 64/128-token tiles), random MLX-layout weights with realistic group statistics (|scale|
+//! in [0.004, 0.01] of either sign, bias ≈ −scale·(2^bits − 1)/2 so each group is centred, as
+//! MLX's affine quantization of a zero-mean weight gives), activations uniform in [−1, 1] with
+//! 1% outliers ×8, outputs between guard words of a NaN pattern (every output must be written
+//! and finite, nothing outside):
+//!
+//! * **Structure probe** (exact): one-hot weight rows (scale 1, bias 0, a single code 1) and
+//!   small-integer activations make every output an exact copy of one input element, so any
+//!   slip in the k permutation, the swizzle, the fragment layouts or the tails shows as a wrong
+//!   value (printed with the column it came from). Every kernel variant, both bit widths.
+//! * **Dense products** (in_proj, q|k|v, o_proj with the residual, router|shared gate at 8 bits,
+//!   shared gate|up with SwiGLU, shared down; 8-bit versions of several): the GPU against
+//!   (a) `quant::reference::gemv` per token (f32 weights and activations) with relative L2
+//!   < 5e-3 and max error < 3e-2·rms: the kernels round activations and dequantized weights
+//!   to bf16 (relative error uniform in ±2⁻⁸·|v|, RMS ≈ 1.7e-3 each), so a product has ≈ 2.4e-3
+//!   RMS relative error and a sum of many independent products the same relative L2; the max
+//!   over ~10⁵ outputs is ≈ 5σ ≈ 1.2e-2·rms; (b) a CPU emulation of exactly that rounding
+//!   (bf16 activations, bf16 weights rounded as the kernel rounds them, f64 sums) with relative
+//!   L2 < 2e-4 and max < 2e-3·rms: what remains is the tensor cores' f32 accumulation
+//!   (~1e-6) and `__expf` in SiLU. Up to 16 sampled tokens per case (all when T ≤ 16; the
+//!   first and last tokens and the 64/128 tile edges always). Every variant (wgmma / mma.sync ×
+//!   big / small tile) at T = 7 and 300, the automatic choice at every T.
+//! * **Routing**: against `model::reference::softmax_inplace` + `model::top_k_renorm` on the
+//!   same logits (rows with exact ties included): ids, counts, offsets and the sorted entry list
+//!   exactly, weights and the shared gate within 1e-6.
+//! * **Grouped experts** (4-bit at every T, 8-bit at T = 300): `act` against the per-expert
+//!   CPU math (exact: relative L2 < 1e-2, two rounded products feed SwiGLU and act itself is
+//!   stored in bf16; emulated: < 1e-3 and max < 3e-2·rms, a rounding boundary crossed by the
+//!   f32 accumulation flips one bf16 ulp of an element), and the MoE output `out − resid`
+//!   against Σ w·D_e·act + sigmoid(gate)·shared for sampled tokens (exact: < 1e-2 and max <
+//!   6e-2·rms; emulated: < 1e-3 and max < 1e-2·rms).
+//!
+//! Timing (CUDA graph replay, CUDA events, median): TFLOP/s = 2·T·N·K / time for N×K =
+//! 12352×2048, 9216×2048, 2048×4096 at T = 512, 2048, 8192 (4-bit, automatic variant), every
+//! variant for 12352×2048, the activation conversion, and the MoE block at T = 8192 (routing,
+//! grouped gate/up, grouped down + combine, and the whole layer with the router and the shared
+//! expert), with effective TFLOP/s of the grouped products (2·T·k·N·K).
+
+use cuda::cudarc::driver::{CudaSlice, CudaView};
+use cuda::gemm::{
+    gemm_flops, unpermute_row, Epilogue, GemmEngine, GemmScratch, GemmTile, GemmVariant, MoeRouting,
+};
+use cuda::{CudaContext, DeviceQMat};
+use half::bf16;
+use quant::{Bits, QMatRef, QuantSpec};
+use rayon::prelude::*;
+use spec::production as p;
+
+use crate::common::{check, guarded, rand_f32s, rand_u32s, splitmix, Cmp, Suite, Tol, GUARD, SENTINEL};
+
+const SEC: &str = "gemm";
+const TOL_EXACT: Tol = Tol { rel: 5e-3, max_over_rms: 3e-2 };
+const TOL_EMUL: Tol = Tol { rel: 2e-4, max_over_rms: 2e-3 };
+/// SwiGLU outputs (dense and MoE act): a product of two rounded products, heavy-tailed.
+const TOL_SWIGLU_EXACT: Tol = Tol { rel: 5e-3, max_over_rms: 6e-2 };
+const TOL_ACT_EXACT: Tol = Tol { rel: 1e-2, max_over_rms: 6e-2 };
+const TOL_MOE_EXACT: Tol = Tol { rel: 1e-2, max_over_rms: 6e-2 };
+const TOL_MOE_EMUL: Tol = Tol { rel: 1e-3, max_over_rms: 1e-2 };
+const TS: [usize; 5] = [1, 7, 64, 300, 2048];
+const MAX_SAMPLED: usize = 16;
+
+/// GDN in_proj rows: q | k | v | z | b | a.
+const GDN_PROJ: usize = 2 * p::N_K_HEADS * p::D_K + 2 * p::N_V_HEADS * p::D_V + 2 * p::N_V_HEADS;
+/// Attention q (with gate) | k | v rows.
+const ATTN_PROJ: usize = 2 * p::N_Q_HEADS * p::HEAD_DIM + 2 * p::N_KV_HEADS * p::HEAD_DIM;
+const ATTN_OUT: usize = p::N_Q_HEADS * p::HEAD_DIM;
+
+const ALL_VARIANTS: [GemmVariant; 6] = [
+    GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Big },
+    GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Tall },
+    GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Small },
+    GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Big },
+    GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Tall },
+    GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Small },
+];
+
+fn vname(v: Option<GemmVariant>) -> String {
+    match v {
+        None => "auto".into(),
+        Some(v) => format!(
+            "{}/{}",
+            match v.engine {
+                GemmEngine::Wgmma => "wgmma",
+                GemmEngine::MmaSync => "mma",
+            },
+            match v.tile {
+                GemmTile::Big => "big",
+                GemmTile::Tall => "tall",
+                GemmTile::Small => "small",
+            }
+        ),
+    }
+}
+
+/// A quantized matrix on the host.
+struct HostQ {
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+    packed: Vec<u32>,
+    scales: Vec<bf16>,
+    biases: Vec<bf16>,
+}
+
+impl HostQ {
+    fn r(&self) -> QMatRef<'_> {
+        QMatRef::new(self.rows, self.cols, self.spec, &self.packed, &self.scales, &self.biases).unwrap()
+    }
+}
+
+/// Random codes; per group |scale| in [0.004, 0.01] with a random sign, bias centring the group
+/// (−scale·(2^bits − 1)/2, ±15% of that).
+fn random_qmat(rows: usize, cols: usize, bits: u32, seed: u64) -> HostQ {
+    let spec = QuantSpec::new(bits, cuda::QUANT_GROUP).unwrap();
+    let groups = rows * spec.groups_per_row(cols);
+    let packed = rand_u32s(rows * spec.words_per_row(cols), seed);
+    let u = rand_f32s(groups, seed ^ 0xA11, 1.0);
+    let j = rand_f32s(groups, seed ^ 0xB22, 1.0);
+    let mid = spec.bits.max_code() as f32 / 2.0;
+    let (scales, biases): (Vec<bf16>, Vec<bf16>) = u
+        .par_iter()
+        .zip(&j)
+        .map(|(&u, &j)| {
+            let s = (0.004 + 0.006 * u.abs()) * if u < 0.0 { -1.0 } else { 1.0 };
+            let s = bf16::from_f32(s);
+            let b = bf16::from_f32(-s.to_f32() * mid * (1.0 + 0.15 * j));
+            (s, b)
+        })
+        .unzip();
+    HostQ { rows, cols, spec, packed, scales, biases }
+}
+
+/// Activations: uniform in [−1, 1], 1% of them ×8.
+fn rand_x(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = rand_f32s(n, seed, 1.0);
+    x.par_iter_mut().enumerate().for_each(|(i, v)| {
+        if splitmix(seed ^ (i as u64).wrapping_mul(0x9E37)) % 100 == 0 {
+            *v *= 8.0;
+        }
+    });
+    x
+}
+
+fn bf16_round(v: f32) -> f64 {
+    f64::from(bf16::from_f32(v).to_f32())
+}
+
+/// Round to nearest even bf16 of an f64 (one rounding, unlike `bf16::from_f64`).
+fn bf16_rne_f64(v: f64) -> f32 {
+    let bits = v.to_bits();
+    let keep = bits >> 45;
+    let rem = bits & ((1u64 << 45) - 1);
+    let half = 1u64 << 44;
+    let up = rem > half || (rem == half && keep & 1 == 1);
+    f64::from_bits((keep + u64::from(up)) << 45) as f32
+}
+
+/// Row `r` dequantized exactly as the kernels do: 4 bits `fma.rn.bf16x2(q, s, b)` (one
+/// rounding of s·q + b to bf16), 8 bits f32 FFMA then round to bf16.
+fn emul_row(m: QMatRef<'_>, r: usize, out: &mut [f32]) {
+    let (k, gs) = (m.cols, m.spec.group_size);
+    let wpr = m.spec.words_per_row(k);
+    let gpr = m.spec.groups_per_row(k);
+    let mut codes = vec![0u8; k];
+    quant::unpack_codes(&m.packed[r * wpr..(r + 1) * wpr], m.spec.bits, &mut codes);
+    for g in 0..gpr {
+        let s = f64::from(m.scales[r * gpr + g].to_f32());
+        let b = f64::from(m.biases[r * gpr + g].to_f32());
+        for i in g * gs..(g + 1) * gs {
+            let v = f64::from(codes[i]) * s + b;
+            out[i] = match m.spec.bits {
+                Bits::B4 => bf16_rne_f64(v),
+                Bits::B8 => bf16::from_f32(v as f32).to_f32(),
+            };
+        }
+    }
+}
+
+fn emul_weights(m: QMatRef<'_>) -> Vec<f32> {
+    let k = m.cols;
+    let mut w = vec![0f32; m.rows * k];
+    w.par_chunks_mut(k).enumerate().for_each(|(r, o)| emul_row(m, r, o));
+    w
+}
+
+fn dot64(a: &[f32], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| f64::from(*x) * y).sum()
+}
+
+fn silu64(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Tokens checked for a call with `t` tokens.
+fn sample_tokens(t: usize) -> Vec<usize> {
+    if t <= MAX_SAMPLED {
+        return (0..t).collect();
+    }
+    let mut v = vec![0, 1, 63, 64, 127, 128, t - 2, t - 1];
+    let mut i = 0u64;
+    while v.len() < MAX_SAMPLED {
+        v.push((splitmix(i ^ t as u64) % t as u64) as usize);
+        i += 1;
+    }
+    v.retain(|&x| x < t);
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// `quant::reference::gemv` for the sampled tokens: `[S][rows]`.
+fn ref_exact(m: QMatRef<'_>, x: &[f32], toks: &[usize]) -> Vec<f64> {
+    let (n, k) = (m.rows, m.cols);
+    let chunk = 128;
+    let blocks: Vec<Vec<f32>> = (0..n.div_ceil(chunk))
+        .into_par_iter()
+        .map(|ci| {
+            let (r0, r1) = (ci * chunk, ((ci + 1) * chunk).min(n));
+            let sub = m.slice_rows(r0, r1);
+            let mut out = vec![0f32; toks.len() * (r1 - r0)];
+            for (si, &t) in toks.iter().enumerate() {
+                quant::reference::gemv(&mut out[si * (r1 - r0)..(si + 1) * (r1 - r0)], sub, &x[t * k..(t + 1) * k]);
+            }
+            out
+        })
+        .collect();
+    let mut res = vec![0f64; toks.len() * n];
+    for (ci, b) in blocks.iter().enumerate() {
+        let (r0, r1) = (ci * chunk, ((ci + 1) * chunk).min(n));
+        for si in 0..toks.len() {
+            for r in r0..r1 {
+                res[si * n + r] = f64::from(b[si * (r1 - r0) + r - r0]);
+            }
+        }
+    }
+    res
+}
+
+/// The bf16 emulation for the sampled tokens: `[S][rows]`.
+fn ref_emul(emw: &[f32], n: usize, k: usize, x: &[f32], toks: &[usize]) -> Vec<f64> {
+    let xb: Vec<Vec<f64>> = toks.iter().map(|&t| x[t * k..(t + 1) * k].iter().map(|&v| bf16_round(v)).collect()).collect();
+    let per_row: Vec<Vec<f64>> =
+        (0..n).into_par_iter().map(|r| xb.iter().map(|xt| dot64(&emw[r * k..(r + 1) * k], xt)).collect()).collect();
+    let mut res = vec![0f64; toks.len() * n];
+    for (r, v) in per_row.iter().enumerate() {
+        for (si, val) in v.iter().enumerate() {
+            res[si * n + r] = *val;
+        }
+    }
+    res
+}
+
+/// Guard words intact and every output finite; `Err(message)` otherwise.
+fn guards_and_finite(got: &[f32], n: usize) -> Result<(), String> {
+    if got.len() != n + 2 * GUARD
+        || !got[..GUARD].iter().chain(&got[GUARD + n..]).all(|g| g.to_bits() == SENTINEL)
+    {
+        return Err("guard words overwritten".into());
+    }
+    let bad = got[GUARD..GUARD + n].iter().filter(|v| !v.is_finite()).count();
+    if bad > 0 {
+        return Err(format!("{bad} of {n} outputs not finite (unwritten?)"));
+    }
+    Ok(())
+}
+
+fn failed(msg: String) -> Cmp {
+    Cmp { rel: f64::NAN, max_over_rms: f64::NAN, ok: false, msg }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Epi {
+    Store,
+    Residual,
+    SwiGlu,
+}
+
+struct DenseCase {
+    label: &'static str,
+    n: usize,
+    k: usize,
+    bits: u32,
+    epi: Epi,
+    ts: &'static [usize],
+}
+
+/// Runs one GEMM call of the given epilogue (converting `x` first).
+#[allow(clippy::too_many_arguments)]
+fn run_dense(
+    cx: &CudaContext,
+    scratch: &mut GemmScratch,
+    y: &mut CudaSlice<f32>,
+    out_len: usize,
+    w: &DeviceQMat,
+    x: &CudaView<'_, f32>,
+    r: Option<&CudaView<'_, f32>>,
+    epi: Epi,
+    t: usize,
+) {
+    let mut yv = y.slice_mut(GUARD..GUARD + out_len);
+    match epi {
+        Epi::Store => cx.qgemm(&mut yv, w, x, t, scratch),
+        Epi::Residual => cx.qgemm_residual(&mut yv, w, x, r.expect("residual"), t, scratch),
+        Epi::SwiGlu => cx.qgemm_swiglu(&mut yv, w, x, t, scratch),
+    }
+    .expect("qgemm");
+}
+
+fn probe(s: &mut Suite) {
+    let cx = s.cx;
+    let (n, k) = (300usize, p::D_EXPERT);
+    let k0 = |r: usize| (r * 37 + 11) % k;
+    let xval = |t: usize, kk: usize| ((kk * 7 + t * 13) % 251 + 1) as f32;
+    let mut scratch = cx.gemm_scratch(200).unwrap();
+    for bits in [4u32, 8] {
+        let spec = QuantSpec::new(bits, cuda::QUANT_GROUP).unwrap();
+        let mut codes = vec![0u8; n * k];
+        for r in 0..n {
+            codes[r * k + k0(r)] = 1;
+        }
+        let packed = quant::pack_codes(&codes, spec.bits);
+        let g = n * spec.groups_per_row(k);
+        let scales = vec![bf16::ONE; g];
+        let biases = vec![bf16::ZERO; g];
+        let m = QMatRef::new(n, k, spec, &packed, &scales, &biases).unwrap();
+        let dm = cx.upload_qmat(m).unwrap();
+        for t in [7usize, 130] {
+            let x: Vec<f32> = (0..t * k).map(|i| xval(i / k, i % k)).collect();
+            let xd = cx.upload_f32(&x).unwrap();
+            // mma.sync first: should a wgmma variant fault, the fallback's result is printed
+            for v in ALL_VARIANTS.iter().rev().copied() {
+                scratch.force = Some(v);
+                let mut yd = guarded(cx, t * n);
+                run_dense(cx, &mut scratch, &mut yd, t * n, &dm, &xd.slice(..), None, Epi::Store, t);
+                let got = cx.download_f32(&yd).unwrap();
+                let label = format!("probe one-hot q{bits} [{n}x{k}] T={t} {}", vname(Some(v)));
+                let c = match guards_and_finite(&got, t * n) {
+                    Err(e) => failed(e),
+                    Ok(()) => {
+                        let mut bad = Vec::new();
+                        for tt in 0..t {
+                            for r in 0..n {
+                                let (gv, ev) = (got[GUARD + tt * n + r], xval(tt, k0(r)));
+                                if gv != ev {
+                                    bad.push((tt, r, gv, ev));
+                                }
+                            }
+                        }
+                        let mut msg = String::new();
+                        for &(tt, r, gv, ev) in bad.iter().take(6) {
+                            let from: Vec<usize> = (0..k).filter(|&kk| xval(tt, kk) == gv).take(3).collect();
+                            msg.push_str(&format!(
+                                "t{tt} n{r} k0={} got {gv} (= x col {from:?}) want {ev}; ",
+                                k0(r)
+                            ));
+                        }
+                        if !bad.is_empty() {
+                            msg.push_str(&format!("{} of {} wrong", bad.len(), t * n));
+                        }
+                        Cmp { rel: 0.0, max_over_rms: 0.0, ok: bad.is_empty(), msg }
+                    }
+                };
+                s.record(SEC, &label, &c, "");
+            }
+        }
+    }
+}
+
+fn dense(s: &mut Suite) {
+    let cx = s.cx;
+    let cases = [
+        DenseCase { label: "gdn in_proj", n: GDN_PROJ, k: p::D_MODEL, bits: 4, epi: Epi::Store, ts: &TS },
+        DenseCase { label: "attn q|k|v", n: ATTN_PROJ, k: p::D_MODEL, bits: 4, epi: Epi::Store, ts: &[64, 2048] },
+        DenseCase { label: "o_proj +resid", n: p::D_MODEL, k: ATTN_OUT, bits: 4, epi: Epi::Residual, ts: &TS },
+        DenseCase {
+            label: "router|shared gate",
+            n: p::N_EXPERTS + 1,
+            k: p::D_MODEL,
+            bits: 8,
+            epi: Epi::Store,
+            ts: &TS,
+        },
+        DenseCase {
+            label: "shared gate|up swiglu",
+            n: 2 * p::D_SHARED_EXPERT,
+            k: p::D_MODEL,
+            bits: 4,
+            epi: Epi::SwiGlu,
+            ts: &TS,
+        },
+        DenseCase { label: "shared down", n: p::D_MODEL, k: p::D_SHARED_EXPERT, bits: 4, epi: Epi::Store, ts: &TS },
+        DenseCase { label: "gdn in_proj", n: GDN_PROJ, k: p::D_MODEL, bits: 8, epi: Epi::Store, ts: &[7, 300] },
+        DenseCase { label: "o_proj +resid", n: p::D_MODEL, k: ATTN_OUT, bits: 8, epi: Epi::Residual, ts: &[7, 300] },
+        DenseCase {
+            label: "shared gate|up swiglu",
+            n: 2 * p::D_SHARED_EXPERT,
+            k: p::D_MODEL,
+            bits: 8,
+            epi: Epi::SwiGlu,
+            ts: &[7, 300],
+        },
+        DenseCase { label: "shared down", n: p::D_MODEL, k: p::D_SHARED_EXPERT, bits: 8, epi: Epi::Store, ts: &[7, 300] },
+    ];
+    let mut scratch = cx.gemm_scratch(2048).unwrap();
+    let mut seed = 0x6E44_u64;
+    for case in &cases {
+        seed += 1;
+        let (n, k) = (case.n, case.k);
+        let hq = random_qmat(n, k, case.bits, seed);
+        let m = hq.r();
+        let dm = cx.upload_qmat(m).unwrap();
+        let emw = emul_weights(m);
+        let out_cols = if case.epi == Epi::SwiGlu { n / 2 } else { n };
+        for &t in case.ts {
+            let x = rand_x(t * k, seed ^ (t as u64) << 20);
+            let res = rand_f32s(t * n, seed ^ 0x5E5 ^ (t as u64) << 24, 1.0);
+            let toks = sample_tokens(t);
+            let ex = ref_exact(m, &x, &toks);
+            let em = ref_emul(&emw, n, k, &x, &toks);
+            let finish = |r: &[f64]| -> Vec<f64> {
+                let mut o = Vec::with_capacity(toks.len() * out_cols);
+                for (si, &tt) in toks.iter().enumerate() {
+                    let row = &r[si * n..(si + 1) * n];
+                    match case.epi {
+                        Epi::Store => o.extend_from_slice(row),
+                        Epi::Residual => o.extend(row.iter().enumerate().map(|(j, v)| v + f64::from(res[tt * n + j]))),
+                        Epi::SwiGlu => o.extend((0..out_cols).map(|j| silu64(row[j]) * row[out_cols + j])),
+                    }
+                }
+                o
+            };
+            let (ex, em) = (finish(&ex), finish(&em));
+            let xd = cx.upload_f32(&x).unwrap();
+            let rd = cx.upload_f32(&res).unwrap();
+            let mut variants = vec![None];
+            if t == 7 || t == 300 {
+                variants.extend(ALL_VARIANTS.iter().copied().map(Some));
+            }
+            for v in variants {
+                scratch.force = v;
+                let mut yd = guarded(cx, t * out_cols);
+                let rv = rd.slice(..);
+                run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dm, &xd.slice(..), Some(&rv), case.epi, t);
+                let got = cx.download_f32(&yd).unwrap();
+                let label = format!("q{} {} [{n}x{k}] T={t} {}", case.bits, case.label, vname(v));
+                let (c1, c2) = match guards_and_finite(&got, t * out_cols) {
+                    Err(e) => (failed(e.clone()), failed(e)),
+                    Ok(()) => {
+                        let mut g = Vec::with_capacity(toks.len() * out_cols);
+                        for &tt in &toks {
+                            g.extend_from_slice(&got[GUARD + tt * out_cols..GUARD + (tt + 1) * out_cols]);
+                        }
+                        let tol = if case.epi == Epi::SwiGlu { TOL_SWIGLU_EXACT } else { TOL_EXACT };
+                        (check(&g, &ex, tol, String::new()), check(&g, &em, TOL_EMUL, String::new()))
+                    }
+                };
+                s.record(SEC, &format!("{label} vs f32"), &c1, "");
+                s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
+            }
+        }
+    }
+}
+
+fn route_check(s: &mut Suite) {
+    let cx = s.cx;
+    let (ne, k) = (p::N_EXPERTS, p::TOP_K);
+    let mut routing = cx.moe_routing(2048).unwrap();
+    for &t in &TS {
+        let mut logits = rand_f32s(t * (ne + 1), 0x1061 ^ t as u64, 4.0);
+        // every fifth token: logits on a coarse grid, so exact ties decide the top-k
+        for tt in (3..t).step_by(5) {
+            for v in &mut logits[tt * (ne + 1)..tt * (ne + 1) + ne] {
+                *v = (*v).round();
+            }
+        }
+        let ld = cx.upload_f32(&logits).unwrap();
+        cx.moe_route(&ld.slice(..), t, &mut routing).unwrap();
+        let stream = cx.stream();
+        let ids: Vec<i32> = stream.clone_dtoh(&routing.ids.slice(..t * k)).unwrap();
+        let wts: Vec<f32> = stream.clone_dtoh(&routing.weights.slice(..t * k)).unwrap();
+        let sw: Vec<f32> = stream.clone_dtoh(&routing.shared_weight.slice(..t)).unwrap();
+        let counts: Vec<i32> = stream.clone_dtoh(&routing.counts).unwrap();
+        let offsets: Vec<i32> = stream.clone_dtoh(&routing.offsets).unwrap();
+        let t64: Vec<i32> = stream.clone_dtoh(&routing.tiles64).unwrap();
+        let t128: Vec<i32> = stream.clone_dtoh(&routing.tiles128).unwrap();
+        let sorted: Vec<i32> = stream.clone_dtoh(&routing.sorted.slice(..t * k)).unwrap();
+        let mut msg = String::new();
+        let mut max_w = 0f64;
+        let mut cids = vec![0i32; t * k];
+        for tt in 0..t {
+            let row = &logits[tt * (ne + 1)..(tt + 1) * (ne + 1)];
+            let mut pr = row[..ne].to_vec();
+            model::reference::softmax_inplace(&mut pr);
+            let sel = model::top_k_renorm(&pr, k);
+            for (j, &(e, w)) in sel.iter().enumerate() {
+                cids[tt * k + j] = e as i32;
+                if ids[tt * k + j] != e as i32 && msg.len() < 300 {
+                    msg.push_str(&format!("t{tt} slot {j}: id {} want {e}; ", ids[tt * k + j]));
+                }
+                max_w = max_w.max(f64::from((wts[tt * k + j] - w).abs()));
+            }
+            let c = model::reference::sigmoid(row[ne]);
+            max_w = max_w.max(f64::from((sw[tt] - c).abs()));
+        }
+        let mut ccounts = vec![0i32; ne];
+        for &e in &cids {
+            ccounts[e as usize] += 1;
+        }
+        let mut coff = vec![0i32; ne + 1];
+        let (mut c64, mut c128) = (vec![0i32; ne + 1], vec![0i32; ne + 1]);
+        for e in 0..ne {
+            coff[e + 1] = coff[e] + ccounts[e];
+            c64[e + 1] = c64[e] + (ccounts[e] + 63) / 64;
+            c128[e + 1] = c128[e] + (ccounts[e] + 127) / 128;
+        }
+        let mut csorted = vec![0i32; t * k];
+        let mut fill = coff.clone();
+        for (i, &e) in cids.iter().enumerate() {
+            csorted[fill[e as usize] as usize] = i as i32;
+            fill[e as usize] += 1;
+        }
+        for (what, a, b) in [
+            ("counts", &counts, &ccounts),
+            ("offsets", &offsets, &coff),
+            ("tiles64", &t64, &c64),
+            ("tiles128", &t128, &c128),
+            ("sorted", &sorted, &csorted),
+        ] {
+            if a != b {
+                let first = a.iter().zip(b.iter()).position(|(x, y)| x != y).unwrap_or(0);
+                msg.push_str(&format!("{what} differ (first at {first}); "));
+            }
+        }
+        let ok = msg.is_empty() && max_w <= 1e-6;
+        if max_w > 1e-6 {
+            msg.push_str(&format!("weight error {max_w:.2e}; "));
+        }
+        let c = Cmp { rel: max_w, max_over_rms: 0.0, ok, msg };
+        s.record(SEC, &format!("moe_route T={t} (rel = max weight error)"), &c, "");
+    }
+}
+
+/// CPU reference of one routed entry: (act exact, act emulated [bf16-rounded], y exact, y
+/// emulated).
+fn moe_entry_ref(
+    gu: QMatRef<'_>,
+    dn: QMatRef<'_>,
+    e: usize,
+    x: &[f32],
+) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<f64>) {
+    let (de, d) = (p::D_EXPERT, p::D_MODEL);
+    let gsub = gu.slice_rows(e * 2 * de, (e + 1) * 2 * de);
+    let dsub = dn.slice_rows(e * d, (e + 1) * d);
+    let mut g = vec![0f32; 2 * de];
+    quant::reference::gemv(&mut g, gsub, x);
+    let act_ex: Vec<f64> = (0..de).map(|j| silu64(f64::from(g[j])) * f64::from(g[de + j])).collect();
+    let xb: Vec<f64> = x.iter().map(|&v| bf16_round(v)).collect();
+    let mut row = vec![0f32; x.len()];
+    let gem: Vec<f64> = (0..2 * de)
+        .map(|r| {
+            emul_row(gsub, r, &mut row);
+            dot64(&row, &xb)
+        })
+        .collect();
+    let act_em: Vec<f32> = (0..de).map(|j| bf16::from_f32((silu64(gem[j]) * gem[de + j]) as f32).to_f32()).collect();
+    let act_ex32: Vec<f32> = act_ex.iter().map(|&v| v as f32).collect();
+    let mut y = vec![0f32; d];
+    quant::reference::gemv(&mut y, dsub, &act_ex32);
+    let y_ex: Vec<f64> = y.iter().map(|&v| f64::from(v)).collect();
+    let am: Vec<f64> = act_em.iter().map(|&v| f64::from(v)).collect();
+    let mut row = vec![0f32; de];
+    let y_em: Vec<f64> = (0..d)
+        .map(|r| {
+            emul_row(dsub, r, &mut row);
+            dot64(&row, &am)
+        })
+        .collect();
+    (act_ex, act_em, y_ex, y_em)
+}
+
+struct MoeWeights {
+    gu: HostQ,
+    dn: HostQ,
+    dgu: DeviceQMat,
+    ddn: DeviceQMat,
+}
+
+fn moe_weights(cx: &CudaContext, bits: u32, seed: u64) -> MoeWeights {
+    let gu = random_qmat(p::N_EXPERTS * 2 * p::D_EXPERT, p::D_MODEL, bits, seed);
+    let dn = random_qmat(p::N_EXPERTS * p::D_MODEL, p::D_EXPERT, bits, seed ^ 0xD0);
+    let dgu = cx.upload_qmat(gu.r()).unwrap();
+    let ddn = cx.upload_qmat(dn.r()).unwrap();
+    MoeWeights { gu, dn, dgu, ddn }
+}
+
+/// Routed-expert inputs of one MoE call.
+struct MoeInputs {
+    x: Vec<f32>,
+    logits: Vec<f32>,
+    resid: Vec<f32>,
+    shared: Vec<f32>,
+}
+
+fn moe_inputs(t: usize, seed: u64) -> MoeInputs {
+    let d = p::D_MODEL;
+    MoeInputs {
+        x: rand_x(t * d, seed),
+        logits: rand_f32s(t * (p::N_EXPERTS + 1), seed ^ 0x106, 3.0),
+        resid: rand_f32s(t * d, seed ^ 0x4E5, 0.5),
+        shared: rand_f32s(t * d, seed ^ 0x5A4, 0.05),
+    }
+}
+
+/// `act` (bf16) against the emulation rounded the same way: every element equal or one bf16
+/// ulp away (the f32 accumulation differs from the f64 emulation by ~1e-6, which moves a value
+/// across a rounding boundary now and then), at most 1% of them off, relative L2 < 1e-3.
+fn act_vs_emul(got: &[f32], emul: &[f64]) -> Cmp {
+    let ord = |v: f32| {
+        let b = (v.to_bits() >> 16) as i32;
+        if b & 0x8000 != 0 {
+            -(b & 0x7FFF)
+        } else {
+            b
+        }
+    };
+    let (mut max_ulp, mut off) = (0i32, 0usize);
+    for (g, e) in got.iter().zip(emul) {
+        let d = (ord(*g) - ord(*e as f32)).abs();
+        max_ulp = max_ulp.max(d);
+        off += usize::from(d != 0);
+    }
+    let mut c = check(got, emul, Tol { rel: 1e-3, max_over_rms: f64::INFINITY }, String::new());
+    let frac = off as f64 / got.len().max(1) as f64;
+    c.msg.push_str(&format!("max {max_ulp} ulp, {:.3}% off by one", frac * 100.0));
+    c.ok &= max_ulp <= 1 && frac <= 0.01;
+    c
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_case(
+    s: &mut Suite,
+    w: &MoeWeights,
+    bits: u32,
+    t: usize,
+    force: Option<GemmVariant>,
+    scratch: &mut GemmScratch,
+    routing: &mut MoeRouting,
+    inp: &MoeInputs,
+) {
+    let cx = s.cx;
+    let (d, de, k, ne) = (p::D_MODEL, p::D_EXPERT, p::TOP_K, p::N_EXPERTS);
+    let xd = cx.upload_f32(&inp.x).unwrap();
+    let ld = cx.upload_f32(&inp.logits).unwrap();
+    let rd = cx.upload_f32(&inp.resid).unwrap();
+    let sd = cx.upload_f32(&inp.shared).unwrap();
+    let mut od = guarded(cx, t * d);
+    routing.force = force;
+    cx.convert_acts(&xd.slice(..), t, d, scratch).unwrap();
+    cx.moe_route(&ld.slice(..), t, routing).unwrap();
+    cx.moe_gate_up_grouped(&w.dgu, scratch, routing, t).unwrap();
+    {
+        let mut ov = od.slice_mut(GUARD..GUARD + t * d);
+        cx.moe_down_grouped(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t).unwrap();
+    }
+    let got = cx.download_f32(&od).unwrap();
+    let act: Vec<u16> = cx.stream().clone_dtoh(&routing.act.slice(..t * k * de)).unwrap();
+    // CPU routing of the sampled tokens, then the per-entry math in parallel
+    let all = sample_tokens(t);
+    let toks: Vec<usize> =
+        if all.len() <= 8 { all } else { (0..8).map(|i| all[i * (all.len() - 1) / 7]).collect() };
+    let sel: Vec<Vec<(usize, f32)>> = toks
+        .iter()
+        .map(|&tt| {
+            let mut pr = inp.logits[tt * (ne + 1)..tt * (ne + 1) + ne].to_vec();
+            model::reference::softmax_inplace(&mut pr);
+            model::top_k_renorm(&pr, k)
+        })
+        .collect();
+    let jobs: Vec<(usize, usize, usize)> =
+        toks.iter().enumerate().flat_map(|(si, &tt)| sel[si].iter().enumerate().map(move |(j, &(e, _))| (tt, j, e))).collect();
+    let refs: Vec<_> =
+        jobs.par_iter().map(|&(tt, _, e)| moe_entry_ref(w.gu.r(), w.dn.r(), e, &inp.x[tt * d..(tt + 1) * d])).collect();
+    // act rows of the sampled entries
+    let (mut ga, mut ra_ex, mut ra_em) = (Vec::new(), Vec::new(), Vec::new());
+    let mut un = vec![0u16; de];
+    for (ji, &(tt, j, _)) in jobs.iter().enumerate() {
+        let entry = tt * k + j;
+        unpermute_row(&act[entry * de..(entry + 1) * de], &mut un);
+        ga.extend(un.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
+        ra_ex.extend_from_slice(&refs[ji].0);
+        ra_em.extend(refs[ji].1.iter().map(|&v| f64::from(v)));
+    }
+    let label = format!("moe q{bits} T={t} {}", vname(force));
+    let finite_act = act.iter().all(|&b| f32::from_bits(u32::from(b) << 16).is_finite());
+    let c = if finite_act { check(&ga, &ra_ex, TOL_ACT_EXACT, String::new()) } else { failed("non-finite act".into()) };
+    s.record(SEC, &format!("{label} act vs f32"), &c, "");
+    let c = if finite_act { act_vs_emul(&ga, &ra_em) } else { failed("non-finite act".into()) };
+    s.record(SEC, &format!("{label} act vs bf16 emul"), &c, "");
+    // MoE output: out − resid against Σ w·y + c·shared
+    let (mut gd, mut rd_ex, mut rd_em) = (Vec::new(), Vec::new(), Vec::new());
+    for (si, &tt) in toks.iter().enumerate() {
+        let c = f64::from(model::reference::sigmoid(inp.logits[tt * (ne + 1) + ne]));
+        let mut ex = vec![0f64; d];
+        let mut em = vec![0f64; d];
+        for (j, &(_, wt)) in sel[si].iter().enumerate() {
+            let ji = jobs.iter().position(|&(a, b, _)| a == tt && b == j).unwrap();
+            for i in 0..d {
+                ex[i] += f64::from(wt) * refs[ji].2[i];
+                em[i] += f64::from(wt) * refs[ji].3[i];
+            }
+        }
+        for i in 0..d {
+            let sh = c * f64::from(inp.shared[tt * d + i]);
+            rd_ex.push(ex[i] + sh);
+            rd_em.push(em[i] + sh);
+            gd.push((f64::from(got[GUARD + tt * d + i]) - f64::from(inp.resid[tt * d + i])) as f32);
+        }
+    }
+    let (c1, c2) = match guards_and_finite(&got, t * d) {
+        Err(e) => (failed(e.clone()), failed(e)),
+        Ok(()) => (check(&gd, &rd_ex, TOL_MOE_EXACT, String::new()), check(&gd, &rd_em, TOL_MOE_EMUL, String::new())),
+    };
+    s.record(SEC, &format!("{label} out-resid vs f32"), &c1, "");
+    s.record(SEC, &format!("{label} out-resid vs bf16 emul"), &c2, "");
+}
+
+fn moe_checks(s: &mut Suite) -> MoeWeights {
+    let cx = s.cx;
+    let mut scratch = cx.gemm_scratch(2048).unwrap();
+    let mut routing = cx.moe_routing(2048).unwrap();
+    let w4 = moe_weights(cx, 4, 0x3E4);
+    for &t in &TS {
+        let inp = moe_inputs(t, 0x77 ^ t as u64);
+        moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+        if t == 300 {
+            for v in ALL_VARIANTS {
+                moe_case(s, &w4, 4, t, Some(v), &mut scratch, &mut routing, &inp);
+            }
+        }
+    }
+    let w8 = moe_weights(cx, 8, 0x3E8);
+    let inp = moe_inputs(300, 0x88);
+    moe_case(s, &w8, 8, 300, None, &mut scratch, &mut routing, &inp);
+    drop(w8);
+    w4
+}
+
+fn timing(s: &mut Suite, w4: &MoeWeights) {
+    let cx = s.cx;
+    let tmax = 8192;
+    let reps = if s.quick { 3 } else { 7 };
+    let mut scratch = cx.gemm_scratch(tmax).unwrap();
+    let stream = cx.stream().clone();
+    println!("\n{SEC} timing (graph replay, median of {reps}; TFLOP/s = 2*T*N*K / time)");
+    let shapes = [(GDN_PROJ, p::D_MODEL), (ATTN_PROJ, p::D_MODEL), (p::D_MODEL, ATTN_OUT)];
+    let mut table = Vec::new();
+    for (si, &(n, k)) in shapes.iter().enumerate() {
+        for bits in [4u32, 8] {
+            if bits == 8 && si != 0 {
+                continue;
+            }
+            let hq = random_qmat(n, k, bits, 0x7100 + si as u64);
+            let dm = cx.upload_qmat(hq.r()).unwrap();
+            let x = rand_x(tmax * k, 0x7200 + si as u64);
+            let xd = cx.upload_f32(&x).unwrap();
+            let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
+            for t in [512usize, 2048, 8192] {
+                cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
+                // (variant, main loop only)
+                let mut variants = vec![(None, false)];
+                if si == 0 && bits == 4 {
+                    variants.push((None, true));
+                    if t != 2048 {
+                        variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false)));
+                    }
+                } else if bits == 4 && t == 512 {
+                    variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false)));
+                }
+                for (v, no_store) in variants {
+                    scratch.force = v;
+                    scratch.bench_no_store = no_store;
+                    let per = 8usize;
+                    let sec = s.time_graph(reps, || {
+                        for _ in 0..per {
+                            let mut yv = yd.slice_mut(..t * n);
+                            cx.qgemm_converted(&mut yv, &dm, &scratch, t, Epilogue::Store).unwrap();
+                        }
+                    }) / per as f64;
+                    let tf = gemm_flops(t, n, k) / sec / 1e12;
+                    let vn = if no_store { format!("{} (no store)", vname(v)) } else { vname(v) };
+                    println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
+                    table.push((bits, n, k, t, vn.clone(), sec, tf));
+                    s.json.push((
+                        SEC.into(),
+                        format!(
+                            "{{\"bits\":{bits},\"n\":{n},\"k\":{k},\"t\":{t},\"variant\":\"{vn}\",\"us\":{:.2},\"tflops\":{tf:.1}}}",
+                            sec * 1e6
+                        ),
+                    ));
+                }
+                scratch.force = None;
+                scratch.bench_no_store = false;
+            }
+            if si == 0 && bits == 4 {
+                for t in [512usize, 2048, 8192] {
+                    let sec = s.time_graph(reps, || {
+                        for _ in 0..8 {
+                            cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
+                        }
+                    }) / 8.0;
+                    let gbs = (t * k * 6) as f64 / sec / 1e9;
+                    println!("{SEC:<10} convert_acts [{t}x{k}] {:>8.1} us  {gbs:.0} GB/s", sec * 1e6);
+                }
+            }
+        }
+    }
+
+    // ---- MoE at T = 8192
+    let t = tmax;
+    let (d, k, ne) = (p::D_MODEL, p::TOP_K, p::N_EXPERTS);
+    let mut routing = cx.moe_routing(t).unwrap();
+    let router = random_qmat(ne + 1, d, 8, 0x7301);
+    let sgu = random_qmat(2 * p::D_SHARED_EXPERT, d, 4, 0x7302);
+    let sdn = random_qmat(d, p::D_SHARED_EXPERT, 4, 0x7303);
+    let (drouter, dsgu, dsdn) =
+        (cx.upload_qmat(router.r()).unwrap(), cx.upload_qmat(sgu.r()).unwrap(), cx.upload_qmat(sdn.r()).unwrap());
+    let inp = moe_inputs(t, 0x7304);
+    let xd = cx.upload_f32(&inp.x).unwrap();
+    let hd = cx.upload_f32(&inp.resid).unwrap();
+    let mut logits = stream.alloc_zeros::<f32>(t * (ne + 1)).unwrap();
+    let mut s_act = stream.alloc_zeros::<f32>(t * p::D_SHARED_EXPERT).unwrap();
+    let mut s_out = stream.alloc_zeros::<f32>(t * d).unwrap();
+    let mut out = stream.alloc_zeros::<f32>(t * d).unwrap();
+    let mut scratch2 = cx.gemm_scratch(t).unwrap();
+    for (scen, bias) in [("uniform", 0.0f32), ("skewed", 1.5)] {
+        // router logits: random, optionally with a per-expert popularity bias (ln 1/(e%64+4))
+        let mut lg = rand_f32s(t * (ne + 1), 0x7305, 2.0);
+        for tt in 0..t {
+            for e in 0..ne {
+                lg[tt * (ne + 1) + e] += bias * (1.0 / ((e % 64) as f32 + 4.0)).ln();
+            }
+        }
+        let lgd = cx.upload_f32(&lg).unwrap();
+        cx.convert_acts(&xd.slice(..), t, d, &mut scratch).unwrap();
+        cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
+        let counts: Vec<i32> = stream.clone_dtoh(&routing.counts).unwrap();
+        let (mn, mx) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+        let t_route = s.time_graph(reps, || cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap());
+        let f_gu = gemm_flops(t * k, 2 * p::D_EXPERT, d);
+        let f_dn = gemm_flops(t * k, d, p::D_EXPERT);
+        println!("{SEC:<10} MoE T={t} {scen} routing (entries per expert {mn}..{mx}): route {:.1} us", t_route * 1e6);
+        let (mut t_gu, mut t_dn) = (0.0, 0.0);
+        for v in [None, Some(ALL_VARIANTS[0]), Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[2])] {
+            routing.force = v;
+            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4.dgu, &scratch, &mut routing, t).unwrap());
+            let b = s.time_graph(reps, || {
+                let mut ov = out.slice_mut(..);
+                cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..), &s_out.slice(..), t).unwrap()
+            });
+            println!(
+                "{SEC:<10}   {:<12} gate_up grouped {:>7.1} us ({:>5.1} TFLOP/s eff.), down grouped + combine {:>7.1} us ({:>5.1} TFLOP/s eff.)",
+                vname(v),
+                a * 1e6,
+                f_gu / a / 1e12,
+                b * 1e6,
+                f_dn / b / 1e12
+            );
+            if v.is_none() {
+                (t_gu, t_dn) = (a, b);
+            }
+        }
+        routing.force = None;
+        // the whole MoE block of one layer
+        let t_layer = s.time_graph(reps, || {
+            cx.convert_acts(&xd.slice(..), t, d, &mut scratch).unwrap();
+            {
+                let mut lv = logits.slice_mut(..);
+                cx.qgemm_converted(&mut lv, &drouter, &scratch, t, Epilogue::Store).unwrap();
+            }
+            // the benchmark routes on the fixed logits (random weights give degenerate routing)
+            cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
+            {
+                let mut av = s_act.slice_mut(..);
+                cx.qgemm_converted(&mut av, &dsgu, &scratch, t, Epilogue::SwiGlu).unwrap();
+            }
+            cx.moe_gate_up_grouped(&w4.dgu, &scratch, &mut routing, t).unwrap();
+            {
+                let mut sv = s_out.slice_mut(..);
+                cx.qgemm(&mut sv, &dsdn, &s_act.slice(..), t, &mut scratch2).unwrap();
+            }
+            let mut ov = out.slice_mut(..);
+            cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..), &s_out.slice(..), t).unwrap();
+        });
+        let f_all = f_gu + f_dn + gemm_flops(t, ne + 1, d) + gemm_flops(t, 2 * p::D_SHARED_EXPERT, d) + gemm_flops(t, d, p::D_SHARED_EXPERT);
+        println!(
+            "{SEC:<10} MoE block T={t} {scen}: {:.3} ms per layer ({:.1} TFLOP/s eff.), x{} layers = {:.1} ms",
+            t_layer * 1e3,
+            f_all / t_layer / 1e12,
+            p::N_LAYERS,
+            t_layer * 1e3 * p::N_LAYERS as f64
+        );
+        s.json.push((
+            SEC.into(),
+            format!(
+                "{{\"moe_t\":{t},\"routing\":\"{scen}\",\"min_count\":{mn},\"max_count\":{mx},\"route_us\":{:.1},\"gate_up_us\":{:.1},\"down_combine_us\":{:.1},\"layer_ms\":{:.3}}}",
+                t_route * 1e6,
+                t_gu * 1e6,
+                t_dn * 1e6,
+                t_layer * 1e3
+            ),
+        ));
+    }
+    println!("\n| bits | N x K | T | variant | us | TFLOP/s |\n|---|---|---|---|---|---|");
+    for (bits, n, k, t, v, sec, tf) in table {
+        println!("| {bits} | {n}x{k} | {t} | {v} | {:.1} | {tf:.1} |", sec * 1e6);
+    }
+}
+
+/// Runs the prefill GEMM checks and timings.
+pub fn run(s: &mut Suite) {
+    probe(s);
+    route_check(s);
+    dense(s);
+    let w4 = moe_checks(s);
+    timing(s, &w4);
+}

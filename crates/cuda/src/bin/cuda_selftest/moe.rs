@@ -1,0 +1,450 @@
+//! Sparse MoE decode step (`CudaContext::moe_decode_step`): router + softmax + top-k, the chosen
+//! experts' and the shared expert's SwiGLU, the weighted combine and the residual.
+//!
+//! Random MLX-layout weights at the real dimensions (256 experts; codes uniform, per-group
+//! scales and biases that give weights of a chosen standard deviation, a few negative scales),
+//! router scales giving logits of standard deviation ~2 as a trained router has. For each bit
+//! layout, several random inputs (with outlier channels) checked against the CPU definition
+//! (`quant::reference::gemv`, `model::reference::softmax_inplace`, `model::top_k_renorm`,
+//! `model::reference::{silu, sigmoid}`, experts summed in ascending id order as `Model::moe`):
+//! chosen ids exactly, routing weights, router logits, and `out` (guard words, NaN sentinel)
+//! plus its MoE part `out - resid` on its own. One case has exact ties in the router logits.
+//! Then the time of one layer's step from a graph replay of 40 layers with distinct weights
+//! (device copies, so the L2 holds none of them) and inputs, with GB/s of weights read.
+//!
+//! Tolerance: `Tol::F32` (relative L2 1e-4, max error 1e-3·rms) everywhere. The GPU sums in
+//! f32 in another order than the CPU (and its code·activation products are exact), so the
+//! expected differences are ~1e-6 relative.
+
+use cuda::moe::{DeviceMoe, ExpertRefs, MoeFlags, MoeRefs};
+use half::bf16;
+use model::reference as r;
+use quant::{QMat, QMatRef, QuantSpec};
+use spec::production as p;
+
+use crate::common::{check, check_guarded, guarded, rand_f32s, rand_u32s, Cmp, Suite, Tol, GUARD};
+
+const SEC: &str = "moe";
+const LAYERS: usize = 40;
+
+/// One layer's MoE weights on the host: routed experts stacked as MLX `switch_mlp` does.
+struct HostMoe {
+    router: QMat,
+    shared_gate: QMat,
+    /// `[N_EXPERTS * D_EXPERT, D_MODEL]`
+    gate: QMat,
+    /// `[N_EXPERTS * D_EXPERT, D_MODEL]`
+    up: QMat,
+    /// `[N_EXPERTS * D_MODEL, D_EXPERT]`
+    down: QMat,
+    sh_gate: QMat,
+    sh_up: QMat,
+    sh_down: QMat,
+}
+
+/// Random MLX affine weights: uniform codes, scales giving `w = s·q + b` a standard deviation
+/// of about `sigma` (±40% per group, 1 in 20 negative), biases centring the codes (±20%).
+fn rand_qmat(rows: usize, cols: usize, bits: u32, seed: u64, sigma: f32) -> QMat {
+    let spec = QuantSpec::new(bits, cuda::QUANT_GROUP).unwrap();
+    let packed = rand_u32s(rows * spec.words_per_row(cols), seed);
+    let n = rows * spec.groups_per_row(cols);
+    let levels = ((1u32 << bits) - 1) as f32;
+    let s0 = sigma * 12f32.sqrt() / levels;
+    let r1 = rand_f32s(n, seed ^ 0xA11CE, 1.0);
+    let r2 = rand_f32s(n, seed ^ 0xB0B, 1.0);
+    let scales: Vec<f32> = r1
+        .iter()
+        .zip(&r2)
+        .map(|(a, b)| s0 * (1.0 + 0.4 * a) * if *b > 0.9 { -1.0 } else { 1.0 })
+        .collect();
+    let biases: Vec<bf16> = scales
+        .iter()
+        .zip(&r2)
+        .map(|(s, b)| bf16::from_f32(-s * levels / 2.0 * (1.0 + 0.2 * b)))
+        .collect();
+    let scales = scales.into_iter().map(bf16::from_f32).collect();
+    QMat { rows, cols, spec, packed, scales, biases }
+}
+
+impl HostMoe {
+    /// bits: (router, shared gate, routed gate/up, routed down, shared gate/up, shared down)
+    fn random(bits: [u32; 6], seed: u64) -> HostMoe {
+        let (d, ne, de, ds) = (p::D_MODEL, p::N_EXPERTS, p::D_EXPERT, p::D_SHARED_EXPERT);
+        HostMoe {
+            router: rand_qmat(ne, d, bits[0], seed + 1, 0.05),
+            shared_gate: rand_qmat(1, d, bits[1], seed + 2, 0.03),
+            gate: rand_qmat(ne * de, d, bits[2], seed + 3, 0.025),
+            up: rand_qmat(ne * de, d, bits[2], seed + 4, 0.025),
+            down: rand_qmat(ne * d, de, bits[3], seed + 5, 0.03),
+            sh_gate: rand_qmat(ds, d, bits[4], seed + 6, 0.025),
+            sh_up: rand_qmat(ds, d, bits[4], seed + 7, 0.025),
+            sh_down: rand_qmat(d, ds, bits[5], seed + 8, 0.03),
+        }
+    }
+
+    fn expert(&self, e: usize) -> ExpertRefs<'_> {
+        let (d, de) = (p::D_MODEL, p::D_EXPERT);
+        ExpertRefs {
+            gate: self.gate.as_ref().slice_rows(e * de, (e + 1) * de),
+            up: self.up.as_ref().slice_rows(e * de, (e + 1) * de),
+            down: self.down.as_ref().slice_rows(e * d, (e + 1) * d),
+        }
+    }
+
+    fn shared(&self) -> ExpertRefs<'_> {
+        ExpertRefs { gate: self.sh_gate.as_ref(), up: self.sh_up.as_ref(), down: self.sh_down.as_ref() }
+    }
+
+    fn refs<'a>(&'a self, router: &'a QMat) -> MoeRefs<'a> {
+        MoeRefs {
+            router: router.as_ref(),
+            experts: (0..p::N_EXPERTS).map(|e| self.expert(e)).collect(),
+            shared: self.shared(),
+            shared_gate: self.shared_gate.as_ref(),
+        }
+    }
+}
+
+fn gemv(m: QMatRef<'_>, x: &[f32]) -> Vec<f32> {
+    let mut o = vec![0f32; m.rows];
+    quant::reference::gemv(&mut o, m, x);
+    o
+}
+
+/// `model::expert_forward` with the reference GEMV.
+fn expert_ref(x: ExpertRefs<'_>, u: &[f32]) -> Vec<f32> {
+    let g = gemv(x.gate, u);
+    let up = gemv(x.up, u);
+    let h: Vec<f32> = g.iter().zip(&up).map(|(a, b)| r::silu(*a) * b).collect();
+    gemv(x.down, &h)
+}
+
+struct Reference {
+    logits: Vec<f32>,
+    chosen: Vec<(usize, f32)>,
+    gate_sig: f32,
+    moe: Vec<f32>,
+}
+
+/// `Model::moe` for one token (MODEL.md §3.7), Backend::Reference arithmetic.
+fn reference(w: &HostMoe, router: &QMat, u: &[f32]) -> Reference {
+    let mut logits = gemv(router.as_ref(), u);
+    let sg = gemv(w.shared_gate.as_ref(), u)[0];
+    let mut pr = logits.clone();
+    r::softmax_inplace(&mut pr);
+    let chosen = model::top_k_renorm(&pr, p::TOP_K);
+    let mut moe = vec![0f32; p::D_MODEL];
+    let mut by_id = chosen.clone();
+    by_id.sort_by_key(|&(e, _)| e);
+    for (e, wt) in by_id {
+        let y = expert_ref(w.expert(e), u);
+        moe.iter_mut().zip(&y).for_each(|(o, v)| *o += wt * v);
+    }
+    let c = r::sigmoid(sg);
+    let ys = expert_ref(w.shared(), u);
+    moe.iter_mut().zip(&ys).for_each(|(o, v)| *o += c * v);
+    logits.push(sg);
+    Reference { logits, chosen, gate_sig: c, moe }
+}
+
+/// A post-norm-like input: uniform with standard deviation ~1 plus a few outlier channels.
+fn input(seed: u64, offset: f32) -> Vec<f32> {
+    let mut u = rand_f32s(p::D_MODEL, seed, 1.7);
+    u.iter_mut().for_each(|v| *v += offset);
+    u[7] = 11.0;
+    u[p::D_MODEL / 2 + 3] = -8.5;
+    u[p::D_MODEL - 5] = 6.0;
+    u
+}
+
+/// Runs one step and checks everything against the CPU; returns whether all passed.
+#[allow(clippy::too_many_arguments)]
+fn check_step(
+    s: &mut Suite,
+    label: &str,
+    w: &HostMoe,
+    router: &QMat,
+    dm: &DeviceMoe,
+    scratch: &mut cuda::moe::MoeScratch,
+    u: &[f32],
+    resid: &[f32],
+    expect_ids: Option<&[usize]>,
+    flags: MoeFlags,
+) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let rf = reference(w, router, u);
+    let ud = cx.upload_f32(u).unwrap();
+    let rd = cx.upload_f32(resid).unwrap();
+    let mut outd = guarded(cx, d);
+    {
+        let mut ov = outd.slice_mut(GUARD..GUARD + d);
+        if flags == MoeFlags::DEFAULT {
+            cx.moe_decode_step(dm, &ud.slice(..), &rd.slice(..), scratch, &mut ov).expect("moe_decode_step");
+        } else {
+            for part in 0..3 {
+                cx.moe_decode_part(dm, &ud.slice(..), &rd.slice(..), scratch, &mut ov, part, flags).expect("moe part");
+            }
+        }
+    }
+    let got = cx.download_f32(&outd).unwrap();
+    let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+    let wts: Vec<f32> = cx.download_f32(&scratch.sel_w).unwrap();
+    let logits: Vec<f32> = cx.download_f32(&scratch.logits).unwrap();
+
+    // chosen ids, exactly
+    let want: Vec<i32> = rf.chosen.iter().map(|&(e, _)| e as i32).collect();
+    let mut ids_ok = ids == want;
+    if let Some(x) = expect_ids {
+        let x: Vec<i32> = x.iter().map(|&e| e as i32).collect();
+        ids_ok &= ids == x;
+    }
+    // gap between the k-th and (k+1)-th probability on the CPU, for the record
+    let mut pr = rf.logits[..p::N_EXPERTS].to_vec();
+    r::softmax_inplace(&mut pr);
+    pr.sort_by(|a, b| b.total_cmp(a));
+    let gap = pr[p::TOP_K - 1] - pr[p::TOP_K];
+    let msg = format!("gpu {ids:?} cpu {want:?} (p_k - p_k+1 = {gap:.2e})");
+    let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: ids_ok, msg: if ids_ok { String::new() } else { msg } };
+    s.record(SEC, &format!("{label}: chosen ids"), &c, "");
+    if ids_ok {
+        println!("{SEC:<10}   ids {ids:?}, p_k - p_k+1 = {gap:.2e}");
+    }
+
+    // routing weights and the shared gate's sigmoid
+    let mut wref: Vec<f64> = rf.chosen.iter().map(|&(_, x)| f64::from(x)).collect();
+    wref.push(f64::from(rf.gate_sig));
+    let cw = check(&wts, &wref, Tol::F32, String::new());
+    s.record(SEC, &format!("{label}: routing weights + sigmoid(shared gate)"), &cw, "");
+    // logits
+    let lref: Vec<f64> = rf.logits.iter().map(|v| f64::from(*v)).collect();
+    let cl = check(&logits, &lref, Tol::F32, String::new());
+    s.record(SEC, &format!("{label}: router + shared-gate logits"), &cl, "");
+    // out (guards, NaN sentinel) and the MoE part alone
+    let oref: Vec<f64> = resid.iter().zip(&rf.moe).map(|(a, b)| f64::from(*a + *b)).collect();
+    let co = check_guarded(&got, &oref, Tol::F32);
+    s.record(SEC, &format!("{label}: out = resid + moe"), &co, "");
+    let delta: Vec<f32> = got[GUARD..GUARD + d].iter().zip(resid).map(|(g, r)| g - r).collect();
+    let mref: Vec<f64> = rf.moe.iter().map(|v| f64::from(*v)).collect();
+    let cm = check(&delta, &mref, Tol::F32, String::new());
+    s.record(SEC, &format!("{label}: moe part (out - resid)"), &cm, "");
+}
+
+/// Median seconds per replay of what `enqueue` queues, captured into a CUDA graph whose
+/// kernel-to-kernel edges are programmatic when `pdl` (Hopper programmatic dependent launch, as
+/// the decode step graph uses it: a kernel starts its prologue while its predecessor finishes).
+fn time_graph_pdl(s: &Suite, pdl: bool, reps: usize, enqueue: impl FnOnce()) -> f64 {
+    use cuda::cudarc::driver::sys;
+    let stream = s.cx.stream();
+    let cs = stream.cu_stream();
+    let ok = |r: sys::CUresult| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "driver call");
+    stream.context().bind_to_thread().unwrap();
+    // SAFETY: driver calls on a live stream; the graph and its instance are destroyed below.
+    unsafe {
+        ok(sys::cuStreamBeginCapture_v2(cs, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+        enqueue();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        ok(sys::cuStreamEndCapture(cs, &mut graph));
+        if pdl {
+            let mut n = 0usize;
+            let np = std::ptr::null_mut();
+            ok(sys::cuGraphGetEdges_v2(graph, np, np, std::ptr::null_mut(), &mut n));
+            let mut from = vec![std::ptr::null_mut(); n];
+            let mut to = vec![std::ptr::null_mut(); n];
+            let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+            ok(sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut n));
+            for i in 0..n {
+                // every node of this capture is a kernel
+                ok(sys::cuGraphRemoveDependencies_v2(graph, &from[i], &to[i], &data[i], 1));
+                let mut e: sys::CUgraphEdgeData = std::mem::zeroed();
+                e.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+                e.type_ = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+                ok(sys::cuGraphAddDependencies_v2(graph, &from[i], &to[i], &e, 1));
+            }
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        ok(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0));
+        ok(sys::cuGraphLaunch(exec, cs));
+        let mut ts = Vec::new();
+        for _ in 0..reps.max(1) {
+            let (a, b) = (s.event(), s.event());
+            a.record(stream).unwrap();
+            ok(sys::cuGraphLaunch(exec, cs));
+            b.record(stream).unwrap();
+            b.synchronize().unwrap();
+            ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3);
+        }
+        ok(sys::cuGraphExecDestroy(exec));
+        ok(sys::cuGraphDestroy(graph));
+        crate::common::median(ts)
+    }
+}
+
+/// One bit layout: correctness on several inputs (and the tie case), then timing.
+fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let t0 = std::time::Instant::now();
+    let w = HostMoe::random(bits, seed);
+    let dm = cx.upload_moe_refs(&w.refs(&w.router)).expect("upload_moe_refs");
+    println!(
+        "{SEC:<10} {name}: bits {:?} (router, shared gate, gate/up, down, shared gate/up, shared down); host gen + upload {:.1} s",
+        dm.bits(),
+        t0.elapsed().as_secs_f64()
+    );
+    let mut scratch = cx.moe_scratch().expect("moe_scratch");
+    for i in 0..3u64 {
+        let u = input(seed ^ (0x100 + i), 0.0);
+        let resid = rand_f32s(d, seed ^ (0x200 + i), 2.0);
+        check_step(s, &format!("{name} input {i}"), &w, &w.router, &dm, &mut scratch, &u, &resid, None, MoeFlags::DEFAULT);
+    }
+    // every variant on one more input
+    for fl in VARIANTS {
+        let u = input(seed ^ 0x180, 0.0);
+        let resid = rand_f32s(d, seed ^ 0x280, 2.0);
+        check_step(s, &format!("{name} input 3 [{}]", vname(fl)), &w, &w.router, &dm, &mut scratch, &u, &resid, None, fl);
+    }
+
+    if ties {
+        // Router rows all zero except six winners whose logits are c_e * Σu (scale 0, bias
+        // c_e): experts 77 and 78 identical, so they tie exactly; the other 250 tie at 0 and
+        // the last two places go to the lowest ids, 0 and 1.
+        let u = input(seed ^ 0x300, 0.3);
+        let sum: f32 = u.iter().sum();
+        let mut tr = w.router.clone();
+        tr.scales.iter_mut().for_each(|v| *v = bf16::ZERO);
+        tr.biases.iter_mut().for_each(|v| *v = bf16::ZERO);
+        let gpr = d / cuda::QUANT_GROUP;
+        let winners = [(3usize, 0.004f32), (77, 0.006), (78, 0.006), (140, 0.002), (200, 0.005), (255, 0.003)];
+        for (e, c) in winners {
+            for g in 0..gpr {
+                tr.biases[e * gpr + g] = bf16::from_f32(c * sum.signum());
+            }
+        }
+        let dt = cx.upload_moe_refs(&w.refs(&tr)).expect("upload (ties)");
+        let resid = rand_f32s(d, seed ^ 0x301, 2.0);
+        for fl in [VARIANTS[0], VARIANTS[2]] {
+            check_step(
+                s,
+                &format!("{name} exact router ties [{}]", vname(fl)),
+                &w,
+                &tr,
+                &dt,
+                &mut scratch,
+                &u,
+                &resid,
+                Some(&[77, 78, 200, 3, 255, 140, 0, 1]),
+                fl,
+            );
+        }
+    }
+
+    // timing: LAYERS distinct copies of the layer (device copies) and inputs
+    let layers: Vec<DeviceMoe> = (0..LAYERS).map(|_| dm.clone()).collect();
+    let us_host: Vec<Vec<f32>> = (0..LAYERS as u64).map(|l| input(seed ^ (0x400 + l), 0.0)).collect();
+    let us: Vec<_> = us_host.iter().map(|u| cx.upload_f32(u).unwrap()).collect();
+    let resid_host = rand_f32s(d, seed ^ 0x500, 2.0);
+    let resid = cx.upload_f32(&resid_host).unwrap();
+    let mut out = cx.stream().alloc_zeros::<f32>(d).unwrap();
+    cx.synchronize().unwrap();
+    let reps = if s.quick { 5 } else { 20 };
+    let step_all = |part: Option<usize>, fl: MoeFlags, scratch: &mut cuda::moe::MoeScratch, out: &mut cuda::cudarc::driver::CudaSlice<f32>| {
+        for (l, m) in layers.iter().enumerate() {
+            let mut ov = out.slice_mut(..);
+            let parts = match part {
+                None => 0..3,
+                Some(pt) => pt..pt + 1,
+            };
+            for pt in parts {
+                cx.moe_decode_part(m, &us[l].slice(..), &resid.slice(..), scratch, &mut ov, pt, fl).expect("moe step");
+            }
+        }
+    };
+    let bytes = dm.bytes_per_step();
+    let ebytes = dm.expert_bytes_per_step();
+    let copy = s.copy_bw;
+    let gb = |t: f64| bytes as f64 / t / 1e9;
+    println!(
+        "{SEC:<10} {name}: weights read {:.2} MB/layer ({:.2} MB experts); us per layer from a graph of {LAYERS} layers, plain / with PDL edges:",
+        bytes as f64 / 1e6,
+        ebytes as f64 / 1e6
+    );
+    let mut rows = Vec::new();
+    for fl in VARIANTS {
+        let t_plain = time_graph_pdl(s, false, reps, || step_all(None, fl, &mut scratch, &mut out)) / LAYERS as f64;
+        let t_pdl = time_graph_pdl(s, true, reps, || step_all(None, fl, &mut scratch, &mut out)) / LAYERS as f64;
+        // the graph's last layer wrote `out`: check it (PDL graph replays, counter reset)
+        let got = cx.download_f32(&out).unwrap();
+        let rf = reference(&w, &w.router, &us_host[LAYERS - 1]);
+        let oref: Vec<f64> = resid_host.iter().zip(&rf.moe).map(|(a, b)| f64::from(*a + *b)).collect();
+        let c = check(&got, &oref, Tol::F32, String::new());
+        s.record(SEC, &format!("{name}: out after {reps}+1 PDL graph replays of {LAYERS} layers [{}]", vname(fl)), &c, "");
+        let mut t_part = [0f64; 3];
+        for (pt, t) in t_part.iter_mut().enumerate() {
+            *t = time_graph_pdl(s, false, reps, || step_all(Some(pt), fl, &mut scratch, &mut out)) / LAYERS as f64;
+        }
+        println!(
+            "{SEC:<10} {name} [{:<22}]{} {:6.2} us ({:4.0} GB/s, {:4.1}%) / PDL {:6.2} us ({:4.0} GB/s, {:4.1}%, experts {:4.0} GB/s); kernels alone: router {:.2}, gate/up {:.2}, down {:.2} us",
+            vname(fl),
+            if fl == MoeFlags::DEFAULT { "*" } else { " " },
+            t_plain * 1e6,
+            gb(t_plain),
+            gb(t_plain) * 1e9 / copy * 100.0,
+            t_pdl * 1e6,
+            gb(t_pdl),
+            gb(t_pdl) * 1e9 / copy * 100.0,
+            ebytes as f64 / t_pdl / 1e9,
+            t_part[0] * 1e6,
+            t_part[1] * 1e6,
+            t_part[2] * 1e6,
+        );
+        rows.push(format!(
+            "{{\"variant\":{:?},\"default\":{},\"us_per_layer\":{:.3},\"us_per_layer_pdl\":{:.3},\"gbps\":{:.1},\"gbps_pdl\":{:.1},\"us_router\":{:.3},\"us_gate_up\":{:.3},\"us_down\":{:.3}}}",
+            vname(fl),
+            fl == MoeFlags::DEFAULT,
+            t_plain * 1e6,
+            t_pdl * 1e6,
+            gb(t_plain),
+            gb(t_pdl),
+            t_part[0] * 1e6,
+            t_part[1] * 1e6,
+            t_part[2] * 1e6
+        ));
+    }
+    s.json.push((
+        SEC.into(),
+        format!(
+            "{{\"case\":{name:?},\"bits\":{:?},\"bytes\":{bytes},\"expert_bytes\":{ebytes},\"timings\":[{}]}}",
+            dm.bits(),
+            rows.join(",")
+        ),
+    ));
+}
+
+/// The variants timed (the default is marked in the output).
+const VARIANTS: [MoeFlags; 4] = [
+    MoeFlags { topk_in_router: true, prefetch_down: false },
+    MoeFlags { topk_in_router: true, prefetch_down: true },
+    MoeFlags { topk_in_router: false, prefetch_down: false },
+    MoeFlags { topk_in_router: false, prefetch_down: true },
+];
+
+fn vname(f: MoeFlags) -> String {
+    format!(
+        "top-k {}, {}",
+        if f.topk_in_router { "in router" } else { "in gate/up" },
+        if f.prefetch_down { "L2 prefetch" } else { "no prefetch" }
+    )
+}
+
+/// Runs the MoE checks and timings.
+pub fn run(s: &mut Suite) {
+    // mlx-community 4-bit: experts 4-bit, router and shared-expert gate 8-bit
+    run_case(s, "q4 experts", [8, 8, 4, 4, 4, 4], 0x40E_0001, true);
+    // 8-bit everywhere
+    run_case(s, "q8 all", [8, 8, 8, 8, 8, 8], 0x40E_0002, false);
+    // mixed widths: 4-bit router, 8-bit down and shared expert
+    if !s.quick {
+        run_case(s, "mixed", [4, 8, 4, 8, 8, 8], 0x40E_0003, true);
+    }
+}

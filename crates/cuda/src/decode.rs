@@ -1,0 +1,566 @@
+//! The whole decode step on the GPU: weights uploaded once ([`CudaModel`]), per-sequence state
+//! and activations on the device ([`CudaSession`]), and one step captured as a CUDA graph that is
+//! replayed token after token. The sampled token never leaves the GPU between steps: the last
+//! kernel of a step writes the greedy token into the device-side token history and advances the
+//! device-side position, and the next replay's first kernel embeds it.
+//!
+//! Step (MODEL.md §3.3), every tensor f32 on the device except the bf16 KV cache:
+//!
+//! ```text
+//! x = embed[ids[pos]]
+//! for each layer:
+//!     u = ZNorm(x; input_layernorm)
+//!     GDN:  proj = [W_qkv|W_z|W_b|W_a]·u ; o = gdn_decode_step(proj, conv/S state) ; h = x + W_out·o
+//!     attn: proj = [W_q|W_k|W_v]·u       ; o = attn_decode_step(proj, KV cache)     ; h = x + W_o·o
+//!     u = ZNorm(h; post_attention_layernorm)
+//!     x = h + MoE(u)
+//! logits = lm_head · ZNorm(x; norm) ; ids[pos+1] = argmax(logits) ; pos += 1
+//! ```
+//!
+//! Prompt tokens before the last run a second graph without the final norm, LM head and argmax
+//! (only `pos += 1`). This token-by-token prompt pass is correct but is not the batched prefill
+//! (issue 4 item 3); it exists so generation works end to end.
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use model::linear::Linear;
+use model::load::{Mixer, Weights};
+use quant::QMatRef;
+use spec::production as p;
+use spec::{LayerKind, TextConfig};
+
+use crate::attention::{AttnScratch, ATTN_PROJ};
+use crate::gdn::{GdnScratch, GDN_PROJ};
+use crate::graph::StepGraph;
+use crate::moe::{DeviceMoe, MoeScratch};
+use crate::{CudaContext, CudaError, DeviceQMat};
+
+/// Several quantized matrices with the same input that one decode step applies to the same
+/// vector, stacked by rows into as few device matrices as their formats allow (one when all
+/// parts share bits and group size). Output rows keep the parts' order.
+pub struct StackedQMat {
+    /// `(matrix, first output row)` per run of parts with one format.
+    pub runs: Vec<(DeviceQMat, usize)>,
+    /// Total output rows.
+    pub rows: usize,
+}
+
+impl StackedQMat {
+    /// Uploads `parts` (all `[rows_i, cols]` with one `cols`), merging consecutive parts of the
+    /// same quantization format.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for a dense (unquantized) part, naming it, or as
+    /// [`CudaContext::upload_qmat_rows`].
+    pub fn upload(cx: &CudaContext, parts: &[(&str, &Linear)]) -> Result<Self, CudaError> {
+        let mut refs: Vec<QMatRef<'_>> = Vec::with_capacity(parts.len());
+        for (name, l) in parts {
+            refs.push(quantized(name, l)?);
+        }
+        let mut runs = Vec::new();
+        let mut row = 0;
+        let mut i = 0;
+        while i < refs.len() {
+            let mut j = i + 1;
+            while j < refs.len() && refs[j].spec == refs[i].spec && refs[j].cols == refs[i].cols {
+                j += 1;
+            }
+            let m = cx.upload_qmat_rows(&refs[i..j])?;
+            let rows = m.rows;
+            runs.push((m, row));
+            row += rows;
+            i = j;
+        }
+        Ok(StackedQMat { runs, rows: row })
+    }
+
+    /// `out[0..rows] = W·x` with one GEMV per run.
+    ///
+    /// # Errors
+    /// As [`CudaContext::gemv`].
+    pub fn gemv(&self, cx: &CudaContext, out: &mut CudaViewMut<'_, f32>, x: &CudaView<'_, f32>) -> Result<(), CudaError> {
+        for (m, r0) in &self.runs {
+            let mut o = out.slice_mut(*r0..*r0 + m.rows);
+            cx.gemv(&mut o, m, x)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of weights one application reads.
+    pub fn stored_bytes(&self) -> usize {
+        self.runs.iter().map(|(m, _)| m.stored_bytes()).sum()
+    }
+}
+
+/// The quantized view of a weight, or an error naming it.
+fn quantized<'a>(name: &str, l: &'a Linear) -> Result<QMatRef<'a>, CudaError> {
+    l.qref().ok_or_else(|| {
+        CudaError::Unsupported(format!(
+            "{name} is stored as floats; the CUDA backend runs MLX-layout quantized checkpoints \
+             (make one with `calla convert --bits 4|8`)"
+        ))
+    })
+}
+
+/// One layer's token mixer on the device.
+pub enum DeviceMixer {
+    /// Gated DeltaNet: stacked `in_proj` (qkv | z | b | a), conv taps, gates, gated-norm
+    /// weight, `out_proj`.
+    Gdn {
+        in_proj: StackedQMat,
+        conv_w: CudaSlice<f32>,
+        a_neg_exp: CudaSlice<f32>,
+        dt_bias: CudaSlice<f32>,
+        norm: CudaSlice<f32>,
+        out_proj: DeviceQMat,
+    },
+    /// Gated attention: stacked `q|k|v`, q/k norms, `o_proj`.
+    Attn {
+        qkv: StackedQMat,
+        q_norm: CudaSlice<f32>,
+        k_norm: CudaSlice<f32>,
+        o_proj: DeviceQMat,
+    },
+}
+
+/// One decoder layer on the device.
+pub struct DeviceLayer {
+    /// `input_layernorm` weight [D_MODEL] (zero-centred).
+    pub input_norm: CudaSlice<f32>,
+    /// `post_attention_layernorm` weight [D_MODEL].
+    pub post_norm: CudaSlice<f32>,
+    /// Token mixer.
+    pub mixer: DeviceMixer,
+    /// MoE block.
+    pub moe: DeviceMoe,
+}
+
+/// The whole model's weights on the device.
+pub struct CudaModel {
+    /// The checkpoint's config.
+    pub cfg: TextConfig,
+    /// `embed_tokens` [vocab, D_MODEL], quantized.
+    pub embed: DeviceQMat,
+    /// `lm_head` [vocab, D_MODEL], quantized.
+    pub lm_head: DeviceQMat,
+    /// Final norm weight [D_MODEL].
+    pub final_norm: CudaSlice<f32>,
+    /// Decoder layers.
+    pub layers: Vec<DeviceLayer>,
+    /// RoPE inverse frequencies [rotary_dim / 2] (MODEL.md §3.6 step 3).
+    pub inv_freq: CudaSlice<f32>,
+    /// Logit rows `>= vocab_limit` are never picked (rows with no token in a compact vocabulary).
+    pub vocab_limit: usize,
+    /// Bytes of weights one decode step reads (non-expert weights, the chosen experts, one
+    /// embedding row, the LM head), for the roofline.
+    pub bytes_per_token: usize,
+}
+
+/// Checks that `cfg` has the production widths the kernels are compiled for (any number of
+/// layers in the published 3:1 pattern or any other order of the two kinds is fine).
+///
+/// # Errors
+/// [`CudaError::Unsupported`] naming the first config field that differs.
+pub fn check_config(cfg: &TextConfig) -> Result<(), CudaError> {
+    let checks: [(&str, usize, usize); 14] = [
+        ("hidden_size", cfg.hidden_size, p::D_MODEL),
+        ("num_attention_heads", cfg.num_attention_heads, p::N_Q_HEADS),
+        ("num_key_value_heads", cfg.num_key_value_heads, p::N_KV_HEADS),
+        ("head_dim", cfg.head_dim, p::HEAD_DIM),
+        ("partial_rotary_factor (rotary dim)", cfg.rotary_dim(), p::ROTARY_DIM),
+        ("linear_num_key_heads", cfg.linear_num_key_heads, p::N_K_HEADS),
+        ("linear_num_value_heads", cfg.linear_num_value_heads, p::N_V_HEADS),
+        ("linear_key_head_dim", cfg.linear_key_head_dim, p::D_K),
+        ("linear_value_head_dim", cfg.linear_value_head_dim, p::D_V),
+        ("linear_conv_kernel_dim", cfg.linear_conv_kernel_dim, p::CONV_KERNEL),
+        ("num_experts", cfg.num_experts, p::N_EXPERTS),
+        ("num_experts_per_tok", cfg.num_experts_per_tok, p::TOP_K),
+        ("moe_intermediate_size", cfg.moe_intermediate_size, p::D_EXPERT),
+        ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, p::D_SHARED_EXPERT),
+    ];
+    for (field, got, want) in checks {
+        if got != want {
+            return Err(CudaError::Unsupported(format!(
+                "config field {field} is {got}; the CUDA kernels are built for the published \
+                 model's {want}"
+            )));
+        }
+    }
+    if (cfg.rms_norm_eps - p::RMS_EPS).abs() > f32::EPSILON * p::RMS_EPS {
+        return Err(CudaError::Unsupported(format!(
+            "config field rms_norm_eps is {}; the CUDA kernels are built for {}",
+            cfg.rms_norm_eps,
+            p::RMS_EPS
+        )));
+    }
+    Ok(())
+}
+
+impl CudaModel {
+    /// Uploads a loaded model's weights (an MLX-layout quantized checkpoint, as loaded by
+    /// `model::Model::open`).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for a config the kernels are not built for (naming the field)
+    /// or a float (unquantized) weight (naming it); driver errors (e.g. out of memory).
+    pub fn upload(cx: &CudaContext, cfg: &TextConfig, w: &Weights, vocab_limit: usize) -> Result<Self, CudaError> {
+        check_config(cfg)?;
+        let f = |v: &[f32]| cx.upload_f32(v);
+        let embed = cx.upload_qmat(quantized("embed_tokens", &w.embed)?)?;
+        let lm_head = cx.upload_qmat(quantized("lm_head", &w.lm_head)?)?;
+        let mut layers = Vec::with_capacity(w.layers.len());
+        let mut bytes = embed.stored_bytes() / embed.rows + lm_head.stored_bytes();
+        for (l, lw) in w.layers.iter().enumerate() {
+            let name = |s: &str| format!("layers.{l}.{s}");
+            let mixer = match &lw.mixer {
+                Mixer::Gdn(g) => {
+                    let (qkv, z, b, a) = (name("linear_attn.in_proj_qkv"), name("linear_attn.in_proj_z"), name("linear_attn.in_proj_b"), name("linear_attn.in_proj_a"));
+                    let in_proj = StackedQMat::upload(
+                        cx,
+                        &[(&qkv, &g.in_proj_qkv), (&z, &g.in_proj_z), (&b, &g.in_proj_b), (&a, &g.in_proj_a)],
+                    )?;
+                    debug_assert_eq!(in_proj.rows, GDN_PROJ);
+                    let out_proj = cx.upload_qmat(quantized(&name("linear_attn.out_proj"), &g.out_proj)?)?;
+                    bytes += in_proj.stored_bytes() + out_proj.stored_bytes();
+                    DeviceMixer::Gdn {
+                        in_proj,
+                        conv_w: f(&g.conv1d)?,
+                        a_neg_exp: f(&g.a_neg_exp)?,
+                        dt_bias: f(&g.dt_bias)?,
+                        norm: f(&g.norm)?,
+                        out_proj,
+                    }
+                }
+                Mixer::Attn(a) => {
+                    let (q, k, v) = (name("self_attn.q_proj"), name("self_attn.k_proj"), name("self_attn.v_proj"));
+                    let qkv = StackedQMat::upload(cx, &[(&q, &a.q_proj), (&k, &a.k_proj), (&v, &a.v_proj)])?;
+                    debug_assert_eq!(qkv.rows, ATTN_PROJ);
+                    let o_proj = cx.upload_qmat(quantized(&name("self_attn.o_proj"), &a.o_proj)?)?;
+                    bytes += qkv.stored_bytes() + o_proj.stored_bytes();
+                    DeviceMixer::Attn { qkv, q_norm: f(&a.q_norm)?, k_norm: f(&a.k_norm)?, o_proj }
+                }
+            };
+            let moe = cx.upload_moe(&lw.moe)?;
+            bytes += moe_bytes_per_token(&lw.moe);
+            layers.push(DeviceLayer { input_norm: f(&lw.input_norm)?, post_norm: f(&lw.post_norm)?, mixer, moe });
+        }
+        let inv_freq = f(&model::reference::rope_inv_freq(cfg.rope_theta, cfg.rotary_dim()))?;
+        Ok(CudaModel {
+            cfg: cfg.clone(),
+            embed,
+            lm_head,
+            final_norm: f(&w.final_norm)?,
+            layers,
+            inv_freq,
+            vocab_limit: vocab_limit.min(cfg.vocab_size),
+            bytes_per_token: bytes,
+        })
+    }
+}
+
+/// Weight bytes one token's MoE block reads: router, shared-expert gate, shared expert, and
+/// top-k of the routed experts (the first expert's size stands for all).
+fn moe_bytes_per_token(m: &model::load::MoeWeights) -> usize {
+    let e = |x: &model::load::Expert| x.gate.stored_bytes() + x.up.stored_bytes() + x.down.stored_bytes();
+    m.router.stored_bytes()
+        + m.shared_gate.stored_bytes()
+        + e(&m.shared)
+        + m.experts.first().map_or(0, e) * p::TOP_K
+}
+
+/// Per-layer decode state on the device.
+pub(crate) enum DeviceLayerState {
+    /// GDN conv state [3, conv_dim] and recurrent state [n_v, d_k, d_v], f32.
+    Gdn { conv: CudaSlice<f32>, s: CudaSlice<f32> },
+    /// KV cache [max_ctx, n_kv, head_dim] bf16 bits.
+    Attn { k: CudaSlice<u16>, v: CudaSlice<u16> },
+}
+
+/// One sequence on the GPU: token history, position, GDN state, KV cache, activations, and the
+/// captured step graphs.
+pub struct CudaSession {
+    pub(crate) max_ctx: usize,
+    /// Token history [max_ctx]: the prompt, then generated tokens.
+    pub(crate) ids: CudaSlice<i32>,
+    /// [1]: prompt length (ids below it are never overwritten).
+    pub(crate) n_fixed: CudaSlice<i32>,
+    /// [1]: position of the next token to run.
+    pub(crate) pos: CudaSlice<i32>,
+    /// Host mirror of `pos` (the device value advances one per replay).
+    pub(crate) host_pos: usize,
+    /// Host mirror of the prompt length.
+    pub(crate) host_fixed: usize,
+    pub(crate) x: CudaSlice<f32>,
+    pub(crate) h: CudaSlice<f32>,
+    pub(crate) u: CudaSlice<f32>,
+    pub(crate) proj: CudaSlice<f32>,
+    pub(crate) mix: CudaSlice<f32>,
+    pub(crate) logits: CudaSlice<f32>,
+    pub(crate) layers: Vec<DeviceLayerState>,
+    pub(crate) gdn_scratch: GdnScratch,
+    pub(crate) attn_scratch: AttnScratch,
+    pub(crate) moe_scratch: MoeScratch,
+    /// Step with LM head and argmax.
+    pub(crate) graph_full: Option<StepGraph>,
+    /// Step without them (prompt tokens before the last).
+    pub(crate) graph_prompt: Option<StepGraph>,
+    /// Capture with programmatic dependent launch (see [`crate::graph`]).
+    pub(crate) pdl: bool,
+}
+
+impl CudaSession {
+    /// Allocates a sequence with room for `max_ctx` tokens.
+    ///
+    /// # Errors
+    /// Driver errors (out of memory).
+    pub fn new(cx: &CudaContext, m: &CudaModel, max_ctx: usize) -> Result<Self, CudaError> {
+        let st = cx.stream();
+        let cfg = &m.cfg;
+        let mut layers = Vec::with_capacity(cfg.layer_types.len());
+        for k in &cfg.layer_types {
+            layers.push(match k {
+                LayerKind::LinearAttention => DeviceLayerState::Gdn {
+                    conv: st.alloc_zeros::<f32>((p::CONV_KERNEL - 1) * cfg.gdn_conv_dim())?,
+                    s: st.alloc_zeros::<f32>(p::N_V_HEADS * p::D_K * p::D_V)?,
+                },
+                LayerKind::FullAttention => DeviceLayerState::Attn {
+                    k: st.alloc_zeros::<u16>(max_ctx * p::N_KV_HEADS * p::HEAD_DIM)?,
+                    v: st.alloc_zeros::<u16>(max_ctx * p::N_KV_HEADS * p::HEAD_DIM)?,
+                },
+            });
+        }
+        Ok(CudaSession {
+            max_ctx,
+            ids: st.alloc_zeros::<i32>(max_ctx + 1)?,
+            n_fixed: st.alloc_zeros::<i32>(1)?,
+            pos: st.alloc_zeros::<i32>(1)?,
+            host_pos: 0,
+            host_fixed: 0,
+            x: st.alloc_zeros::<f32>(p::D_MODEL)?,
+            h: st.alloc_zeros::<f32>(p::D_MODEL)?,
+            u: st.alloc_zeros::<f32>(p::D_MODEL)?,
+            proj: st.alloc_zeros::<f32>(GDN_PROJ.max(ATTN_PROJ))?,
+            mix: st.alloc_zeros::<f32>((p::N_Q_HEADS * p::HEAD_DIM).max(p::N_V_HEADS * p::D_V))?,
+            logits: st.alloc_zeros::<f32>(m.lm_head.rows)?,
+            layers,
+            gdn_scratch: cx.gdn_scratch()?,
+            attn_scratch: cx.attn_scratch(max_ctx)?,
+            moe_scratch: cx.moe_scratch()?,
+            graph_full: None,
+            graph_prompt: None,
+            pdl: false,
+        })
+    }
+
+    /// Context limit in tokens.
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    /// Tokens processed so far.
+    pub fn pos(&self) -> usize {
+        self.host_pos
+    }
+
+    /// Queues one decode step on the stream (not captured: used for capture and for tests).
+    fn enqueue_step(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<(), CudaError> {
+        {
+            let mut x = self.x.slice_mut(..);
+            cx.embed_gather(&mut x, &m.embed, &self.ids.slice(..), &self.pos.slice(..))?;
+        }
+        for (lw, ls) in m.layers.iter().zip(self.layers.iter_mut()) {
+            cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
+            match (&lw.mixer, ls) {
+                (
+                    DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj },
+                    DeviceLayerState::Gdn { conv, s },
+                ) => {
+                    in_proj.gemv(cx, &mut self.proj.slice_mut(..GDN_PROJ), &self.u.slice(..))?;
+                    let n_out = p::N_V_HEADS * p::D_V;
+                    cx.gdn_decode_step(
+                        &self.proj.slice(..GDN_PROJ),
+                        &conv_w.slice(..),
+                        &a_neg_exp.slice(..),
+                        &dt_bias.slice(..),
+                        &norm.slice(..),
+                        &mut conv.slice_mut(..),
+                        &mut s.slice_mut(..),
+                        &mut self.gdn_scratch,
+                        &mut self.mix.slice_mut(..n_out),
+                    )?;
+                    cx.gemv_residual(&mut self.h.slice_mut(..), out_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                }
+                (DeviceMixer::Attn { qkv, q_norm, k_norm, o_proj }, DeviceLayerState::Attn { k, v }) => {
+                    qkv.gemv(cx, &mut self.proj.slice_mut(..ATTN_PROJ), &self.u.slice(..))?;
+                    let n_out = p::N_Q_HEADS * p::HEAD_DIM;
+                    cx.attn_decode_step(
+                        &self.proj.slice(..ATTN_PROJ),
+                        &q_norm.slice(..),
+                        &k_norm.slice(..),
+                        &m.inv_freq.slice(..),
+                        &self.pos.slice(..),
+                        &mut k.slice_mut(..),
+                        &mut v.slice_mut(..),
+                        &mut self.attn_scratch,
+                        &mut self.mix.slice_mut(..n_out),
+                    )?;
+                    cx.gemv_residual(&mut self.h.slice_mut(..), o_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                }
+                _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
+            }
+            cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
+            cx.moe_decode_step(&lw.moe, &self.u.slice(..), &self.h.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..))?;
+        }
+        if with_head {
+            cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &m.final_norm.slice(..))?;
+            cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
+            cx.argmax_step(
+                &self.logits.slice(..),
+                m.vocab_limit,
+                &mut self.ids.slice_mut(..self.max_ctx),
+                &self.n_fixed.slice(..),
+                &mut self.pos.slice_mut(..),
+            )?;
+        } else {
+            cx.advance_pos(&mut self.pos.slice_mut(..))?;
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<StepGraph, CudaError> {
+        let st = cx.stream().clone();
+        let pdl = self.pdl;
+        StepGraph::capture(&st, pdl, || self.enqueue_step(cx, m, with_head))
+    }
+
+    /// Chooses programmatic dependent launch for the step graphs (captured again on the next
+    /// [`Self::start`] when the choice changes).
+    pub fn set_pdl(&mut self, on: bool) {
+        if on != self.pdl {
+            self.pdl = on;
+            self.graph_full = None;
+            self.graph_prompt = None;
+        }
+    }
+
+    /// Kernel launches per full decode step, and how many of its edges are programmatic
+    /// (after the first [`Self::start`]).
+    pub fn graph_stats(&self) -> Option<(usize, usize)> {
+        self.graph_full.as_ref().map(|g| (g.kernels, g.programmatic_edges))
+    }
+
+    /// Captures the two step graphs (once per session). Called by [`Self::start`].
+    pub(crate) fn ensure_graphs(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
+        if self.graph_full.is_none() {
+            self.graph_full = Some(self.capture(cx, m, true)?);
+        }
+        if self.graph_prompt.is_none() {
+            self.graph_prompt = Some(self.capture(cx, m, false)?);
+        }
+        Ok(())
+    }
+
+    /// Validates `prompt`, captures the step graphs if needed, clears the GDN state and
+    /// uploads the prompt as the token history with the position at 0. Queued, not waited for.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for an empty prompt, an id outside the vocabulary, or a prompt
+    /// that leaves no room in the context; driver errors.
+    pub(crate) fn begin(&mut self, cx: &CudaContext, m: &CudaModel, prompt: &[u32]) -> Result<(), CudaError> {
+        if prompt.is_empty() {
+            return Err(CudaError::Unsupported("empty prompt".into()));
+        }
+        if prompt.len() >= self.max_ctx {
+            return Err(CudaError::Unsupported(format!(
+                "prompt of {} tokens leaves no room in a context of {}",
+                prompt.len(),
+                self.max_ctx
+            )));
+        }
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= m.cfg.vocab_size) {
+            return Err(CudaError::Unsupported(format!("token id {id} outside the vocabulary of {}", m.cfg.vocab_size)));
+        }
+        self.ensure_graphs(cx, m)?;
+        let st = cx.stream().clone();
+        for l in &mut self.layers {
+            match l {
+                DeviceLayerState::Gdn { conv, s } => {
+                    st.memset_zeros(conv)?;
+                    st.memset_zeros(s)?;
+                }
+                // KV rows at or beyond pos are never read, no need to clear
+                DeviceLayerState::Attn { .. } => {}
+            }
+        }
+        let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+        st.memcpy_htod(&ids, &mut self.ids.slice_mut(..ids.len()))?;
+        st.memcpy_htod(&[ids.len() as i32], &mut self.n_fixed)?;
+        st.memcpy_htod(&[0i32], &mut self.pos)?;
+        self.host_fixed = ids.len();
+        self.host_pos = 0;
+        Ok(())
+    }
+
+    /// Starts a sequence from scratch: clears all state, uploads `prompt`, runs it token by
+    /// token through the step graph (all but the last without the LM head) and leaves the first
+    /// generated token in the device history. Asynchronous: returns once the work is queued.
+    /// [`Self::start_batched`] (module [`crate::prefill`]) is the fast way for long prompts.
+    ///
+    /// # Errors
+    /// As [`Self::begin`].
+    pub fn start(&mut self, cx: &CudaContext, m: &CudaModel, prompt: &[u32]) -> Result<(), CudaError> {
+        self.begin(cx, m, prompt)?;
+        let gp = self.graph_prompt.as_ref().expect("captured");
+        for _ in 0..prompt.len() - 1 {
+            gp.launch()?;
+        }
+        self.graph_full.as_ref().expect("captured").launch()?;
+        self.host_pos = prompt.len();
+        Ok(())
+    }
+
+    /// Queues `n` decode steps (each embeds the last token, runs the model, and appends the
+    /// greedy token). Stops early at the context limit. Returns the number queued.
+    ///
+    /// # Errors
+    /// Driver errors; [`CudaError::Unsupported`] before [`Self::start`].
+    pub fn decode(&mut self, n: usize) -> Result<usize, CudaError> {
+        let g = self
+            .graph_full
+            .as_ref()
+            .ok_or_else(|| CudaError::Unsupported("decode before start".into()))?;
+        // the step at host_pos writes ids[host_pos + 1]
+        let n = n.min(self.max_ctx.saturating_sub(self.host_pos + 1));
+        for _ in 0..n {
+            g.launch()?;
+        }
+        self.host_pos += n;
+        Ok(n)
+    }
+
+    /// Waits for the queued steps and returns the generated tokens so far (the tokens after
+    /// the prompt).
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn generated(&self, cx: &CudaContext) -> Result<Vec<u32>, CudaError> {
+        let n = self.host_pos + 1;
+        let v = cx.stream().clone_dtoh(&self.ids.slice(..n.min(self.max_ctx)))?;
+        Ok(v[self.host_fixed..].iter().map(|&t| t as u32).collect())
+    }
+
+    /// Waits and returns the logits of the last step that ran the LM head [vocab rows].
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn logits(&self, cx: &CudaContext) -> Result<Vec<f32>, CudaError> {
+        Ok(cx.stream().clone_dtoh(&self.logits)?)
+    }
+
+    /// Waits and returns the device-side position (for checks).
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn device_pos(&self, cx: &CudaContext) -> Result<usize, CudaError> {
+        Ok(cx.stream().clone_dtoh(&self.pos)?[0] as usize)
+    }
+}

@@ -1,0 +1,348 @@
+//! Gated DeltaNet prefill on the GPU: a block of `T` prompt tokens of one layer in the chunked
+//! form (docs/MODEL.md §3.5 steps 2-7 with chunk `C = 64`, and the gated RMSNorm of step 8),
+//! continuing from and updating the same conv state and GDN state as the decode step
+//! ([`CudaContext::gdn_decode_step`]). Kernels: `kernels/gdn_prefill.cu`.
+//!
+//! The CPU twin is the prefill path of `model::Model`'s GDN mixer (crates/model/src/lib.rs),
+//! built from `model::reference::{causal_conv_silu, l2norm_inplace, softplus, sigmoid,
+//! gdn_chunk, gated_rms_norm}`; the chunk math follows transformers
+//! `torch_chunk_gated_delta_rule`.
+//!
+//! Four launches, eager on [`CudaContext::stream`] with `T` as a host argument (prefill is not
+//! part of the decode graph):
+//!
+//! 1. `gdnp_conv`: causal conv + SiLU, L2 norms, gates → `q̂, k̂, v, g, β` in the scratch.
+//! 2. `gdnp_prep_*`: per (QK head, chunk), everything that does not depend on the state:
+//!    `γ`, `Tm = (I + A)⁻¹`, `U`, `W`, `P = (Q̂K̂ᵀ) ⊙ D`; shifts the conv state.
+//! 3. `gdnp_state_*`: per (V head, quarter of the value columns), the chunks in order:
+//!    `V' = U − W S`, `O = e^γ Q̂ S + P V'`, `S ← e^{γ_C} S + K̂ᵀ e^{γ_C−γ} V'`.
+//! 4. `gdnp_norm`: gated RMSNorm of `O` in place.
+//!
+//! [`GdnPrefillMath`] selects fp32 CUDA-core products or TF32 tensor-core products (fp32
+//! accumulation) for steps 2 and 3; the state, the triangular solve and all elementwise math
+//! are fp32 either way.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use spec::production as p;
+
+use crate::gdn::{GDN_CONV_DIM, GDN_CONV_STATE_LEN, GDN_OUT, GDN_PROJ, GDN_STATE_LEN};
+use crate::{CudaContext, CudaError};
+
+/// Chunk length of the chunked form (`C`); the kernels are built for 64.
+pub const GDN_PREFILL_CHUNK: usize = 64;
+const _: () = assert!(GDN_PREFILL_CHUNK == p::GDN_CHUNK, "kernels/gdn_prefill.cu is built for C = 64");
+
+const CH: usize = GDN_PREFILL_CHUNK;
+/// Blocks per V head in `gdnp_state_*` (`SPLIT` in the kernel file).
+const SPLIT: usize = 4;
+/// Dynamic shared memory of `gdnp_prep_*` in f32 (`PB_FLOATS` in the kernel file; the kernel
+/// traps if it gets less).
+const PREP_FLOATS: usize = CH * (p::D_K + 4) + CH * (p::D_K + 8) + 2 * CH * (CH + 4) + 8 * CH;
+/// Dynamic shared memory of `gdnp_state_*` in f32 (`SC_FLOATS` in the kernel file): three ring
+/// slots of W/Q̂ key-column halves, two U slices and γ, K̂, P, S, V', e^{γ_C−γ}V', e^γQ̂S.
+const STATE_FLOATS: usize = {
+    let cwp = p::D_V / SPLIT + 8;
+    3 * 2 * CH * (p::D_K / 2 + 4) + 2 * CH * cwp + 2 * CH + CH * (p::D_K + 8) + CH * (CH + 4) + p::D_K * cwp + 3 * CH * cwp
+};
+
+/// How the chunk products (`K̂K̂ᵀ`, `Q̂K̂ᵀ`, `Tm·V`, `Tm·K̂`, `W·S`, `Q̂·S`, `P·V'`, `K̂ᵀV'`) are
+/// computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdnPrefillMath {
+    /// fp32 on the CUDA cores: agrees with the fp32 CPU reference to ~1e-6 relative.
+    F32,
+    /// TF32 tensor cores (`mma.sync m16n8k8`, operands rounded to 10-bit mantissas with
+    /// `cvt.rna`, fp32 accumulation): ~1e-3 relative, far below the model's own BF16 rounding.
+    Tf32,
+}
+
+impl GdnPrefillMath {
+    fn prep(self) -> &'static str {
+        match self {
+            GdnPrefillMath::F32 => "gdnp_prep_f32",
+            GdnPrefillMath::Tf32 => "gdnp_prep_tf32",
+        }
+    }
+    fn state(self) -> &'static str {
+        match self {
+            GdnPrefillMath::F32 => "gdnp_state_f32",
+            GdnPrefillMath::Tf32 => "gdnp_state_tf32",
+        }
+    }
+    /// Threads per block of `gdnp_state_*` (`sc_threads` in the kernel file).
+    fn state_threads(self) -> u32 {
+        match self {
+            GdnPrefillMath::F32 => 256,
+            GdnPrefillMath::Tf32 => 512,
+        }
+    }
+}
+
+/// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
+/// (`Tp` = `max_t` rounded up to a multiple of 64): `q̂, k̂` `[n_k, Tp, d_k]`, `v`/`U` and `W`
+/// `[n_v, Tp, d_v]`, `P` `[n_v, Tp/64, 64, 64]`, `g, β, γ` `[n_v, Tp]`, all f32
+/// (14,432 floats ≈ 56 KiB per token of `max_t`; 451 MiB at 8192). One scratch serves every
+/// layer.
+pub struct GdnPrefillScratch {
+    max_t: usize,
+    math: GdnPrefillMath,
+    stages: u8,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    vu: CudaSlice<f32>,
+    w: CudaSlice<f32>,
+    p: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    gam: CudaSlice<f32>,
+}
+
+impl GdnPrefillScratch {
+    /// Largest block (tokens per call) this scratch holds.
+    pub fn max_t(&self) -> usize {
+        self.max_t
+    }
+
+    /// The product arithmetic in use (default [`GdnPrefillMath::Tf32`]).
+    pub fn math(&self) -> GdnPrefillMath {
+        self.math
+    }
+
+    /// Selects the product arithmetic of later calls.
+    pub fn set_math(&mut self, math: GdnPrefillMath) {
+        self.math = math;
+    }
+
+    /// Benchmarking only: launch just the stages whose bit is set (bit 0 conv, 1 prep,
+    /// 2 state, 3 norm). Any other mask than `0b1111` leaves the outputs incomplete.
+    #[doc(hidden)]
+    pub fn set_stage_mask(&mut self, mask: u8) {
+        self.stages = mask;
+    }
+
+    /// Diagnostics only: the scratch buffers by name (`q`, `k`, `vu`, `w`, `p`, `g`, `beta`,
+    /// `gam`), laid out as in the type's docs with `Tp` = the last call's `T` rounded up to 64.
+    #[doc(hidden)]
+    pub fn buffers(&self) -> [(&'static str, &CudaSlice<f32>); 8] {
+        [
+            ("q", &self.q),
+            ("k", &self.k),
+            ("vu", &self.vu),
+            ("w", &self.w),
+            ("p", &self.p),
+            ("g", &self.g),
+            ("beta", &self.beta),
+            ("gam", &self.gam),
+        ]
+    }
+}
+
+impl CudaContext {
+    /// Scratch for [`Self::gdn_prefill`] calls of up to `max_t` tokens (see
+    /// [`GdnPrefillScratch`] for the size). Also raises the dynamic shared-memory limit of the
+    /// prefill kernels.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `max_t` is 0; [`CudaError::Driver`] when allocation fails.
+    pub fn gdn_prefill_scratch(&self, max_t: usize) -> Result<GdnPrefillScratch, CudaError> {
+        if max_t == 0 {
+            return Err(CudaError::Unsupported("gdn_prefill_scratch: max_t = 0".into()));
+        }
+        for (name, floats) in [
+            ("gdnp_prep_f32", PREP_FLOATS),
+            ("gdnp_prep_tf32", PREP_FLOATS),
+            ("gdnp_state_f32", STATE_FLOATS),
+            ("gdnp_state_tf32", STATE_FLOATS),
+        ] {
+            self.func(name)?.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (floats * 4) as i32,
+            )?;
+        }
+        let tp = max_t.div_ceil(CH) * CH;
+        let s = self.stream();
+        Ok(GdnPrefillScratch {
+            max_t,
+            math: GdnPrefillMath::Tf32,
+            stages: 0b1111,
+            q: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
+            k: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
+            vu: s.alloc_zeros(p::N_V_HEADS * tp * p::D_V)?,
+            w: s.alloc_zeros(p::N_V_HEADS * tp * p::D_K)?,
+            p: s.alloc_zeros(p::N_V_HEADS * tp * CH)?,
+            g: s.alloc_zeros(p::N_V_HEADS * tp)?,
+            beta: s.alloc_zeros(p::N_V_HEADS * tp)?,
+            gam: s.alloc_zeros(p::N_V_HEADS * tp)?,
+        })
+    }
+
+    /// The Gated DeltaNet core of one layer for a block of `t` prompt tokens, chunked
+    /// (docs/MODEL.md §3.5 steps 2-7, chunk 64) and the gated RMSNorm of step 8 (not
+    /// `out_proj`), continuing from the conv state and GDN state of the tokens before the block.
+    ///
+    /// * `proj`: `[t, GDN_PROJ]`, per token `qkv (conv_dim) | z (n_v·d_v) | b (n_v) | a (n_v)`,
+    ///   the stacked `in_proj` GEMM output.
+    /// * `conv_w`: `[conv_dim, 4]` = `GdnWeights::conv1d` (tap 3 on the current token).
+    /// * `a_neg_exp`: `[n_v]` = `-exp(A_log)`; `dt_bias`: `[n_v]`.
+    /// * `norm_w`: `[d_v]` gated-norm weight, used as stored (no +1).
+    /// * `conv_state`: `[3, conv_dim]` pre-conv rows, oldest first (= `LayerState::Gdn::conv`):
+    ///   read as the rows before the block, then replaced by the last three rows of
+    ///   `[conv_state ‖ qkv]`.
+    /// * `s`: `[n_v, d_k, d_v]` f32 GDN state, row = key dim (= `LayerState::Gdn::s`), updated
+    ///   to the state after the block.
+    /// * `out`: `[t, n_v·d_v]`, token-major, head-major within a token:
+    ///   `norm_w ⊙ o/rms(o) ⊙ SiLU(z)` per V head; V head `j` reads QK head `j / (n_v/n_k)`.
+    ///
+    /// Asynchronous on [`Self::stream`]; four launches (module docs). `t = 0` does nothing.
+    /// Splitting a sequence into several calls gives the same result as one call up to fp32
+    /// (or TF32) rounding.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `t > scratch.max_t()`, a length differs from the above or
+    /// a buffer is not 16-byte aligned; [`CudaError::Driver`] when a launch fails.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_prefill(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        conv_w: &CudaView<'_, f32>,
+        a_neg_exp: &CudaView<'_, f32>,
+        dt_bias: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        conv_state: &mut CudaViewMut<'_, f32>,
+        s: &mut CudaViewMut<'_, f32>,
+        scratch: &mut GdnPrefillScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        if t > scratch.max_t {
+            return Err(CudaError::Unsupported(format!(
+                "gdn_prefill: {t} tokens, scratch holds {}",
+                scratch.max_t
+            )));
+        }
+        let checks = [
+            ("proj", proj.len(), t * GDN_PROJ),
+            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
+            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
+            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
+            ("norm_w", norm_w.len(), p::D_V),
+            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
+            ("s", s.len(), GDN_STATE_LEN),
+            ("out", out.len(), t * GDN_OUT),
+        ];
+        for (name, got, want) in checks {
+            if got != want {
+                return Err(CudaError::Unsupported(format!(
+                    "gdn_prefill: {name} has {got} elements, expected {want}"
+                )));
+            }
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let stream = self.stream();
+        let aligned = [
+            ("proj", proj.device_ptr(stream).0),
+            ("conv_w", conv_w.device_ptr(stream).0),
+            ("norm_w", norm_w.device_ptr(stream).0),
+            ("conv_state", conv_state.device_ptr(stream).0),
+            ("s", s.device_ptr(stream).0),
+            ("out", out.device_ptr(stream).0),
+        ];
+        for (name, ptr) in aligned {
+            if ptr % 16 != 0 {
+                return Err(CudaError::Unsupported(format!(
+                    "gdn_prefill: {name} at {ptr:#x} is not 16-byte aligned (float4 access)"
+                )));
+            }
+        }
+        let nc = t.div_ceil(CH);
+        let tpad = nc * CH;
+        let (t_i, tpad_i, nc_i) = (t as i32, tpad as i32, nc as i32);
+        let math = scratch.math;
+        let stages = scratch.stages;
+        let sc = scratch;
+
+        if stages & 1 != 0 {
+            let cs = conv_state.as_view();
+            let cfg = LaunchConfig {
+                grid_dim: ((tpad / 32) as u32, (2 * p::N_K_HEADS + p::N_V_HEADS) as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(self.func("gdnp_conv")?);
+            b.arg(&mut sc.q)
+                .arg(&mut sc.k)
+                .arg(&mut sc.vu)
+                .arg(&mut sc.g)
+                .arg(&mut sc.beta)
+                .arg(proj)
+                .arg(&cs)
+                .arg(conv_w)
+                .arg(a_neg_exp)
+                .arg(dt_bias)
+                .arg(&t_i)
+                .arg(&tpad_i);
+            // SAFETY: argument order and types match `gdnp_conv`; the scratch holds `tpad` rows.
+            unsafe { b.launch(cfg) }?;
+        }
+        if stages & 2 != 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (p::N_K_HEADS as u32, nc as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (PREP_FLOATS * 4) as u32,
+            };
+            let mut b = stream.launch_builder(self.func(math.prep())?);
+            b.arg(&mut sc.vu)
+                .arg(&mut sc.w)
+                .arg(&mut sc.p)
+                .arg(&mut sc.gam)
+                .arg(&mut *conv_state)
+                .arg(&sc.q)
+                .arg(&sc.k)
+                .arg(&sc.g)
+                .arg(&sc.beta)
+                .arg(proj)
+                .arg(&t_i)
+                .arg(&tpad_i)
+                .arg(&nc_i);
+            // SAFETY: as above; the shared-memory size matches PB_FLOATS (the kernel checks).
+            unsafe { b.launch(cfg) }?;
+        }
+        if stages & 4 != 0 {
+            let cfg = LaunchConfig {
+                grid_dim: ((p::N_V_HEADS * SPLIT) as u32, 1, 1),
+                block_dim: (math.state_threads(), 1, 1),
+                shared_mem_bytes: (STATE_FLOATS * 4) as u32,
+            };
+            let mut b = stream.launch_builder(self.func(math.state())?);
+            b.arg(&mut *out)
+                .arg(&mut *s)
+                .arg(&sc.q)
+                .arg(&sc.k)
+                .arg(&sc.vu)
+                .arg(&sc.w)
+                .arg(&sc.p)
+                .arg(&sc.gam)
+                .arg(&t_i)
+                .arg(&tpad_i)
+                .arg(&nc_i);
+            // SAFETY: as above; the shared-memory size matches SC_FLOATS (the kernel checks).
+            unsafe { b.launch(cfg) }?;
+        }
+        if stages & 8 != 0 {
+            let warps = t * p::N_V_HEADS;
+            let cfg = LaunchConfig {
+                grid_dim: (warps.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(self.func("gdnp_norm")?);
+            b.arg(&mut *out).arg(proj).arg(norm_w).arg(&t_i);
+            // SAFETY: argument order and types match `gdnp_norm`.
+            unsafe { b.launch(cfg) }?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,795 @@
+//! Prefill (batched) matrix products for MLX affine-quantized weights (group 64, 4 or 8 bits)
+//! on the H200's tensor cores, and the MoE top-k routing and grouped expert GEMMs of a prefill
+//! step. Kernels: `kernels/gemm.cu` (design in its header comment and in `docs/CUDA.md`,
+//! section "Prefill GEMM").
+//!
+//! All products are `Y[t, n] = Σ_k X[t, k]·W[n, k]` with `W` a [`DeviceQMat`] (`[N, K]`, MLX
+//! layout as uploaded by [`CudaContext::upload_qmat`]), `X` `[T, K]` f32 row-major and `Y`
+//! `[T, N]` f32 row-major (`Lin(W, u) = u·Wᵀ`, MODEL.md §3.1). Inside, the activations are
+//! rounded to bf16 once per GEMM ([`CudaContext::convert_acts`]), the weights are dequantized to
+//! bf16 (`scale·q + bias`, one rounding) and the products accumulate in f32 on the tensor
+//! cores: about 2⁻⁹ relative error per product, so an output has a relative error of a few 1e-3
+//! against the f32 CPU reference (`quant::reference::gemm`), not the 1e-6 of the decode GEMV.
+//!
+//! Supported: any `N ≥ 1` (even for the SwiGLU forms), `K` a multiple of 128 (the model uses 512,
+//! 2048 and 4096), any `T ≥ 1` up to the scratch's `max_t`. Everything is asynchronous on
+//! [`CudaContext::stream`] with no host synchronisation; `T` is a host argument (prefill runs
+//! eagerly, not inside the decode graph).
+//!
+//! The MoE block of a prefill step (MODEL.md §3.7) with these calls:
+//!
+//! ```text
+//! convert_acts(u)                                     u = ZNorm(h), once for the four products below
+//! qgemm_converted(logits, router|shared_gate, Store)  [T, N_EXPERTS + 1] (8-bit in the MLX checkpoints)
+//! moe_route(logits, routing)                          softmax, top-k, renormalise, sort by expert
+//! qgemm_converted(s_act, shared gate|up, SwiGlu)      [T, D_SHARED_EXPERT]
+//! moe_gate_up_grouped(experts gate|up, routing)       routing.act: [T·k, D_EXPERT] bf16
+//! qgemm(s_out, shared down, s_act)                    [T, D_MODEL] (converts s_act: after the line above)
+//! moe_down_grouped(out, experts down, routing, resid = h, shared = s_out)
+//!                                                     out = h + Σ w·D_e·act + sigmoid(gate)·s_out
+//! ```
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use quant::Bits;
+use spec::production as p;
+
+use crate::{CudaContext, CudaError, DeviceQMat};
+
+/// Largest `K` (input columns) of any product in the model (`N_Q_HEADS·HEAD_DIM`, the input of
+/// o_proj / out_proj): sizes the bf16 activation scratch.
+pub const MAX_K: usize = p::N_Q_HEADS * p::HEAD_DIM;
+
+/// Entries per chunk of the expert sort (`SORT_CHUNK` in `gemm.cu`).
+const SORT_CHUNK: usize = 1024;
+/// Threads per GEMM block.
+const THREADS: u32 = 256;
+
+/// Which MMA instructions a GEMM uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmEngine {
+    /// `wgmma.mma_async` (Hopper warpgroup MMA, A from registers): the fast path.
+    Wgmma,
+    /// `mma.sync.m16n8k16` (warp MMA, B through `ldmatrix`): the fallback.
+    MmaSync,
+}
+
+/// Block tile of a GEMM launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmTile {
+    /// 256 weight rows × 128 tokens, one block per SM.
+    Big,
+    /// 256 weight rows × 64 tokens, two blocks per SM.
+    Tall,
+    /// 128 weight rows × 64 tokens, two blocks per SM (for small grids).
+    Small,
+}
+
+impl GemmTile {
+    /// Weight rows per block.
+    pub const fn rows(self) -> usize {
+        match self {
+            GemmTile::Big | GemmTile::Tall => 256,
+            GemmTile::Small => 128,
+        }
+    }
+    /// Tokens (or routed entries) per block.
+    pub const fn tokens(self) -> usize {
+        match self {
+            GemmTile::Big => 128,
+            GemmTile::Tall | GemmTile::Small => 64,
+        }
+    }
+}
+
+/// One GEMM kernel variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmVariant {
+    /// MMA instructions.
+    pub engine: GemmEngine,
+    /// Block tile.
+    pub tile: GemmTile,
+}
+
+/// What the GEMM does with its accumulators.
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a, 'b> {
+    /// `Y = X·Wᵀ`, `Y` `[T, N]`.
+    Store,
+    /// `Y = R + X·Wᵀ`, `R` `[T, N]` (may be the same memory as `Y`).
+    Residual(&'a CudaView<'b, f32>),
+    /// `W` stacks `[gate (I rows) | up (I rows)]`; `Y[t, j] = silu(G·x_t)_j · (U·x_t)_j`,
+    /// `Y` `[T, I]`, `I = N / 2`.
+    SwiGlu,
+}
+
+/// Device scratch of the GEMMs: the activations converted to bf16 (permuted column order of
+/// `gemm.cu`), `[max_t, MAX_K]`. Filled by [`CudaContext::convert_acts`] (or inside
+/// [`CudaContext::qgemm`]); one per stream of prefill work.
+pub struct GemmScratch {
+    max_t: usize,
+    xb: CudaSlice<u16>,
+    /// Rows and columns of the activations converted last.
+    conv: (usize, usize),
+    /// Forces a kernel variant (tests and benchmarks); `None` chooses by the grid size.
+    pub force: Option<GemmVariant>,
+    /// Benchmarks only: the dense GEMMs run their main loop but store nothing.
+    pub bench_no_store: bool,
+}
+
+impl GemmScratch {
+    /// Most tokens per call.
+    pub fn max_t(&self) -> usize {
+        self.max_t
+    }
+}
+
+/// MoE routing of up to `max_t` tokens and the buffers of the grouped expert GEMMs, all on the
+/// device ([`CudaContext::moe_routing`] allocates, [`CudaContext::moe_route`] fills).
+pub struct MoeRouting {
+    max_t: usize,
+    /// Tokens of the last [`CudaContext::moe_route`].
+    t: usize,
+    /// `[T, TOP_K]` i32: chosen experts per token, by descending weight (ties: lower id).
+    pub ids: CudaSlice<i32>,
+    /// `[T, TOP_K]` f32: renormalised routing weights.
+    pub weights: CudaSlice<f32>,
+    /// `[T]` f32: `sigmoid(shared-expert gate logit)`.
+    pub shared_weight: CudaSlice<f32>,
+    /// `[N_EXPERTS]` i32: entries routed to each expert.
+    pub counts: CudaSlice<i32>,
+    /// `[N_EXPERTS + 1]` i32: exclusive scan of `counts` (`offsets[N_EXPERTS] = T·TOP_K`).
+    pub offsets: CudaSlice<i32>,
+    /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 64)`.
+    pub tiles64: CudaSlice<i32>,
+    /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 128)`.
+    pub tiles128: CudaSlice<i32>,
+    /// `[T·TOP_K]` i32: entries `token·TOP_K + slot` grouped by expert (expert `e` at
+    /// `offsets[e]..offsets[e+1]`), ascending within an expert.
+    pub sorted: CudaSlice<i32>,
+    /// `[T·TOP_K, D_EXPERT]` bf16 bits: `silu(G_e·x) ⊙ (U_e·x)` per entry, in the permuted
+    /// column order of `gemm.cu` (use [`unpermute_row`] to read it).
+    pub act: CudaSlice<u16>,
+    /// `[T·TOP_K, D_MODEL]` f32: `D_e·act` per entry (before the weights).
+    pub slot_out: CudaSlice<f32>,
+    /// `[N_EXPERTS, chunks]` i32: entries of each 1024-entry chunk routed to each expert.
+    hist: CudaSlice<i32>,
+    /// `[N_EXPERTS, chunks]` i32: where each chunk's entries of each expert start in `sorted`.
+    base: CudaSlice<i32>,
+    /// Forces a kernel variant for the grouped GEMMs; `None` chooses by `T`.
+    pub force: Option<GemmVariant>,
+}
+
+impl MoeRouting {
+    /// Most tokens per call.
+    pub fn max_t(&self) -> usize {
+        self.max_t
+    }
+}
+
+/// Position of column `k` in the permuted bf16 layout of `gemm.cu` (within its row): column
+/// `k = 64·tile + 16c + 8h + 4l + s` sits at `64·tile + 16s + 8h + 2c + l`.
+pub fn permuted_pos(k: usize) -> usize {
+    let (tile, kk) = (k / 64, k % 64);
+    tile * 64 + 16 * (kk & 3) + 8 * ((kk >> 3) & 1) + 2 * (kk >> 4) + ((kk >> 2) & 1)
+}
+
+/// Undoes the permutation of one row (`out[k] = row[permuted_pos(k)]`).
+pub fn unpermute_row(row: &[u16], out: &mut [u16]) {
+    for (k, o) in out.iter_mut().enumerate() {
+        *o = row[permuted_pos(k)];
+    }
+}
+
+/// FLOPs of one product: `2·T·N·K`.
+pub fn gemm_flops(t: usize, n: usize, k: usize) -> f64 {
+    2.0 * t as f64 * n as f64 * k as f64
+}
+
+fn unsupported(msg: String) -> CudaError {
+    CudaError::Unsupported(msg)
+}
+
+fn entry_name(bits: Bits, v: GemmVariant) -> String {
+    format!(
+        "qgemm_q{}_{}_{}",
+        bits.bits(),
+        match v.tile {
+            GemmTile::Big => "big",
+            GemmTile::Tall => "tall",
+            GemmTile::Small => "small",
+        },
+        match v.engine {
+            GemmEngine::Wgmma => "wg",
+            GemmEngine::MmaSync => "mma",
+        }
+    )
+}
+
+/// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
+fn smem_bytes(bits: Bits, tile: GemmTile) -> usize {
+    let (bm, bn) = (tile.rows(), tile.tokens());
+    let stage = (bn * 128 + bm * bits.bits() as usize * 8 + 2 * bm * 4).div_ceil(1024) * 1024;
+    let stages = if bits == Bits::B8 && tile == GemmTile::Tall { 4 } else { 5 };
+    stages * stage + 1024
+}
+
+const MODE_DENSE: i32 = 0;
+const MODE_SWIGLU: i32 = 1;
+const MODE_MOE_GATE_UP: i32 = 2;
+const MODE_MOE_DOWN: i32 = 3;
+const MODE_BENCH: i32 = 4;
+
+/// Raw arguments of one GEMM launch (device pointers; 0 = unused).
+struct GemmArgs {
+    xb: u64,
+    y: u64,
+    res: u64,
+    act: u64,
+    sorted: u64,
+    offsets: u64,
+    tile_offs: u64,
+    n_rows: usize,
+    k: usize,
+    t: usize,
+    mode: i32,
+    ldy: usize,
+    grid: (u32, u32),
+}
+
+fn check_i32(what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| unsupported(format!("{what} = {v} does not fit an i32")))
+}
+
+fn check_k(k: usize) -> Result<(), CudaError> {
+    if k == 0 || k % 128 != 0 || k > MAX_K {
+        return Err(unsupported(format!(
+            "GEMM with K = {k}: K must be a positive multiple of 128, at most {MAX_K}"
+        )));
+    }
+    Ok(())
+}
+
+impl CudaContext {
+    /// Sets the dynamic shared-memory limit of every GEMM entry point (done by the scratch
+    /// constructors).
+    fn prepare_gemm(&self) -> Result<(), CudaError> {
+        self.raw().bind_to_thread()?;
+        for bits in [Bits::B4, Bits::B8] {
+            for tile in [GemmTile::Big, GemmTile::Tall, GemmTile::Small] {
+                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync] {
+                    let f = self.func(&entry_name(bits, GemmVariant { engine, tile }))?;
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem_bytes(bits, tile) as i32,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates the GEMM scratch for up to `max_t` tokens (`max_t · MAX_K` bf16).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `max_t` is 0 or too large for i32 offsets; driver errors.
+    pub fn gemm_scratch(&self, max_t: usize) -> Result<GemmScratch, CudaError> {
+        if max_t == 0 {
+            return Err(unsupported("gemm_scratch with max_t = 0".into()));
+        }
+        check_i32("max_t * MAX_K", max_t * MAX_K)?;
+        self.prepare_gemm()?;
+        Ok(GemmScratch {
+            max_t,
+            xb: self.stream().alloc_zeros(max_t * MAX_K)?,
+            conv: (0, 0),
+            force: None,
+            bench_no_store: false,
+        })
+    }
+
+    /// Rounds `x` (`[t, k]` f32) to bf16 into `scratch`, in the column order the GEMM kernels
+    /// read. Every `*_converted` GEMM and [`Self::moe_gate_up_grouped`] then use it as their
+    /// input until the next conversion.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for `t` = 0 or above `scratch.max_t()`, a `k` the kernels do
+    /// not support, or `x.len() != t·k`; driver errors.
+    pub fn convert_acts(
+        &self,
+        x: &CudaView<'_, f32>,
+        t: usize,
+        k: usize,
+        scratch: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        check_k(k)?;
+        if t == 0 || t > scratch.max_t || x.len() != t * k {
+            return Err(unsupported(format!(
+                "convert_acts: t = {t} (max {}), k = {k}, x has {} values",
+                scratch.max_t,
+                x.len()
+            )));
+        }
+        let words = t * k / 2;
+        let blocks = words.div_ceil(256).min(self.sm_count() as usize * 16) as u32;
+        let stream = self.stream();
+        let (px, _gx) = x.device_ptr(stream);
+        let (pxb, _gxb) = scratch.xb.device_ptr_mut(stream);
+        let (rows, kk) = (check_i32("t", t)?, check_i32("k", k)?);
+        let mut b = stream.launch_builder(self.func("qgemm_x_to_bf16")?);
+        b.arg(&px).arg(&pxb).arg(&rows).arg(&kk);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x has t*k f32, the scratch has room for t*k bf16 (checked above).
+        unsafe { b.launch(cfg) }?;
+        scratch.conv = (t, k);
+        Ok(())
+    }
+
+    /// `Y[t, n] = Σ_k X[t, k]·W[n, k]` for a quantized `W` (`[N, K]`), `X` `[t, K]` f32,
+    /// `Y` `[t, N]` f32: converts `X` ([`Self::convert_acts`]) and runs the GEMM.
+    ///
+    /// # Errors
+    /// As [`Self::convert_acts`] and [`Self::qgemm_converted`].
+    pub fn qgemm(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        w: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        t: usize,
+        scratch: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.convert_acts(x, t, w.cols, scratch)?;
+        self.qgemm_converted(y, w, scratch, t, Epilogue::Store)
+    }
+
+    /// `Y = R + X·Wᵀ` (`R` `[t, N]`, may be `Y`'s memory): the residual add fused.
+    ///
+    /// # Errors
+    /// As [`Self::qgemm`].
+    pub fn qgemm_residual(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        w: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        r: &CudaView<'_, f32>,
+        t: usize,
+        scratch: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.convert_acts(x, t, w.cols, scratch)?;
+        self.qgemm_converted(y, w, scratch, t, Epilogue::Residual(r))
+    }
+
+    /// SwiGLU of a stacked `[gate (I rows) | up (I rows)]` matrix:
+    /// `Y[t, j] = silu(G·x_t)_j · (U·x_t)_j`, `Y` `[t, I]` (the shared expert's first half,
+    /// MODEL.md §3.7 step 4).
+    ///
+    /// # Errors
+    /// As [`Self::qgemm`].
+    pub fn qgemm_swiglu(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        w: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        t: usize,
+        scratch: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.convert_acts(x, t, w.cols, scratch)?;
+        self.qgemm_converted(y, w, scratch, t, Epilogue::SwiGlu)
+    }
+
+    /// The GEMM on the activations already in `scratch` (the last [`Self::convert_acts`], which
+    /// must have had `t` rows of `w.cols` columns), with the epilogue `epi`.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for mismatched shapes (named in the message); driver errors.
+    pub fn qgemm_converted(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        w: &DeviceQMat,
+        scratch: &GemmScratch,
+        t: usize,
+        epi: Epilogue<'_, '_>,
+    ) -> Result<(), CudaError> {
+        let (n, k) = (w.rows, w.cols);
+        check_k(k)?;
+        if scratch.conv != (t, k) || t == 0 {
+            return Err(unsupported(format!(
+                "qgemm_converted: the scratch holds [{}, {}] activations, the call wants [{t}, {k}]",
+                scratch.conv.0, scratch.conv.1
+            )));
+        }
+        let (out_cols, mode) = match epi {
+            Epilogue::SwiGlu => {
+                if n % 2 != 0 {
+                    return Err(unsupported(format!("SwiGLU GEMM with an odd row count {n}")));
+                }
+                (n / 2, MODE_SWIGLU)
+            }
+            _ if scratch.bench_no_store => (n, MODE_BENCH),
+            _ => (n, MODE_DENSE),
+        };
+        if y.len() != t * out_cols {
+            return Err(unsupported(format!(
+                "qgemm: y has {} values, expected {t} x {out_cols}",
+                y.len()
+            )));
+        }
+        check_i32("t * N", t * n)?;
+        let v = scratch.force.unwrap_or_else(|| self.choose_dense(n, t, mode == MODE_SWIGLU));
+        let stream = self.stream();
+        let (pxb, _gxb) = scratch.xb.device_ptr(stream);
+        let (py, _gy) = y.device_ptr_mut(stream);
+        let (pres, _gres) = match epi {
+            Epilogue::Residual(r) => {
+                if r.len() != t * n {
+                    return Err(unsupported(format!(
+                        "qgemm_residual: r has {} values, expected {t} x {n}",
+                        r.len()
+                    )));
+                }
+                let (p, g) = r.device_ptr(stream);
+                (p, Some(g))
+            }
+            _ => (0, None),
+        };
+        let row_blocks = match mode {
+            MODE_SWIGLU => (n / 2).div_ceil(v.tile.rows() / 2),
+            _ => n.div_ceil(v.tile.rows()),
+        };
+        let args = GemmArgs {
+            xb: pxb,
+            y: py,
+            res: pres,
+            act: 0,
+            sorted: 0,
+            offsets: 0,
+            tile_offs: 0,
+            n_rows: n,
+            k,
+            t,
+            mode,
+            ldy: out_cols,
+            grid: (row_blocks as u32, t.div_ceil(v.tile.tokens()) as u32),
+        };
+        self.launch_gemm(w, v, &args)
+    }
+
+    /// The tile for a dense product: the one whose grid finishes first, counting whole waves
+    /// (1 big or 2 tall/small blocks per SM) and the per-block efficiency measured on the H200
+    /// (tall ≈ 0.9, small ≈ 0.76 of big at the same work).
+    fn choose_dense(&self, n: usize, t: usize, swiglu: bool) -> GemmVariant {
+        let sms = self.sm_count() as usize;
+        let cost = |tile: GemmTile, per_sm: usize, eff: f64| {
+            let rows = if swiglu { (n / 2).div_ceil(tile.rows() / 2) } else { n.div_ceil(tile.rows()) };
+            let blocks = rows * t.div_ceil(tile.tokens());
+            let work = (tile.rows() * tile.tokens() * per_sm) as f64 / eff;
+            blocks.div_ceil(per_sm * sms) as f64 * work
+        };
+        let options = [
+            (GemmTile::Big, cost(GemmTile::Big, 1, 1.0)),
+            (GemmTile::Tall, cost(GemmTile::Tall, 2, 0.9)),
+            (GemmTile::Small, cost(GemmTile::Small, 2, 0.76)),
+        ];
+        let tile = options.iter().min_by(|a, b| a.1.total_cmp(&b.1)).map(|o| o.0).unwrap_or(GemmTile::Big);
+        GemmVariant { engine: GemmEngine::Wgmma, tile }
+    }
+
+    fn launch_gemm(&self, w: &DeviceQMat, v: GemmVariant, a: &GemmArgs) -> Result<(), CudaError> {
+        if a.grid.1 > 65_535 {
+            return Err(unsupported(format!("GEMM grid of {} token tiles (at most 65535)", a.grid.1)));
+        }
+        let f = self.func(&entry_name(w.bits, v))?;
+        let stream = self.stream();
+        let (pp, _g1) = w.packed.device_ptr(stream);
+        let (ps, _g2) = w.scales.device_ptr(stream);
+        let (pb, _g3) = w.biases.device_ptr(stream);
+        let n_rows = check_i32("n_rows", a.n_rows)?;
+        let k = check_i32("k", a.k)?;
+        let t = check_i32("t", a.t)?;
+        let ldy = check_i32("ldy", a.ldy)?;
+        let topk = p::TOP_K as i32;
+        let mut b = stream.launch_builder(f);
+        b.arg(&pp)
+            .arg(&ps)
+            .arg(&pb)
+            .arg(&a.xb)
+            .arg(&a.y)
+            .arg(&a.res)
+            .arg(&a.act)
+            .arg(&a.sorted)
+            .arg(&a.offsets)
+            .arg(&a.tile_offs)
+            .arg(&n_rows)
+            .arg(&k)
+            .arg(&t)
+            .arg(&a.mode)
+            .arg(&ldy)
+            .arg(&topk);
+        let cfg = LaunchConfig {
+            grid_dim: (a.grid.0.max(1), a.grid.1.max(1), 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem_bytes(w.bits, v.tile) as u32,
+        };
+        // SAFETY: the callers checked every buffer against the shapes the kernel reads/writes.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Allocates the routing and grouped-GEMM buffers for up to `max_t` tokens (the largest is
+    /// `slot_out`, `max_t · TOP_K · D_MODEL` f32: 512 MiB at 8192 tokens).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `max_t` is 0 or too large for i32 offsets; driver errors.
+    pub fn moe_routing(&self, max_t: usize) -> Result<MoeRouting, CudaError> {
+        if max_t == 0 {
+            return Err(unsupported("moe_routing with max_t = 0".into()));
+        }
+        let e = max_t * p::TOP_K;
+        check_i32("max_t * TOP_K * D_MODEL", e * p::D_MODEL)?;
+        let chunks = e.div_ceil(SORT_CHUNK);
+        self.prepare_gemm()?;
+        let s = self.stream();
+        Ok(MoeRouting {
+            max_t,
+            t: 0,
+            ids: s.alloc_zeros(e)?,
+            weights: s.alloc_zeros(e)?,
+            shared_weight: s.alloc_zeros(max_t)?,
+            counts: s.alloc_zeros(p::N_EXPERTS)?,
+            offsets: s.alloc_zeros(p::N_EXPERTS + 1)?,
+            tiles64: s.alloc_zeros(p::N_EXPERTS + 1)?,
+            tiles128: s.alloc_zeros(p::N_EXPERTS + 1)?,
+            sorted: s.alloc_zeros(e)?,
+            act: s.alloc_zeros(e * p::D_EXPERT)?,
+            slot_out: s.alloc_zeros(e * p::D_MODEL)?,
+            hist: s.alloc_zeros(p::N_EXPERTS * chunks)?,
+            base: s.alloc_zeros(p::N_EXPERTS * chunks)?,
+            force: None,
+        })
+    }
+
+    /// MoE routing of `t` tokens (MODEL.md §3.7 steps 1-2, `model::top_k_renorm`): `logits`
+    /// `[t, N_EXPERTS + 1]` f32 (router columns, then the shared-expert gate column) →
+    /// softmax over the `N_EXPERTS`, the `TOP_K` largest (ties: lower id), weights renormalised
+    /// over the k, shared weight `sigmoid(last column)`; then the per-expert counts, their
+    /// exclusive scans and the entry list sorted by expert (a stable counting sort over chunks of
+    /// 1024 entries). Four launches, no host synchronisation, no atomics: deterministic.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for `t` = 0 or above `routing.max_t()`, or `logits.len()`
+    /// other than `t·(N_EXPERTS + 1)`; driver errors.
+    pub fn moe_route(
+        &self,
+        logits: &CudaView<'_, f32>,
+        t: usize,
+        routing: &mut MoeRouting,
+    ) -> Result<(), CudaError> {
+        if t == 0 || t > routing.max_t || logits.len() != t * (p::N_EXPERTS + 1) {
+            return Err(unsupported(format!(
+                "moe_route: t = {t} (max {}), logits has {} values (expected t x {})",
+                routing.max_t,
+                logits.len(),
+                p::N_EXPERTS + 1
+            )));
+        }
+        let stream = self.stream();
+        let ti = t as i32;
+        {
+            let (pl, _g0) = logits.device_ptr(stream);
+            let (pi, _g1) = routing.ids.device_ptr_mut(stream);
+            let (pw, _g2) = routing.weights.device_ptr_mut(stream);
+            let (ps, _g3) = routing.shared_weight.device_ptr_mut(stream);
+            let mut b = stream.launch_builder(self.func("qgemm_moe_route")?);
+            b.arg(&pl).arg(&ti).arg(&pi).arg(&pw).arg(&ps);
+            let cfg = LaunchConfig {
+                grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K.
+            unsafe { b.launch(cfg) }?;
+        }
+        let n_entries = t * p::TOP_K;
+        let chunks = n_entries.div_ceil(SORT_CHUNK);
+        let (ne_i, ch_i) = (n_entries as i32, chunks as i32);
+        let warp_blocks = (chunks.div_ceil(8) as u32, 1, 1);
+        {
+            let (pi, _g1) = routing.ids.device_ptr(stream);
+            let (ph, _g2) = routing.hist.device_ptr_mut(stream);
+            let mut b = stream.launch_builder(self.func("qgemm_moe_hist")?);
+            b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&ph);
+            let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: hist holds N_EXPERTS * chunks(max_t) >= N_EXPERTS * chunks.
+            unsafe { b.launch(cfg) }?;
+        }
+        {
+            let (ph, _g1) = routing.hist.device_ptr(stream);
+            let (pb, _g2) = routing.base.device_ptr_mut(stream);
+            let (pc, _g3) = routing.counts.device_ptr_mut(stream);
+            let (po, _g4) = routing.offsets.device_ptr_mut(stream);
+            let (p64, _g5) = routing.tiles64.device_ptr_mut(stream);
+            let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
+            let mut b = stream.launch_builder(self.func("qgemm_moe_scan")?);
+            b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128);
+            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: as allocated by moe_routing.
+            unsafe { b.launch(cfg) }?;
+        }
+        {
+            let (pi, _g1) = routing.ids.device_ptr(stream);
+            let (pb, _g2) = routing.base.device_ptr(stream);
+            let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
+            let mut b = stream.launch_builder(self.func("qgemm_moe_place")?);
+            b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&pb).arg(&ps);
+            let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: sorted holds max_t * TOP_K >= n_entries.
+            unsafe { b.launch(cfg) }?;
+        }
+        routing.t = t;
+        Ok(())
+    }
+
+    /// Grouped GEMMs: 64-entry tiles (tall: little padding per expert, two blocks per SM so
+    /// one block's stores overlap the other's MMAs) until experts average 512 entries.
+    fn choose_grouped(&self, t: usize) -> GemmVariant {
+        let tile = if t * p::TOP_K >= 512 * p::N_EXPERTS { GemmTile::Big } else { GemmTile::Tall };
+        GemmVariant { engine: GemmEngine::Wgmma, tile }
+    }
+
+    /// Grouped expert gate/up GEMM with SwiGLU: for every expert `e` and every entry
+    /// `token·TOP_K + slot` routed to it, `routing.act[entry, :] = silu(G_e·x_token) ⊙
+    /// (U_e·x_token)` (MODEL.md §3.7 step 3), where `x` is the `[t, D_MODEL]` input last
+    /// converted into `xs` ([`Self::convert_acts`]) and `gate_up` is one [`DeviceQMat`] of
+    /// `[N_EXPERTS·2·D_EXPERT, D_MODEL]` rows: expert `e`'s gate rows at `e·2·D_EXPERT ..` and
+    /// its up rows right after. `act` is bf16 (the down GEMM's input precision) in the permuted
+    /// column order. One launch; the grid covers the worst case of `routing` (blocks past the
+    /// routed tiles exit at once).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for shapes other than those above, or `t` other than the last
+    /// [`Self::moe_route`]'s; driver errors.
+    pub fn moe_gate_up_grouped(
+        &self,
+        gate_up: &DeviceQMat,
+        xs: &GemmScratch,
+        routing: &mut MoeRouting,
+        t: usize,
+    ) -> Result<(), CudaError> {
+        let per = 2 * p::D_EXPERT;
+        if gate_up.rows != p::N_EXPERTS * per || gate_up.cols != p::D_MODEL {
+            return Err(unsupported(format!(
+                "moe_gate_up_grouped: gate_up is [{}, {}], expected [{}, {}]",
+                gate_up.rows,
+                gate_up.cols,
+                p::N_EXPERTS * per,
+                p::D_MODEL
+            )));
+        }
+        if routing.t != t || t == 0 || xs.conv != (t, p::D_MODEL) {
+            return Err(unsupported(format!(
+                "moe_gate_up_grouped: t = {t}, routed {}, converted activations [{}, {}]",
+                routing.t, xs.conv.0, xs.conv.1
+            )));
+        }
+        let v = routing.force.unwrap_or_else(|| self.choose_grouped(t));
+        let bn = v.tile.tokens();
+        let max_tiles = (t * p::TOP_K + p::N_EXPERTS * (bn - 1)) / bn;
+        let stream = self.stream();
+        let (pxb, _g0) = xs.xb.device_ptr(stream);
+        let (pact, _g1) = routing.act.device_ptr_mut(stream);
+        let (psort, _g2) = routing.sorted.device_ptr(stream);
+        let (poff, _g3) = routing.offsets.device_ptr(stream);
+        let tiles = match v.tile {
+            GemmTile::Big => &routing.tiles128,
+            GemmTile::Tall | GemmTile::Small => &routing.tiles64,
+        };
+        let (ptile, _g4) = tiles.device_ptr(stream);
+        let args = GemmArgs {
+            xb: pxb,
+            y: 0,
+            res: 0,
+            act: pact,
+            sorted: psort,
+            offsets: poff,
+            tile_offs: ptile,
+            n_rows: per,
+            k: p::D_MODEL,
+            t,
+            mode: MODE_MOE_GATE_UP,
+            ldy: p::D_EXPERT,
+            grid: ((p::D_EXPERT / (v.tile.rows() / 2)) as u32, max_tiles as u32),
+        };
+        self.launch_gemm(gate_up, v, &args)
+    }
+
+    /// Grouped expert down GEMM and the MoE combine (MODEL.md §3.7 steps 3 and 5):
+    /// `routing.slot_out[entry] = D_e·act[entry]` for every routed entry (one launch), then
+    /// `out[tok] = resid[tok] + Σ_slot w[tok, slot]·slot_out[tok·TOP_K + slot]
+    ///             + shared_weight[tok]·shared[tok]` (one launch, f32, slots in order).
+    /// `down`: one [`DeviceQMat`] `[N_EXPERTS·D_MODEL, D_EXPERT]` (expert `e`'s rows at
+    /// `e·D_MODEL`); `resid`, `shared`, `out`: `[t, D_MODEL]` f32, `shared` being the shared
+    /// expert's output **before** its sigmoid gate (applied here from `routing`). `out` may be
+    /// `resid`'s memory. Deterministic: no atomics.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for other shapes, buffers not 16-byte aligned, or `t` other
+    /// than the last [`Self::moe_route`]'s; driver errors.
+    pub fn moe_down_grouped(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        down: &DeviceQMat,
+        routing: &mut MoeRouting,
+        resid: &CudaView<'_, f32>,
+        shared: &CudaView<'_, f32>,
+        t: usize,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        if down.rows != p::N_EXPERTS * d || down.cols != p::D_EXPERT {
+            return Err(unsupported(format!(
+                "moe_down_grouped: down is [{}, {}], expected [{}, {}]",
+                down.rows,
+                down.cols,
+                p::N_EXPERTS * d,
+                p::D_EXPERT
+            )));
+        }
+        if routing.t != t || t == 0 || out.len() != t * d || resid.len() != t * d || shared.len() != t * d {
+            return Err(unsupported(format!(
+                "moe_down_grouped: t = {t} (routed {}), out {} resid {} shared {} values",
+                routing.t,
+                out.len(),
+                resid.len(),
+                shared.len()
+            )));
+        }
+        let v = routing.force.unwrap_or_else(|| self.choose_grouped(t));
+        let bn = v.tile.tokens();
+        let max_tiles = (t * p::TOP_K + p::N_EXPERTS * (bn - 1)) / bn;
+        let stream = self.stream();
+        {
+            let (pact, _g0) = routing.act.device_ptr(stream);
+            let (pslot, _g1) = routing.slot_out.device_ptr_mut(stream);
+            let (psort, _g2) = routing.sorted.device_ptr(stream);
+            let (poff, _g3) = routing.offsets.device_ptr(stream);
+            let tiles = match v.tile {
+                GemmTile::Big => &routing.tiles128,
+                GemmTile::Tall | GemmTile::Small => &routing.tiles64,
+            };
+            let (ptile, _g4) = tiles.device_ptr(stream);
+            let args = GemmArgs {
+                xb: pact,
+                y: pslot,
+                res: 0,
+                act: 0,
+                sorted: psort,
+                offsets: poff,
+                tile_offs: ptile,
+                n_rows: d,
+                k: p::D_EXPERT,
+                t,
+                mode: MODE_MOE_DOWN,
+                ldy: d,
+                grid: ((d / v.tile.rows()) as u32, max_tiles as u32),
+            };
+            self.launch_gemm(down, v, &args)?;
+        }
+        let (po, _g0) = out.device_ptr_mut(stream);
+        let (pr, _g1) = resid.device_ptr(stream);
+        let (pslot, _g2) = routing.slot_out.device_ptr(stream);
+        let (pw, _g3) = routing.weights.device_ptr(stream);
+        let (psh, _g4) = shared.device_ptr(stream);
+        let (psw, _g5) = routing.shared_weight.device_ptr(stream);
+        if (po | pr | psh) % 16 != 0 {
+            return Err(unsupported("moe_down_grouped: out, resid and shared must be 16-byte aligned".into()));
+        }
+        let ti = t as i32;
+        let mut b = stream.launch_builder(self.func("qgemm_moe_combine")?);
+        b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&ti);
+        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: all buffers [t, D_MODEL] (checked), slot_out/weights sized for max_t >= t.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}

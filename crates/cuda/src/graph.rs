@@ -1,0 +1,183 @@
+//! A captured CUDA graph whose kernel-to-kernel edges can be made *programmatic* (Hopper's
+//! programmatic dependent launch, PDL): a dependent kernel is scheduled as soon as every block
+//! of its predecessor has called `griddepcontrol.launch_dependents` (or exited), runs its
+//! prologue (e.g. starts streaming its weights), and blocks in `griddepcontrol.wait` until the
+//! predecessor has completed and its memory is visible. That hides most of the launch gap
+//! between the many small kernels of a batch-1 decode step.
+//!
+//! Correctness rule for every kernel in a PDL graph (`kernels/prelude.cuh`): each thread calls
+//! `calla_pdl_wait()` before it reads anything an earlier kernel wrote, and before it exits,
+//! even when it has nothing to do — completion then stays transitive along the chain of
+//! kernels, so a kernel may read the output of any earlier kernel, not only its direct
+//! predecessor.
+//!
+//! cudarc's `CudaStream::end_capture` instantiates at once, so the capture and instantiation are
+//! done here with the driver API directly.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use cudarc::driver::{CudaStream, DriverError};
+
+use crate::CudaError;
+
+fn check(r: sys::CUresult) -> Result<(), CudaError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaError::Driver(DriverError(r)))
+    }
+}
+
+/// An instantiated graph captured from one stream; launched on the same stream.
+pub struct StepGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+    /// Kernel-to-kernel edges made programmatic.
+    pub programmatic_edges: usize,
+    /// Kernel nodes in the graph.
+    pub kernels: usize,
+}
+
+// SAFETY: the handles are only used through &self/&mut self with the stream they belong to;
+// the driver API is thread-safe for these calls.
+unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    /// Captures what `enqueue` queues on `stream` into a graph and instantiates it. With `pdl`,
+    /// every edge between two kernel nodes becomes a programmatic dependency (see the module
+    /// docs for the rule kernels must follow).
+    ///
+    /// # Errors
+    /// The error of `enqueue` (the capture is ended and discarded first), or driver errors.
+    pub fn capture(
+        stream: &Arc<CudaStream>,
+        pdl: bool,
+        enqueue: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<StepGraph, CudaError> {
+        let s = stream.cu_stream();
+        stream.context().bind_to_thread()?;
+        // SAFETY: plain driver calls on a live stream; the graph is destroyed on every path.
+        unsafe {
+            check(sys::cuStreamBeginCapture_v2(
+                s,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            ))?;
+            let queued = enqueue();
+            let mut graph: sys::CUgraph = std::ptr::null_mut();
+            let ended = check(sys::cuStreamEndCapture(s, &mut graph));
+            if let Err(e) = queued.and(ended) {
+                if !graph.is_null() {
+                    sys::cuGraphDestroy(graph);
+                }
+                return Err(e);
+            }
+            let mut g = StepGraph {
+                graph,
+                exec: std::ptr::null_mut(),
+                stream: stream.clone(),
+                programmatic_edges: 0,
+                kernels: 0,
+            };
+            g.kernels = g.kernel_nodes()?;
+            if pdl {
+                g.programmatic_edges = g.make_edges_programmatic()?;
+            }
+            check(sys::cuGraphInstantiateWithFlags(&mut g.exec, g.graph, 0))?;
+            Ok(g)
+        }
+    }
+
+    fn nodes(&self) -> Result<Vec<sys::CUgraphNode>, CudaError> {
+        let mut n = 0usize;
+        // SAFETY: size query, then a buffer of that size.
+        unsafe {
+            check(sys::cuGraphGetNodes(self.graph, std::ptr::null_mut(), &mut n))?;
+            let mut v = vec![std::ptr::null_mut(); n];
+            check(sys::cuGraphGetNodes(self.graph, v.as_mut_ptr(), &mut n))?;
+            v.truncate(n);
+            Ok(v)
+        }
+    }
+
+    fn is_kernel(node: sys::CUgraphNode) -> Result<bool, CudaError> {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of a live graph.
+        unsafe { check(sys::cuGraphNodeGetType(node, &mut t))? };
+        Ok(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)
+    }
+
+    fn kernel_nodes(&self) -> Result<usize, CudaError> {
+        let mut k = 0;
+        for n in self.nodes()? {
+            if Self::is_kernel(n)? {
+                k += 1;
+            }
+        }
+        Ok(k)
+    }
+
+    /// Replaces each kernel→kernel edge with a programmatic one; returns how many.
+    fn make_edges_programmatic(&mut self) -> Result<usize, CudaError> {
+        let mut n = 0usize;
+        // SAFETY: size query, then buffers of that size; edges of a live, not yet instantiated
+        // graph are removed and re-added one at a time.
+        unsafe {
+            check(sys::cuGraphGetEdges_v2(
+                self.graph,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut n,
+            ))?;
+            let mut from = vec![std::ptr::null_mut(); n];
+            let mut to = vec![std::ptr::null_mut(); n];
+            let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+            check(sys::cuGraphGetEdges_v2(
+                self.graph,
+                from.as_mut_ptr(),
+                to.as_mut_ptr(),
+                data.as_mut_ptr(),
+                &mut n,
+            ))?;
+            let mut changed = 0;
+            for i in 0..n {
+                if !(Self::is_kernel(from[i])? && Self::is_kernel(to[i])?) {
+                    continue;
+                }
+                check(sys::cuGraphRemoveDependencies_v2(self.graph, &from[i], &to[i], &data[i], 1))?;
+                let mut e: sys::CUgraphEdgeData = std::mem::zeroed();
+                e.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+                e.type_ = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+                check(sys::cuGraphAddDependencies_v2(self.graph, &from[i], &to[i], &e, 1))?;
+                changed += 1;
+            }
+            Ok(changed)
+        }
+    }
+
+    /// Queues one replay on the capture stream.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn launch(&self) -> Result<(), CudaError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: a live instantiated graph and its stream.
+        unsafe { check(sys::cuGraphLaunch(self.exec, self.stream.cu_stream())) }
+    }
+}
+
+impl Drop for StepGraph {
+    fn drop(&mut self) {
+        // SAFETY: handles created in `capture`, destroyed once.
+        unsafe {
+            if !self.exec.is_null() {
+                sys::cuGraphExecDestroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                sys::cuGraphDestroy(self.graph);
+            }
+        }
+    }
+}

@@ -1,0 +1,693 @@
+//! The sparse MoE block's decode step (batch 1) on the GPU: MODEL.md §3.7, the CPU definition
+//! being `model::Model::moe` with [`model::top_k_renorm`] and [`model::expert_forward`].
+//!
+//! * [`CudaContext::upload_moe`] restacks one layer's MLX-quantized MoE weights into the tile
+//!   layout of `kernels/moe.cu` ([`DeviceMoe`]);
+//! * [`CudaContext::moe_decode_step`] runs router + softmax + top-k, the chosen experts' and the
+//!   shared expert's SwiGLU, and the weighted combine with the residual: three launches, fixed
+//!   grids, chosen expert ids read on the device, so it can be captured in a CUDA graph (with
+//!   programmatic edges too: every kernel calls `calla_pdl_wait` before reading what an
+//!   earlier kernel wrote, except the down kernel's read of the ids, which is safe by the order
+//!   explained in `kernels/moe.cu`).
+//! * `MoeFlags` / `moe_decode_part` (doc-hidden): the measured variants (where the top-k runs,
+//!   an L2 prefetch of the down weights), for the self-test.
+//!
+//! Design and measurements: `docs/CUDA.md`, section "MoE decode".
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+use quant::{Bits, QMatRef};
+use rayon::prelude::*;
+use spec::production as p;
+
+use crate::{CudaContext, CudaError, QUANT_GROUP};
+
+/// Rows of one tile (the `m16n8k32` mma's M).
+const TILE_ROWS: usize = 16;
+/// Router-kernel warps per block (`R_WARPS` in `moe.cu`).
+const ROUTER_WARPS: usize = 8;
+/// Warps per gate/up block splitting K (`GU_KS` in `moe.cu`).
+const GU_KS: usize = 4;
+/// Warps per slot in a down block splitting K (`DN_KS` in `moe.cu`).
+const DN_KS: usize = 2;
+
+/// Variants of the decode step's launches, for measurement; [`CudaContext::moe_decode_step`]
+/// uses [`MoeFlags::DEFAULT`].
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeFlags {
+    /// The router kernel's last block (atomic counter) does softmax + top-k; else every
+    /// gate/up block does it from the logits (and block 0 stores `sel_ids`/`sel_w`).
+    pub topk_in_router: bool,
+    /// Gate/up blocks prefetch the down kernel's tiles of their expert into L2.
+    pub prefetch_down: bool,
+}
+
+impl MoeFlags {
+    /// What `moe_decode_step` runs: the fastest on the H200 with PDL edges (docs/CUDA.md).
+    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false };
+
+    fn bits(self) -> i32 {
+        i32::from(self.topk_in_router) | (i32::from(self.prefetch_down) << 1)
+    }
+}
+
+/// One expert's three projections as quantized views: `gate`, `up` `[d_ff, D_MODEL]`, `down`
+/// `[D_MODEL, d_ff]`.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertRefs<'a> {
+    /// `[d_ff, D_MODEL]`.
+    pub gate: QMatRef<'a>,
+    /// `[d_ff, D_MODEL]`.
+    pub up: QMatRef<'a>,
+    /// `[D_MODEL, d_ff]`.
+    pub down: QMatRef<'a>,
+}
+
+/// One layer's MoE weights as quantized views: what [`CudaContext::upload_moe`] takes from
+/// `model::load::MoeWeights`, or a test builds from its own buffers.
+#[derive(Clone, Debug)]
+pub struct MoeRefs<'a> {
+    /// `[N_EXPERTS, D_MODEL]`.
+    pub router: QMatRef<'a>,
+    /// `N_EXPERTS` routed experts, by id, `d_ff = D_EXPERT`.
+    pub experts: Vec<ExpertRefs<'a>>,
+    /// The shared expert, `d_ff = D_SHARED_EXPERT`.
+    pub shared: ExpertRefs<'a>,
+    /// `[1, D_MODEL]`: the shared expert's sigmoid gate.
+    pub shared_gate: QMatRef<'a>,
+}
+
+/// One layer's MoE weights on the device, restacked for `kernels/moe.cu`.
+///
+/// * router and shared-expert gate: MLX layout (packed `u32` rows), scale and bias of each group
+///   in one `u32` (`scale | bias << 16`, bf16 bits);
+/// * experts: tiles of 16 rows × one 64-column group, each lane's A fragments of the
+///   `mma.m16n8k32` contiguous (see `pack_tile`); gate/up tiles hold 8 gate rows then the 8 up
+///   rows of the same outputs. Per group-tile the `{scale|bias}` words of rows `g, g+8`
+///   side by side (`[8][2]` u32).
+///
+/// Bytes stored equal the MLX checkpoint's (codes, scales, biases). `Clone` copies on the device.
+#[derive(Clone)]
+pub struct DeviceMoe {
+    router_bits: Bits,
+    shared_gate_bits: Bits,
+    gate_up_bits: Bits,
+    down_bits: Bits,
+    shared_gate_up_bits: Bits,
+    shared_down_bits: Bits,
+    router_packed: CudaSlice<u32>,
+    router_sb: CudaSlice<u32>,
+    sgate_packed: CudaSlice<u32>,
+    sgate_sb: CudaSlice<u32>,
+    gu_codes: CudaSlice<u32>,
+    gu_sb: CudaSlice<u32>,
+    down_codes: CudaSlice<u32>,
+    down_sb: CudaSlice<u32>,
+    sh_gu_codes: CudaSlice<u32>,
+    sh_gu_sb: CudaSlice<u32>,
+    sh_down_codes: CudaSlice<u32>,
+    sh_down_sb: CudaSlice<u32>,
+}
+
+impl DeviceMoe {
+    /// Bytes one decode step reads from the weights: router, shared-expert gate, `TOP_K`
+    /// routed experts (gate, up, down: codes, scales, biases) and the shared expert.
+    pub fn bytes_per_step(&self) -> usize {
+        self.router_bytes() + self.expert_bytes_per_step()
+    }
+
+    /// Bytes of the expert part of [`Self::bytes_per_step`]: `TOP_K` routed experts and the
+    /// shared expert.
+    pub fn expert_bytes_per_step(&self) -> usize {
+        let per_expert = (self.gu_codes.len() + self.gu_sb.len() + self.down_codes.len() + self.down_sb.len())
+            * 4
+            / p::N_EXPERTS;
+        let shared = (self.sh_gu_codes.len() + self.sh_gu_sb.len() + self.sh_down_codes.len() + self.sh_down_sb.len()) * 4;
+        p::TOP_K * per_expert + shared
+    }
+
+    /// Bytes of the router and the shared-expert gate.
+    pub fn router_bytes(&self) -> usize {
+        (self.router_packed.len() + self.router_sb.len() + self.sgate_packed.len() + self.sgate_sb.len()) * 4
+    }
+
+    /// Bits of (router, shared-expert gate, routed gate/up, routed down, shared gate/up,
+    /// shared down).
+    pub fn bits(&self) -> [u32; 6] {
+        [
+            self.router_bits,
+            self.shared_gate_bits,
+            self.gate_up_bits,
+            self.down_bits,
+            self.shared_gate_up_bits,
+            self.shared_down_bits,
+        ]
+        .map(|b| b.bits())
+    }
+}
+
+/// Per-step buffers of [`CudaContext::moe_decode_step`]. One per stream; layers may share it
+/// (the step leaves nothing in it that the next step needs).
+pub struct MoeScratch {
+    /// `[TOP_K]` chosen expert ids, descending routing weight (ties: lower id first), as
+    /// `model::top_k_renorm` orders them. For expert-load telemetry.
+    pub sel_ids: CudaSlice<i32>,
+    /// `[TOP_K + 1]`: the renormalised routing weights of `sel_ids`, then
+    /// `sigmoid(shared_gate · u)`.
+    pub sel_w: CudaSlice<f32>,
+    /// `[N_EXPERTS + 1]`: router logits, then the shared-expert gate's logit.
+    pub logits: CudaSlice<f32>,
+    /// u as integer digits (B fragments), `D_MODEL / 64` groups × 64 words.
+    uq: CudaSlice<u32>,
+    /// Per group of u: `{2^(E-30), Σ u}` (f32 pairs).
+    umeta: CudaSlice<f32>,
+    /// `[TOP_K + 1, D_EXPERT]`: `silu(gate·u) * (up·u)` of each slot (shared expert last).
+    act: CudaSlice<f32>,
+    /// Finished-block counter of the router kernel (zero between launches).
+    counter: CudaSlice<u32>,
+}
+
+fn unsupported(msg: String) -> CudaError {
+    CudaError::Unsupported(msg)
+}
+
+fn check_shape(m: &QMatRef<'_>, what: &str, rows: usize, cols: usize) -> Result<(), CudaError> {
+    quant::validate(m).map_err(|e| unsupported(format!("MoE {what}: {e}")))?;
+    if m.rows != rows || m.cols != cols {
+        return Err(unsupported(format!(
+            "MoE {what} is [{}, {}]; the CUDA MoE kernels are built for [{rows}, {cols}]",
+            m.rows, m.cols
+        )));
+    }
+    if m.spec.group_size != QUANT_GROUP {
+        return Err(unsupported(format!(
+            "MoE {what}: group size {} (kernels are built for {QUANT_GROUP})",
+            m.spec.group_size
+        )));
+    }
+    Ok(())
+}
+
+fn sb_word(s: bf16, b: bf16) -> u32 {
+    u32::from(s.to_bits()) | (u32::from(b.to_bits()) << 16)
+}
+
+/// `a` (four 4-bit codes in 16 bits) -> the codes in the low nibbles of four bytes.
+fn spread4(a: u32) -> u32 {
+    let x = (a | (a << 8)) & 0x00FF_00FF;
+    (x | (x << 4)) & 0x0F0F_0F0F
+}
+
+/// u32 words of one 16 × 64 tile.
+fn tile_words(bits: Bits) -> usize {
+    TILE_ROWS * QUANT_GROUP * bits.bits() as usize / 32
+}
+
+/// Packs one 16-row tile row (all its groups): `rows[ρ]` = (matrix, row) of tile row ρ, all
+/// with the same columns and bits. `codes`: `[groups][tile_words]`, `sb`: `[groups][8][2]`.
+///
+/// Lane `l = 4g + t` of the kernel's warp loads words `[l*4, l*4+4)` of each 512-byte chunk `c`
+/// (one chunk at 4 bits, two at 8) and uses them as the A fragments of the two k32 mmas of the
+/// group (`a[m]`, mma `h = m / 4`, register `i = m % 4`: row `g + 8(i&1)`, columns
+/// `32h + 16(i>>1) + 4t + b` in byte `b`):
+/// * 4 bits: word `j` = rows `g` (low nibbles) and `g+8` (high nibbles) at columns
+///   `16j + 4t .. +3` of the group, one code per byte; the kernel splits it into `a[2j]`
+///   (`& 0x0F0F0F0F`) and `a[2j+1]` (`>> 4 & 0x0F0F0F0F`);
+/// * 8 bits: chunk `c` word `j` is `a[4c + j]` as stored.
+fn pack_tile(rows: &[(QMatRef<'_>, usize); TILE_ROWS], codes: &mut [u32], sb: &mut [u32]) {
+    let m0 = rows[0].0;
+    let bits = m0.spec.bits;
+    let groups = m0.cols / QUANT_GROUP;
+    let wpr = m0.spec.words_per_row(m0.cols);
+    let tw = tile_words(bits);
+    let rw: [&[u32]; TILE_ROWS] = std::array::from_fn(|i| {
+        let (m, r) = rows[i];
+        &m.packed[r * wpr..(r + 1) * wpr]
+    });
+    for gi in 0..groups {
+        let out = &mut codes[gi * tw..(gi + 1) * tw];
+        let c0 = gi * QUANT_GROUP;
+        match bits {
+            Bits::B4 => {
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    for j in 0..4 {
+                        let col = c0 + 16 * j + 4 * t;
+                        let (w, sh) = (col / 8, 4 * (col % 8));
+                        let a = (rw[g][w] >> sh) & 0xFFFF;
+                        let b = (rw[g + 8][w] >> sh) & 0xFFFF;
+                        out[lane * 4 + j] = spread4(a) | (spread4(b) << 4);
+                    }
+                }
+            }
+            Bits::B8 => {
+                for c in 0..2 {
+                    for lane in 0..32 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        for j in 0..4 {
+                            let row = g + 8 * (j & 1);
+                            let col = c0 + 32 * c + 16 * (j >> 1) + 4 * t;
+                            out[(c * 32 + lane) * 4 + j] = rw[row][col / 4];
+                        }
+                    }
+                }
+            }
+        }
+        for g in 0..8 {
+            for (k, rho) in [g, g + 8].into_iter().enumerate() {
+                let (m, r) = rows[rho];
+                let i = r * groups + gi;
+                sb[gi * 16 + 2 * g + k] = sb_word(m.scales[i], m.biases[i]);
+            }
+        }
+    }
+}
+
+/// Restacks experts (all with the same shape and bits) into tiles. `gate_up`: tile `rt` holds
+/// gate rows `8rt..8rt+8` then up rows `8rt..8rt+8`; else `down` rows `16rt..16rt+16`.
+fn pack_experts(experts: &[ExpertRefs<'_>], gate_up: bool) -> (Vec<u32>, Vec<u32>) {
+    let m0 = if gate_up { experts[0].gate } else { experts[0].down };
+    let (rows, cols) = if gate_up { (2 * m0.rows, m0.cols) } else { (m0.rows, m0.cols) };
+    let n_rt = rows / TILE_ROWS;
+    let groups = cols / QUANT_GROUP;
+    let tw = tile_words(m0.spec.bits);
+    let mut codes = vec![0u32; experts.len() * n_rt * groups * tw];
+    let mut sb = vec![0u32; experts.len() * n_rt * groups * 16];
+    codes
+        .par_chunks_mut(groups * tw)
+        .zip(sb.par_chunks_mut(groups * 16))
+        .enumerate()
+        .for_each(|(i, (c, s))| {
+            let (e, rt) = (i / n_rt, i % n_rt);
+            let x = &experts[e];
+            let rows: [(QMatRef<'_>, usize); TILE_ROWS] = std::array::from_fn(|rho| {
+                if gate_up {
+                    if rho < 8 {
+                        (x.gate, 8 * rt + rho)
+                    } else {
+                        (x.up, 8 * rt + rho - 8)
+                    }
+                } else {
+                    (x.down, TILE_ROWS * rt + rho)
+                }
+            });
+            pack_tile(&rows, c, s);
+        });
+    (codes, sb)
+}
+
+/// Router-style matrix: packed words as stored, `{scale|bias}` words `[rows][groups]`.
+fn pack_rows(m: &QMatRef<'_>) -> (Vec<u32>, Vec<u32>) {
+    let sb = m.scales.iter().zip(m.biases).map(|(s, b)| sb_word(*s, *b)).collect();
+    (m.packed.to_vec(), sb)
+}
+
+fn same_bits(parts: &[QMatRef<'_>], what: &str) -> Result<Bits, CudaError> {
+    let b = parts[0].spec.bits;
+    if let Some(i) = parts.iter().position(|m| m.spec.bits != b) {
+        return Err(unsupported(format!(
+            "MoE {what}: part {i} has {} bits, part 0 has {} (one kernel per layer needs one width)",
+            parts[i].spec.bits.bits(),
+            b.bits()
+        )));
+    }
+    Ok(b)
+}
+
+fn bits_index(b: Bits) -> u32 {
+    b.bits()
+}
+
+impl CudaContext {
+    /// Copies one layer's MoE weights (as loaded by the model crate) to the device, restacked
+    /// for the decode kernels.
+    ///
+    /// `w`: router `[N_EXPERTS, D_MODEL]`, `experts[e].{gate, up}` `[D_EXPERT, D_MODEL]`,
+    /// `.down` `[D_MODEL, D_EXPERT]`, the shared expert likewise with `D_SHARED_EXPERT`,
+    /// `shared_gate` `[1, D_MODEL]`; every one MLX affine-quantized, 4 or 8 bits, group 64.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] naming the weight: a dense float weight, a shape other than
+    /// the production one, another group size, `N_EXPERTS` ≠ 256, gate and up of different
+    /// widths, or routed experts whose widths differ; [`CudaError::Driver`] on allocation.
+    pub fn upload_moe(&self, w: &model::load::MoeWeights) -> Result<DeviceMoe, CudaError> {
+        fn q<'a>(l: &'a model::linear::Linear, what: &str) -> Result<QMatRef<'a>, CudaError> {
+            l.qref().ok_or_else(|| {
+                unsupported(format!(
+                    "MoE {what} is a dense float weight; the CUDA MoE kernels need MLX-quantized (4 or 8 bits, group 64) weights"
+                ))
+            })
+        }
+        fn expert<'a>(x: &'a model::load::Expert, name: &str) -> Result<ExpertRefs<'a>, CudaError> {
+            Ok(ExpertRefs {
+                gate: q(&x.gate, &format!("{name} gate_proj"))?,
+                up: q(&x.up, &format!("{name} up_proj"))?,
+                down: q(&x.down, &format!("{name} down_proj"))?,
+            })
+        }
+        let refs = MoeRefs {
+            router: q(&w.router, "router (mlp.gate)")?,
+            experts: w
+                .experts
+                .iter()
+                .enumerate()
+                .map(|(e, x)| expert(x, &format!("expert {e}")))
+                .collect::<Result<_, _>>()?,
+            shared: expert(&w.shared, "shared expert")?,
+            shared_gate: q(&w.shared_gate, "shared_expert_gate")?,
+        };
+        self.upload_moe_refs(&refs)
+    }
+
+    /// [`Self::upload_moe`] from quantized views.
+    ///
+    /// # Errors
+    /// As [`Self::upload_moe`].
+    pub fn upload_moe_refs(&self, w: &MoeRefs<'_>) -> Result<DeviceMoe, CudaError> {
+        let (d, ne, de, ds) = (p::D_MODEL, p::N_EXPERTS, p::D_EXPERT, p::D_SHARED_EXPERT);
+        if w.experts.len() != ne {
+            return Err(unsupported(format!(
+                "MoE with {} experts; the CUDA MoE kernels are built for N_EXPERTS = {ne}",
+                w.experts.len()
+            )));
+        }
+        check_shape(&w.router, "router (mlp.gate)", ne, d)?;
+        check_shape(&w.shared_gate, "shared_expert_gate", 1, d)?;
+        for (e, x) in w.experts.iter().chain(std::iter::once(&w.shared)).enumerate() {
+            let (name, ff) = if e < ne { (format!("expert {e}"), de) } else { ("shared expert".to_string(), ds) };
+            check_shape(&x.gate, &format!("{name} gate_proj"), ff, d)?;
+            check_shape(&x.up, &format!("{name} up_proj"), ff, d)?;
+            check_shape(&x.down, &format!("{name} down_proj"), d, ff)?;
+            if x.gate.spec.bits != x.up.spec.bits {
+                return Err(unsupported(format!(
+                    "MoE {name}: gate_proj has {} bits, up_proj {} (they share tiles)",
+                    x.gate.spec.bits.bits(),
+                    x.up.spec.bits.bits()
+                )));
+            }
+        }
+        if ds != de {
+            return Err(unsupported(format!(
+                "D_SHARED_EXPERT {ds} != D_EXPERT {de}: the kernels treat the shared expert as one more slot"
+            )));
+        }
+        let gates: Vec<QMatRef<'_>> = w.experts.iter().map(|x| x.gate).collect();
+        let downs: Vec<QMatRef<'_>> = w.experts.iter().map(|x| x.down).collect();
+        let gate_up_bits = same_bits(&gates, "routed gate/up_proj")?;
+        let down_bits = same_bits(&downs, "routed down_proj")?;
+
+        let s = self.stream();
+        let (rp, rsb) = pack_rows(&w.router);
+        let (gp, gsb) = pack_rows(&w.shared_gate);
+        let (guc, gus) = pack_experts(&w.experts, true);
+        let (dnc, dns) = pack_experts(&w.experts, false);
+        let sh = std::slice::from_ref(&w.shared);
+        let (sguc, sgus) = pack_experts(sh, true);
+        let (sdnc, sdns) = pack_experts(sh, false);
+        Ok(DeviceMoe {
+            router_bits: w.router.spec.bits,
+            shared_gate_bits: w.shared_gate.spec.bits,
+            gate_up_bits,
+            down_bits,
+            shared_gate_up_bits: w.shared.gate.spec.bits,
+            shared_down_bits: w.shared.down.spec.bits,
+            router_packed: s.clone_htod(&rp)?,
+            router_sb: s.clone_htod(&rsb)?,
+            sgate_packed: s.clone_htod(&gp)?,
+            sgate_sb: s.clone_htod(&gsb)?,
+            gu_codes: s.clone_htod(&guc)?,
+            gu_sb: s.clone_htod(&gus)?,
+            down_codes: s.clone_htod(&dnc)?,
+            down_sb: s.clone_htod(&dns)?,
+            sh_gu_codes: s.clone_htod(&sguc)?,
+            sh_gu_sb: s.clone_htod(&sgus)?,
+            sh_down_codes: s.clone_htod(&sdnc)?,
+            sh_down_sb: s.clone_htod(&sdns)?,
+        })
+    }
+
+    /// Allocates the per-step buffers of [`Self::moe_decode_step`] (zeroed).
+    ///
+    /// # Errors
+    /// [`CudaError::Driver`] on allocation.
+    pub fn moe_scratch(&self) -> Result<MoeScratch, CudaError> {
+        let s = self.stream();
+        let groups = p::D_MODEL / QUANT_GROUP;
+        Ok(MoeScratch {
+            sel_ids: s.alloc_zeros::<i32>(p::TOP_K)?,
+            sel_w: s.alloc_zeros::<f32>(p::TOP_K + 1)?,
+            logits: s.alloc_zeros::<f32>(p::N_EXPERTS + 1)?,
+            uq: s.alloc_zeros::<u32>(groups * 64)?,
+            umeta: s.alloc_zeros::<f32>(groups * 2)?,
+            act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
+            counter: s.alloc_zeros::<u32>(1)?,
+        })
+    }
+
+    /// `out = resid + MoE(u)` for one token (MODEL.md §3.7): `u` = the post-attention
+    /// RMSNorm of the hidden state, `resid` = the hidden state, all `[D_MODEL]` f32 on the
+    /// device. Router logits, softmax over all `N_EXPERTS` in f32, top-`TOP_K` (ties: lower id
+    /// first), weights renormalised over the chosen; each chosen expert's and the shared
+    /// expert's `down(silu(gate·u) * (up·u))`, weighted by the routing weights and by
+    /// `sigmoid(shared_gate·u)`. Only the chosen experts' weights are read. Sums in f32
+    /// (products of codes and activation digits exact in int32, see `kernels/moe.cu`).
+    ///
+    /// Three launches on [`Self::stream`], asynchronous, graph-capturable; `scratch.sel_ids`
+    /// holds the chosen experts afterwards. `out` must not alias `u` (it may alias `resid`).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when a length is not `D_MODEL`; [`CudaError::Driver`].
+    pub fn moe_decode_step(
+        &self,
+        m: &DeviceMoe,
+        u: &CudaView<'_, f32>,
+        resid: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        for part in 0..3 {
+            self.moe_decode_part(m, u, resid, scratch, out, part, MoeFlags::DEFAULT)?;
+        }
+        Ok(())
+    }
+
+    /// One of the three launches of [`Self::moe_decode_step`] (0: router (and top-k), 1:
+    /// gate/up (and top-k), 2: down and combine) with the given variant, for measurement. Part
+    /// `i` reads what part `i - 1` left in `scratch`; all three must use the same `flags`.
+    ///
+    /// # Errors
+    /// As [`Self::moe_decode_step`]; `part > 2` is [`CudaError::Unsupported`].
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_decode_part(
+        &self,
+        m: &DeviceMoe,
+        u: &CudaView<'_, f32>,
+        resid: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        part: usize,
+        flags: MoeFlags,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        if u.len() != d || resid.len() != d || out.len() != d {
+            return Err(unsupported(format!(
+                "moe_decode_step: u {} resid {} out {} (D_MODEL = {d})",
+                u.len(),
+                resid.len(),
+                out.len()
+            )));
+        }
+        let s = self.stream();
+        let fl = flags.bits();
+        match part {
+            0 => {
+                let name = format!("moe_router_r{}_g{}", bits_index(m.router_bits), bits_index(m.shared_gate_bits));
+                // a router row spans D_MODEL·bits/4096 warps (one 16-byte chunk per lane); one
+                // more block for the shared-expert gate row
+                let warps_per_row = p::D_MODEL * m.router_bits.bits() as usize / 128 / 32;
+                let rows_per_block = ROUTER_WARPS / warps_per_row;
+                let cfg = LaunchConfig {
+                    grid_dim: ((p::N_EXPERTS / rows_per_block + 1) as u32, 1, 1),
+                    block_dim: ((ROUTER_WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = s.launch_builder(self.func(&name)?);
+                b.arg(&m.router_packed)
+                    .arg(&m.router_sb)
+                    .arg(&m.sgate_packed)
+                    .arg(&m.sgate_sb)
+                    .arg(u)
+                    .arg(&mut scratch.logits)
+                    .arg(&mut scratch.uq)
+                    .arg(&mut scratch.umeta)
+                    .arg(&mut scratch.sel_ids)
+                    .arg(&mut scratch.sel_w)
+                    .arg(&mut scratch.counter)
+                    .arg(&fl);
+                // SAFETY: arguments match `moe_router_*` in kernels/moe.cu; lengths fixed by
+                // upload_moe_refs and moe_scratch.
+                unsafe { b.launch(cfg) }?;
+            }
+            1 => {
+                let name = format!(
+                    "moe_gate_up_e{}_s{}",
+                    bits_index(m.gate_up_bits),
+                    bits_index(m.shared_gate_up_bits)
+                );
+                let cfg = LaunchConfig {
+                    grid_dim: (((p::TOP_K + 1) * 2 * p::D_EXPERT / TILE_ROWS) as u32, 1, 1),
+                    block_dim: ((GU_KS * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let dn_tile_e = (tile_words(m.down_bits) * 4) as u32;
+                let dn_tile_s = (tile_words(m.shared_down_bits) * 4) as u32;
+                let mut b = s.launch_builder(self.func(&name)?);
+                b.arg(&m.gu_codes)
+                    .arg(&m.gu_sb)
+                    .arg(&m.sh_gu_codes)
+                    .arg(&m.sh_gu_sb)
+                    .arg(&m.down_codes)
+                    .arg(&m.down_sb)
+                    .arg(&dn_tile_e)
+                    .arg(&m.sh_down_codes)
+                    .arg(&m.sh_down_sb)
+                    .arg(&dn_tile_s)
+                    .arg(&mut scratch.sel_ids)
+                    .arg(&mut scratch.sel_w)
+                    .arg(&scratch.logits)
+                    .arg(&scratch.uq)
+                    .arg(&scratch.umeta)
+                    .arg(&mut scratch.act)
+                    .arg(&fl);
+                // SAFETY: as above (`moe_gate_up_*`).
+                unsafe { b.launch(cfg) }?;
+            }
+            2 => {
+                let name = format!(
+                    "moe_down_e{}_s{}",
+                    bits_index(m.down_bits),
+                    bits_index(m.shared_down_bits)
+                );
+                let cfg = LaunchConfig {
+                    grid_dim: ((p::D_MODEL / TILE_ROWS) as u32, 1, 1),
+                    block_dim: ((DN_KS * (p::TOP_K + 1) * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = s.launch_builder(self.func(&name)?);
+                b.arg(out)
+                    .arg(resid)
+                    .arg(&scratch.act)
+                    .arg(&scratch.sel_ids)
+                    .arg(&scratch.sel_w)
+                    .arg(&m.down_codes)
+                    .arg(&m.down_sb)
+                    .arg(&m.sh_down_codes)
+                    .arg(&m.sh_down_sb)
+                    .arg(&fl);
+                // SAFETY: as above (`moe_down_*`).
+                unsafe { b.launch(cfg) }?;
+            }
+            _ => return Err(unsupported(format!("moe_decode_part {part} (0..=2)"))),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quant::QuantSpec;
+
+    /// The packing puts every code where the kernel's fragment arithmetic looks for it:
+    /// emulate one warp's A fragments and compare with the source codes.
+    #[test]
+    fn tile_fragments_hold_the_right_codes() {
+        for bits in [4u32, 8] {
+            let spec = QuantSpec::new(bits, 64).unwrap();
+            let (rows, cols) = (16usize, 128usize);
+            let mut seed = 0x1234_5678_u64 + u64::from(bits);
+            let packed: Vec<u32> = (0..rows * spec.words_per_row(cols))
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (seed >> 32) as u32
+                })
+                .collect();
+            let n = rows * cols / 64;
+            let scales: Vec<bf16> = (0..n).map(|i| bf16::from_f32(i as f32)).collect();
+            let biases: Vec<bf16> = (0..n).map(|i| bf16::from_f32(-(i as f32))).collect();
+            let m = QMatRef::new(rows, cols, spec, &packed, &scales, &biases).unwrap();
+            let tile_rows: [(QMatRef<'_>, usize); TILE_ROWS] = std::array::from_fn(|r| (m, r));
+            let b = spec.bits;
+            let tw = tile_words(b);
+            let mut codes = vec![0u32; 2 * tw];
+            let mut sb = vec![0u32; 2 * 16];
+            pack_tile(&tile_rows, &mut codes, &mut sb);
+            for gi in 0..2 {
+                let tile = &codes[gi * tw..(gi + 1) * tw];
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    // the kernel's a[0..8]
+                    let a: Vec<u32> = match b {
+                        Bits::B4 => (0..4)
+                            .flat_map(|j| {
+                                let w = tile[lane * 4 + j];
+                                [w & 0x0F0F_0F0F, (w >> 4) & 0x0F0F_0F0F]
+                            })
+                            .collect(),
+                        Bits::B8 => (0..8).map(|m| tile[((m / 4) * 32 + lane) * 4 + m % 4]).collect(),
+                    };
+                    for (mi, w) in a.iter().enumerate() {
+                        let (h, i) = (mi / 4, mi % 4);
+                        for byte in 0..4 {
+                            let row = g + 8 * (i & 1);
+                            let col = gi * 64 + 32 * h + 16 * (i >> 1) + 4 * t + byte;
+                            assert_eq!((w >> (8 * byte)) & 0xFF, m.code(row, col), "bits {bits} lane {lane} a[{mi}] byte {byte}");
+                        }
+                    }
+                    let want = [g, g + 8].map(|r| {
+                        let i = r * 2 + gi;
+                        sb_word(scales[i], biases[i])
+                    });
+                    assert_eq!(sb[gi * 16 + 2 * g..gi * 16 + 2 * g + 2], want);
+                }
+            }
+        }
+    }
+
+    /// The kernel's digit arithmetic (emulated on the host): four balanced base-256 digits of
+    /// round(x · 2^(30-E)) reconstruct x to 2^(E-31), and the fragment words carry digit n of
+    /// x[32h + 16r + 4t + b] in byte b of word 16n + 4t + 2h + r.
+    #[test]
+    fn activation_digits_reconstruct_the_values() {
+        let xs: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.37).sin() * 3.0 + if i == 5 { 40.0 } else { 0.0 }).collect();
+        let m = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let e = ((m.to_bits() >> 23) & 0xFF) as i32 - 126;
+        let up = 2f32.powi(30 - e);
+        let mut words = [0u32; 64];
+        for q in 0..16 {
+            let (t, r, h) = (q & 3, (q >> 2) & 1, q >> 3);
+            let d: Vec<u32> = (0..4)
+                .map(|b| {
+                    let x = (xs[32 * h + 16 * r + 4 * t + b] * up).round_ties_even() as i32;
+                    (x as u32).wrapping_add(0x8080_8080) ^ 0x8080_8080
+                })
+                .collect();
+            for n in 0..4 {
+                words[16 * n + 4 * t + 2 * h + r] =
+                    (0..4).map(|b| ((d[b] >> (8 * n)) & 0xFF) << (8 * b)).fold(0, |a, v| a | v);
+            }
+        }
+        for (k, x) in xs.iter().enumerate() {
+            let (h, r, t, b) = (k / 32, (k / 16) % 2, (k / 4) % 4, k % 4);
+            let mut v = 0f64;
+            for n in 0..4 {
+                let digit = ((words[16 * n + 4 * t + 2 * h + r] >> (8 * b)) & 0xFF) as u8 as i8;
+                v += f64::from(digit) * 256f64.powi(n as i32);
+            }
+            let got = v * 2f64.powi(e - 30);
+            assert!((got - f64::from(*x)).abs() <= 2f64.powi(e - 31), "x[{k}] = {x}, digits give {got}");
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! Batched prefill on the GPU: the prompt runs in chunks of up to `max_t` tokens, every layer
+//! as a few big kernels over the whole chunk instead of one decode step per token.
+//!
+//! Per chunk of `t` tokens starting at position `pos0` (MODEL.md §3.3; shapes `[t, ·]` f32):
+//!
+//! ```text
+//! x = embed[ids[pos0 .. pos0+t]]                                  embed_rows
+//! for each layer:
+//!     u = ZNorm(x; input_layernorm)                                rms_norm (t rows)
+//!     GDN:  proj = u·[W_qkv|W_z|W_b|W_a]ᵀ ; o = chunked GDN (C = 64, state carried) ; h = x + o·W_outᵀ
+//!     attn: proj = u·[W_q|W_k|W_v]ᵀ       ; o = flash attention over the KV cache    ; h = x + o·W_oᵀ
+//!     u = ZNorm(h; post_attention_layernorm)
+//!     router logits = u·[W_router|w_shared_gate]ᵀ ; top-k routing, tokens sorted by expert
+//!     x = h + Σ_k w_k·down_e(SwiGLU(gate_up_e·u)) + σ(g)·shared(u)   grouped GEMMs + combine
+//! ```
+//!
+//! then the last token's final norm, LM head and greedy pick, exactly as the decode step ends.
+//! Matrix products run on tensor cores in bf16 with f32 accumulation ([`crate::gemm`]); the
+//! GDN state and all activations between kernels stay f32.
+//!
+//! The grouped expert GEMMs read the experts in the [`DeviceQMat`] layout, while the decode
+//! kernels read them in [`crate::moe::DeviceMoe`]'s own layout, so today the routed experts are
+//! held twice on the device (about 2 × 17 GB at 4 bits for the full model; the H200 has 141 GB).
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use model::load::Weights;
+use quant::{Bits, QMatRef};
+use spec::production as p;
+
+use crate::attn_prefill::AttnPrefillScratch;
+use crate::decode::{CudaModel, CudaSession, DeviceLayerState, DeviceMixer};
+use crate::gdn::GDN_PROJ;
+use crate::gdn_prefill::GdnPrefillScratch;
+use crate::gemm::{GemmScratch, MoeRouting};
+use crate::attention::ATTN_PROJ;
+use crate::{CudaContext, CudaError, DeviceQMat};
+
+/// One layer's MoE weights in the layout of the grouped GEMMs.
+pub struct PrefillMoe {
+    /// `[N_EXPERTS + 1, D_MODEL]`: router rows, then the shared-expert gate row.
+    pub router: DeviceQMat,
+    /// `[N_EXPERTS · 2 · D_EXPERT, D_MODEL]`: per expert its gate rows, then its up rows.
+    pub gate_up: DeviceQMat,
+    /// `[N_EXPERTS · D_MODEL, D_EXPERT]`: per expert its down rows.
+    pub down: DeviceQMat,
+    /// `[2 · D_SHARED_EXPERT, D_MODEL]`: shared expert gate rows, then up rows.
+    pub shared_gate_up: DeviceQMat,
+    /// `[D_MODEL, D_SHARED_EXPERT]`.
+    pub shared_down: DeviceQMat,
+}
+
+fn qref<'a>(what: String, l: &'a model::linear::Linear) -> Result<QMatRef<'a>, CudaError> {
+    l.qref().ok_or_else(|| CudaError::Unsupported(format!("{what} is stored as floats; the CUDA backend needs a quantized checkpoint")))
+}
+
+impl PrefillMoe {
+    /// Uploads layer `l`'s MoE weights restacked for the grouped GEMMs.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when a weight is not quantized or the parts stacked into one
+    /// matrix differ in format (naming them); driver errors.
+    pub fn upload(cx: &CudaContext, l: usize, m: &model::load::MoeWeights) -> Result<Self, CudaError> {
+        let name = |s: &str| format!("layers.{l}.mlp.{s}");
+        let router = cx
+            .upload_qmat_rows(&[qref(name("gate"), &m.router)?, qref(name("shared_expert_gate"), &m.shared_gate)?])
+            .map_err(|e| CudaError::Unsupported(format!("layer {l}: router and shared-expert gate: {e}")))?;
+        let mut gu = Vec::with_capacity(2 * m.experts.len());
+        let mut dn = Vec::with_capacity(m.experts.len());
+        for (e, x) in m.experts.iter().enumerate() {
+            gu.push(qref(name(&format!("experts.{e}.gate_proj")), &x.gate)?);
+            gu.push(qref(name(&format!("experts.{e}.up_proj")), &x.up)?);
+            dn.push(qref(name(&format!("experts.{e}.down_proj")), &x.down)?);
+        }
+        Ok(PrefillMoe {
+            router,
+            gate_up: cx.upload_qmat_rows(&gu)?,
+            down: cx.upload_qmat_rows(&dn)?,
+            shared_gate_up: cx.upload_qmat_rows(&[
+                qref(name("shared_expert.gate_proj"), &m.shared.gate)?,
+                qref(name("shared_expert.up_proj"), &m.shared.up)?,
+            ])?,
+            shared_down: cx.upload_qmat(qref(name("shared_expert.down_proj"), &m.shared.down)?)?,
+        })
+    }
+}
+
+/// Buffers and weights of the batched prefill, for chunks of up to `max_t` tokens.
+pub struct Prefiller {
+    max_t: usize,
+    moe: Vec<PrefillMoe>,
+    x: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    mix: CudaSlice<f32>,
+    router_logits: CudaSlice<f32>,
+    shared_act: CudaSlice<f32>,
+    shared_out: CudaSlice<f32>,
+    gemm: GemmScratch,
+    routing: MoeRouting,
+    gdn: GdnPrefillScratch,
+    attn: AttnPrefillScratch,
+    /// When set, every chunk records `blk.{l}.mixer_out` (`h − x`), `blk.{l}.moe_out` and
+    /// `blk.{l}.out` (`[t, D_MODEL]`, downloaded: slow, for checks against the CPU trace).
+    pub trace: Option<Vec<(String, Vec<f32>)>>,
+}
+
+impl Prefiller {
+    /// Uploads the prefill layout of the MoE weights of `w` and allocates buffers for chunks of
+    /// up to `max_t` tokens (about 190 kB per token of chunk, plus the weights).
+    ///
+    /// # Errors
+    /// As [`PrefillMoe::upload`]; [`CudaError::Unsupported`] when a layer's stacked input
+    /// projection has parts of different formats (the batched GEMM needs one matrix); driver
+    /// errors (out of memory).
+    pub fn new(cx: &CudaContext, m: &CudaModel, w: &Weights, max_t: usize) -> Result<Self, CudaError> {
+        if max_t == 0 {
+            return Err(CudaError::Unsupported("prefill chunk of 0 tokens".into()));
+        }
+        for (l, lw) in m.layers.iter().enumerate() {
+            let runs = match &lw.mixer {
+                DeviceMixer::Gdn { in_proj, .. } => in_proj.runs.len(),
+                DeviceMixer::Attn { qkv, .. } => qkv.runs.len(),
+            };
+            if runs != 1 {
+                return Err(CudaError::Unsupported(format!(
+                    "layer {l}: the stacked input projections are stored in {runs} different formats; \
+                     batched prefill needs them in one (use token-by-token prefill)"
+                )));
+            }
+        }
+        let moe = w
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, lw)| PrefillMoe::upload(cx, l, &lw.moe))
+            .collect::<Result<Vec<_>, _>>()?;
+        let st = cx.stream();
+        let d = p::D_MODEL;
+        Ok(Prefiller {
+            max_t,
+            moe,
+            x: st.alloc_zeros(max_t * d)?,
+            h: st.alloc_zeros(max_t * d)?,
+            u: st.alloc_zeros(max_t * d)?,
+            proj: st.alloc_zeros(max_t * GDN_PROJ.max(ATTN_PROJ))?,
+            mix: st.alloc_zeros(max_t * (p::N_V_HEADS * p::D_V).max(p::N_Q_HEADS * p::HEAD_DIM))?,
+            router_logits: st.alloc_zeros(max_t * (p::N_EXPERTS + 1))?,
+            shared_act: st.alloc_zeros(max_t * p::D_SHARED_EXPERT)?,
+            shared_out: st.alloc_zeros(max_t * d)?,
+            gemm: cx.gemm_scratch(max_t)?,
+            routing: cx.moe_routing(max_t)?,
+            gdn: cx.gdn_prefill_scratch(max_t)?,
+            attn: cx.attn_prefill_scratch(max_t)?,
+            trace: None,
+        })
+    }
+
+    /// Largest chunk in tokens.
+    pub fn max_t(&self) -> usize {
+        self.max_t
+    }
+
+    /// Runs tokens `pos0 .. pos0 + t` of the session's history through every layer, updating
+    /// its GDN state and KV cache; the chunk's last hidden state ends in row `t - 1` of `x`.
+    fn chunk(&mut self, cx: &CudaContext, m: &CudaModel, s: &mut CudaSession, pos0: usize, t: usize) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        embed_rows(cx, &mut self.x, &m.embed, &s.ids, pos0, t)?;
+        let st = cx.stream().clone();
+        let mut x_in = Vec::new();
+        for (l, ((lw, ls), pm)) in m.layers.iter().zip(s.layers.iter_mut()).zip(&self.moe).enumerate() {
+            if self.trace.is_some() {
+                x_in = st.clone_dtoh(&self.x.slice(..t * d))?;
+            }
+            cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.x.slice(..t * d), &lw.input_norm.slice(..))?;
+            match (&lw.mixer, ls) {
+                (DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj }, DeviceLayerState::Gdn { conv, s }) => {
+                    let n_out = p::N_V_HEADS * p::D_V;
+                    cx.qgemm(&mut self.proj.slice_mut(..t * GDN_PROJ), &in_proj.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
+                    cx.gdn_prefill(
+                        &self.proj.slice(..t * GDN_PROJ),
+                        t,
+                        &conv_w.slice(..),
+                        &a_neg_exp.slice(..),
+                        &dt_bias.slice(..),
+                        &norm.slice(..),
+                        &mut conv.slice_mut(..),
+                        &mut s.slice_mut(..),
+                        &mut self.gdn,
+                        &mut self.mix.slice_mut(..t * n_out),
+                    )?;
+                    cx.qgemm_residual(&mut self.h.slice_mut(..t * d), out_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                }
+                (DeviceMixer::Attn { qkv, q_norm, k_norm, o_proj }, DeviceLayerState::Attn { k, v }) => {
+                    let n_out = p::N_Q_HEADS * p::HEAD_DIM;
+                    cx.qgemm(&mut self.proj.slice_mut(..t * ATTN_PROJ), &qkv.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
+                    cx.attn_prefill(
+                        &self.proj.slice(..t * ATTN_PROJ),
+                        t,
+                        pos0,
+                        &q_norm.slice(..),
+                        &k_norm.slice(..),
+                        &m.inv_freq.slice(..),
+                        &mut k.slice_mut(..),
+                        &mut v.slice_mut(..),
+                        &mut self.attn,
+                        &mut self.mix.slice_mut(..t * n_out),
+                    )?;
+                    cx.qgemm_residual(&mut self.h.slice_mut(..t * d), o_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                }
+                _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
+            }
+            if let Some(tr) = self.trace.as_mut() {
+                let h = st.clone_dtoh(&self.h.slice(..t * d))?;
+                tr.push((format!("blk.{l}.mixer_out"), h.iter().zip(&x_in).map(|(a, b)| a - b).collect()));
+                x_in = h;
+            }
+            cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.h.slice(..t * d), &lw.post_norm.slice(..))?;
+            // MoE: routing, the shared expert, the routed experts, the combine with the residual.
+            let ne = p::N_EXPERTS + 1;
+            router_f32(cx, &mut self.router_logits, &pm.router, &self.u, t)?;
+            cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing)?;
+            if let Some(tr) = self.trace.as_mut() {
+                let lg = st.clone_dtoh(&self.router_logits.slice(..t * ne))?;
+                let lg: Vec<f32> = lg.chunks_exact(ne).flat_map(|r| r[..p::N_EXPERTS].iter().copied()).collect();
+                tr.push((format!("blk.{l}.moe.router_logits"), lg));
+                let ids = st.clone_dtoh(&self.routing.ids.slice(..t * p::TOP_K))?;
+                tr.push((format!("blk.{l}.moe.topk_idx"), ids.iter().map(|&i| i as f32).collect()));
+            }
+            // the grouped gate/up GEMM reads the last converted activations: u
+            cx.convert_acts(&self.u.slice(..t * d), t, d, &mut self.gemm)?;
+            cx.moe_gate_up_grouped(&pm.gate_up, &self.gemm, &mut self.routing, t)?;
+            let ds = p::D_SHARED_EXPERT;
+            cx.qgemm_swiglu(&mut self.shared_act.slice_mut(..t * ds), &pm.shared_gate_up, &self.u.slice(..t * d), t, &mut self.gemm)?;
+            cx.qgemm(&mut self.shared_out.slice_mut(..t * d), &pm.shared_down, &self.shared_act.slice(..t * ds), t, &mut self.gemm)?;
+            cx.moe_down_grouped(
+                &mut self.x.slice_mut(..t * d),
+                &pm.down,
+                &mut self.routing,
+                &self.h.slice(..t * d),
+                &self.shared_out.slice(..t * d),
+                t,
+            )?;
+            if let Some(tr) = self.trace.as_mut() {
+                let x = st.clone_dtoh(&self.x.slice(..t * d))?;
+                tr.push((format!("blk.{l}.moe_out"), x.iter().zip(&x_in).map(|(a, b)| a - b).collect()));
+                tr.push((format!("blk.{l}.out"), x));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Router logits of `t` tokens in f32: `y[t, n] = Σ_k W[n, k]·u[t, k]` (`kernels/prefill.cu`:
+/// the bf16 tensor-core GEMM would flip near-tied top-k choices).
+fn router_f32(cx: &CudaContext, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
+    let n = w.rows;
+    if w.cols != p::D_MODEL || y.len() < t * n || u.len() < t * p::D_MODEL {
+        return Err(CudaError::Unsupported(format!("router_f32: W [{n}, {}], {t} tokens", w.cols)));
+    }
+    let f = cx.func(match w.bits {
+        Bits::B4 => "router_f32_q4",
+        Bits::B8 => "router_f32_q8",
+    })?;
+    let st = cx.stream();
+    let (py, _g0) = y.device_ptr_mut(st);
+    let (pp, _g1) = w.packed.device_ptr(st);
+    let (ps, _g2) = w.scales.device_ptr(st);
+    let (pb, _g3) = w.biases.device_ptr(st);
+    let (pu, _g4) = u.device_ptr(st);
+    let (t32, n32) = (t as i32, n as i32);
+    let mut b = st.launch_builder(f);
+    b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
+    let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(16) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `x[i] = embed[ids[pos0 + i]]` for `i < t` (see `kernels/prefill.cu`).
+fn embed_rows(cx: &CudaContext, x: &mut CudaSlice<f32>, embed: &DeviceQMat, ids: &CudaSlice<i32>, pos0: usize, t: usize) -> Result<(), CudaError> {
+    if embed.cols != p::D_MODEL || x.len() < t * p::D_MODEL || pos0 + t > ids.len() {
+        return Err(CudaError::Unsupported(format!(
+            "embed_rows: embedding [{}, {}], {t} tokens at {pos0}, history of {}",
+            embed.rows,
+            embed.cols,
+            ids.len()
+        )));
+    }
+    let f = cx.func(match embed.bits {
+        Bits::B4 => "embed_rows_q4",
+        Bits::B8 => "embed_rows_q8",
+    })?;
+    let st = cx.stream();
+    let (px, _gx) = x.device_ptr_mut(st);
+    let (pp, _g1) = embed.packed.device_ptr(st);
+    let (ps, _g2) = embed.scales.device_ptr(st);
+    let (pb, _g3) = embed.biases.device_ptr(st);
+    let (pi, _g4) = ids.device_ptr(st);
+    let (pos0, t32, n_ids, n_rows) = (pos0 as i32, t as i32, ids.len() as i32, embed.rows as i32);
+    let mut b = st.launch_builder(f);
+    b.arg(&px).arg(&pp).arg(&ps).arg(&pb).arg(&pi).arg(&pos0).arg(&t32).arg(&n_ids).arg(&n_rows);
+    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: ((p::D_MODEL / 8) as u32, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: x holds t rows of D_MODEL, ids holds pos0 + t entries, the embedding matches the
+    // kernel's layout (checked above).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+impl CudaSession {
+    /// Starts a sequence from scratch like [`CudaSession::start`], but runs the prompt through
+    /// the batched prefill in chunks of `pf.max_t()` tokens; leaves the first generated token
+    /// in the device history. Asynchronous: returns once the work is queued.
+    ///
+    /// # Errors
+    /// As [`CudaSession::start`]; errors of the prefill kernels.
+    pub fn start_batched(&mut self, cx: &CudaContext, m: &CudaModel, pf: &mut Prefiller, prompt: &[u32]) -> Result<(), CudaError> {
+        self.begin(cx, m, prompt)?;
+        let n = prompt.len();
+        let mut pos0 = 0;
+        let mut last_t = 0;
+        while pos0 < n {
+            let t = (n - pos0).min(pf.max_t);
+            pf.chunk(cx, m, self, pos0, t)?;
+            pos0 += t;
+            last_t = t;
+        }
+        // The last token's head, as the decode step ends: final norm, LM head, greedy pick
+        // (which writes ids[n] and advances pos from n - 1 to n).
+        let d = p::D_MODEL;
+        let last = pf.x.slice((last_t - 1) * d..last_t * d);
+        cx.rms_norm(&mut self.u.slice_mut(..), &last, &m.final_norm.slice(..))?;
+        cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
+        cx.stream().memcpy_htod(&[(n - 1) as i32], &mut self.pos)?;
+        cx.argmax_step(
+            &self.logits.slice(..),
+            m.vocab_limit,
+            &mut self.ids.slice_mut(..self.max_ctx),
+            &self.n_fixed.slice(..),
+            &mut self.pos.slice_mut(..),
+        )?;
+        self.host_pos = n;
+        Ok(())
+    }
+}

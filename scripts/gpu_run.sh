@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (an H100/H200 with the CUDA 13 driver and NVRTC), from the repository
+# root, with target/gpu-bundle/ built by scripts/gpu_bundle.sh:
+#   1. the kernel self-test (every kernel against the CPU reference at the real shapes),
+#   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
+#      decode path against the CPU path, end to end),
+#   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`.
+# Logs and JSON go to OUTDIR (default: ./gpu-out). Exit status: non-zero if any step failed.
+#
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-gpu-out}"; shift || true
+bench=1; quick=""
+for a in "$@"; do
+  case "$a" in
+    --no-bench) bench=0 ;;
+    --quick) quick="--quick" ;;
+    *) echo "unknown option $a" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+b=/tmp/calla-gpu-bin
+mkdir -p $b
+for f in calla cuda_selftest; do
+  python3 -c "import lzma,sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())" target/gpu-bundle/$f.xz > $b/$f \
+    && chmod +x $b/$f || { echo "missing target/gpu-bundle/$f.xz (run scripts/gpu_bundle.sh)"; exit 2; }
+done
+if [ -z "${CALLA_NVRTC_DIR:-}" ]; then
+  lib=$(find /usr/local /usr/lib /opt -name 'libnvrtc.so.13' 2>/dev/null | head -1)
+  [ -n "$lib" ] && export CALLA_NVRTC_DIR=$(dirname "$lib")
+fi
+export CALLA_CUDA_CACHE="${CALLA_CUDA_CACHE:-/tmp/calla-cuda-cache}"
+work="${CALLA_GPU_WORK:-/tmp/calla-gpu}"
+mkdir -p "$work"
+status=0
+step() { echo "== $1 ($(date +%T))"; }
+
+step "kernel self-test"
+$b/cuda_selftest $quick > "$out/selftest.txt" 2>&1 || status=1
+tail -3 "$out/selftest.txt"
+
+step "synth 4 layers, 4-bit"
+[ -f "$work/L4-q4/config.json" ] || $b/calla synth --out "$work/L4-q4" --layers 4 --bits 4 2>&1 | tail -1
+step "cuda-check"
+$b/calla cuda-check --model "$work/L4-q4" > "$out/cuda-check.txt" 2>&1 || status=1
+tail -3 "$out/cuda-check.txt"
+
+if [ "$bench" = 1 ]; then
+  step "synth full size, 4-bit"
+  [ -f "$work/full-q4/config.json" ] || /usr/bin/time -v $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1
+  tail -25 "$out/synth-full.txt" | grep -E "wrote|Elapsed|Maximum resident" || true
+  step "cuda-bench"
+  $b/calla cuda-bench --model "$work/full-q4" --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
+  cat "$out/cuda-bench.txt" | grep -v '^JSON'
+fi
+echo "== done, status $status"
+exit $status
