@@ -27,12 +27,15 @@
 //! * **Routing**: against `model::reference::softmax_inplace` + `model::top_k_renorm` on the
 //!   same logits (rows with exact ties included): ids, counts, offsets and the sorted entry list
 //!   exactly, weights and the shared gate within 1e-6.
-//! * **Grouped experts** (4-bit at every T, 8-bit at T = 300): `act` against the per-expert
-//!   CPU math (exact: relative L2 < 1e-2, two rounded products feed SwiGLU and act itself is
-//!   stored in bf16; emulated: < 1e-3 and max < 3e-2·rms, a rounding boundary crossed by the
-//!   f32 accumulation flips one bf16 ulp of an element), and the MoE output `out − resid`
-//!   against Σ w·D_e·act + sigmoid(gate)·shared for sampled tokens (exact: < 1e-2 and max <
-//!   6e-2·rms; emulated: < 1e-3 and max < 1e-2·rms).
+//! * **Grouped experts** (4-bit at every T, every variant at T = 300, 8-bit at T = 300): `act`
+//!   against the per-expert CPU math (exact: relative L2 < 1e-2 and max < 6e-2·rms: two rounded
+//!   products feed SwiGLU and act itself is stored in bf16; emulated: every element within one
+//!   bf16 ulp + 1e-3·rms of the emulation, at most 1% different, relative L2 < 1e-3, see
+//!   `act_vs_emul`), and the MoE output `out − resid` against Σ w·D_e·act + sigmoid(gate)·shared
+//!   for sampled tokens (exact: < 1e-2 and max < 6e-2·rms; emulated: < 1e-3 and max <
+//!   1e-2·rms).
+//! * SwiGLU outputs (shared gate|up) against the f32 reference: max < 6e-2·rms instead of 3e-2
+//!   (a product of two outputs with ≈ 2.4e-3 relative error each; heavy-tailed, max|v| ≈ 15·rms).
 //!
 //! Timing (CUDA graph replay, CUDA events, median): TFLOP/s = 2·T·N·K / time for N×K =
 //! 12352×2048, 9216×2048, 2048×4096 at T = 512, 2048, 8192 (4-bit, automatic variant), every
@@ -135,6 +138,7 @@ fn random_qmat(rows: usize, cols: usize, bits: u32, seed: u64) -> HostQ {
 }
 
 /// Activations: uniform in [−1, 1], 1% of them ×8.
+#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87 (workspace: 1.85)
 fn rand_x(n: usize, seed: u64) -> Vec<f32> {
     let mut x = rand_f32s(n, seed, 1.0);
     x.par_iter_mut().enumerate().for_each(|(i, v)| {
@@ -615,28 +619,34 @@ fn moe_inputs(t: usize, seed: u64) -> MoeInputs {
     }
 }
 
-/// `act` (bf16) against the emulation rounded the same way: every element equal or one bf16
-/// ulp away (the f32 accumulation differs from the f64 emulation by ~1e-6, which moves a value
-/// across a rounding boundary now and then), at most 1% of them off, relative L2 < 1e-3.
+/// `act` (bf16) against the emulation rounded the same way. The GPU's f32 sums of g and u
+/// differ from the f64 emulation by ~1e-6 of their size; that moves a value across a bf16
+/// rounding boundary now and then (one ulp), and for elements near zero (silu(g)·u with a
+/// small factor: cancellation) it can be several ulps of the element itself while tiny in
+/// absolute terms. So: every element within one bf16 ulp of the emulated value plus
+/// 1e-3·rms(act) (some 50x the accumulation difference; a wrong column or row is O(rms)), at
+/// most 1% of the elements different at all, relative L2 < 1e-3.
 fn act_vs_emul(got: &[f32], emul: &[f64]) -> Cmp {
-    let ord = |v: f32| {
-        let b = (v.to_bits() >> 16) as i32;
-        if b & 0x8000 != 0 {
-            -(b & 0x7FFF)
-        } else {
-            b
-        }
-    };
-    let (mut max_ulp, mut off) = (0i32, 0usize);
+    let n = emul.len().max(1) as f64;
+    let rms = (emul.iter().map(|v| v * v).sum::<f64>() / n).sqrt();
+    let (mut over, mut off, mut worst) = (0usize, 0usize, 0f64);
     for (g, e) in got.iter().zip(emul) {
-        let d = (ord(*g) - ord(*e as f32)).abs();
-        max_ulp = max_ulp.max(d);
-        off += usize::from(d != 0);
+        let e32 = *e as f32;
+        // one bf16 ulp at e's binade: 2^(exponent - 7)
+        let ulp = f64::from(f32::from_bits(e32.abs().to_bits() & 0x7F80_0000)) / 128.0;
+        let d = (f64::from(*g) - f64::from(e32)).abs();
+        let bound = ulp + 1e-3 * rms;
+        worst = worst.max(d / bound);
+        over += usize::from(d > bound);
+        off += usize::from(*g != e32);
     }
     let mut c = check(got, emul, Tol { rel: 1e-3, max_over_rms: f64::INFINITY }, String::new());
-    let frac = off as f64 / got.len().max(1) as f64;
-    c.msg.push_str(&format!("max {max_ulp} ulp, {:.3}% off by one", frac * 100.0));
-    c.ok &= max_ulp <= 1 && frac <= 0.01;
+    let frac = off as f64 / n;
+    c.msg.push_str(&format!(
+        "{over} over 1 ulp + 1e-3 rms (worst {worst:.2} of the bound), {:.3}% differ",
+        frac * 100.0
+    ));
+    c.ok &= over == 0 && frac <= 0.01;
     c
 }
 
