@@ -17,3 +17,6 @@ command -v chromium >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninterac
   || .venv-server/bin/pip install -q --target target/nvrtc nvidia-cuda-nvrtc==13.0.88
 export LD_LIBRARY_PATH="$PWD/target/nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo test --workspace --release "$@"
+# The CUDA commands of `calla` (cargo feature `cuda`) must keep building; running them needs a GPU
+# (scripts/gpu_run.sh on the GPU machine, docs/CUDA.md).
+cargo build --release -p calla --features cuda

@@ -183,20 +183,4 @@ impl Suite<'_> {
         }
         median(ts)
     }
-
-    /// Median seconds of `launch` queued straight on the stream (no graph).
-    pub fn time_stream(&self, reps: usize, mut launch: impl FnMut()) -> f64 {
-        let stream = self.cx.stream();
-        launch();
-        let mut ts = Vec::new();
-        for _ in 0..reps.max(1) {
-            let (a, b) = (self.event(), self.event());
-            a.record(stream).unwrap();
-            launch();
-            b.record(stream).unwrap();
-            b.synchronize().unwrap();
-            ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3);
-        }
-        median(ts)
-    }
 }
