@@ -26,5 +26,5 @@ for b in calla cuda_selftest; do
   xz -9e -f "target/gpu-bundle/$b"
 done
 git rev-parse HEAD > target/gpu-bundle/COMMIT 2>/dev/null || true
-git diff --quiet 2>/dev/null || echo dirty >> target/gpu-bundle/COMMIT
+[ -z "$(git status --porcelain 2>/dev/null)" ] || echo dirty >> target/gpu-bundle/COMMIT
 ls -la target/gpu-bundle

@@ -10,7 +10,10 @@
 #   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-gpu-out}"; shift || true
+case "${1:-}" in
+  --*|"") out=gpu-out ;;
+  *) out=$1; shift ;;
+esac
 bench=1; quick=""
 for a in "$@"; do
   case "$a" in
@@ -45,13 +48,16 @@ step "synth 4 layers, 4-bit"
 step "cuda-check"
 $b/calla cuda-check --model "$work/L4-q4" > "$out/cuda-check.txt" 2>&1 || status=1
 tail -3 "$out/cuda-check.txt"
+step "cuda-check with programmatic dependent launch"
+$b/calla cuda-check --model "$work/L4-q4" --pdl > "$out/cuda-check-pdl.txt" 2>&1 || status=1
+tail -3 "$out/cuda-check-pdl.txt"
 
 if [ "$bench" = 1 ]; then
   step "synth full size, 4-bit"
-  [ -f "$work/full-q4/config.json" ] || /usr/bin/time -v $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1
-  tail -25 "$out/synth-full.txt" | grep -E "wrote|Elapsed|Maximum resident" || true
+  [ -f "$work/full-q4/config.json" ] || $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1 || status=1
+  tail -1 "$out/synth-full.txt"
   step "cuda-bench"
-  $b/calla cuda-bench --model "$work/full-q4" --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
+  $b/calla cuda-bench --model "$work/full-q4" --pdl --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
   cat "$out/cuda-bench.txt" | grep -v '^JSON'
 fi
 echo "== done, status $status"

@@ -102,7 +102,11 @@ fn open(model: &PathBuf, device: usize) -> Result<(Model, CudaContext, CudaModel
     let m = Model::open(model).with_context(|| format!("cannot load {}", model.display()))?;
     let t = Instant::now();
     let cx = CudaContext::new(device).context("cannot open the CUDA device")?;
-    let vocab_limit = m.vocab_map.as_ref().map_or(m.cfg.vocab_size, |v| v.rows());
+    if m.vocab_map.is_some() {
+        bail!("{} has a compact vocabulary ({}); the CUDA backend runs the published vocabulary only", model.display(), spec::VOCAB_MAP_FILE);
+    }
+    // rows past the real tokenizer's ids are padding: never picked (MODEL.md §3.3)
+    let vocab_limit = p::VOCAB_REAL.min(m.cfg.vocab_size);
     let gm = CudaModel::upload(&cx, &m.cfg, &m.weights, vocab_limit).context("cannot upload the model to the GPU")?;
     cx.synchronize()?;
     Ok((m, cx, gm, t.elapsed().as_secs_f64()))
@@ -142,11 +146,12 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     };
     // warm-up: capture the graphs, touch every kernel
     start(&mut sess, &random_prompt(4, vocab, 0))?;
-    sess.decode(4)?;
+    sess.decode(&gm, 4)?;
     cx.synchronize()?;
 
     let mut prefill = Vec::new();
     for (i, &n) in a.prompt_tokens.iter().enumerate() {
+        let n = n.max(1);
         let prompt = random_prompt(n, vocab, 1 + i as u64);
         cx.synchronize()?;
         let t = Instant::now();
@@ -163,7 +168,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         start(&mut sess, &prompt)?;
         cx.synchronize()?;
         let t = Instant::now();
-        let n = sess.decode(a.gen_tokens)?;
+        let n = sess.decode(&gm, a.gen_tokens)?;
         cx.synchronize()?;
         let dt = t.elapsed().as_secs_f64();
         let tps = n as f64 / dt;
@@ -344,7 +349,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             let finite = gpu.iter().all(|v| v.is_finite());
             let ok = if batched { finite } else { rel < 5e-3 && (same || margin <= 0.05) && finite };
             let dev_pos = sess.device_pos(&cx)?;
-            let pos_ok = dev_pos == n + step;
+            let pos_ok = dev_pos == prompt.len() + step;
             checks += 1;
             if !ok || !pos_ok {
                 failures += 1;
@@ -360,7 +365,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
                 break;
             }
             cpu = m.forward(&mut st, &[tok], Logits::Last)?;
-            sess.decode(1)?;
+            sess.decode(&gm, 1)?;
         }
       }
     }

@@ -6,7 +6,8 @@
 // Programmatic dependent launch (Hopper). A kernel launched with the programmatic-serialization
 // attribute may start while the previous kernel in the stream is still running; everything
 // before calla_pdl_wait() must not read what the previous kernel writes (weights may be
-// prefetched there). Without the attribute both are no-ops.
+// prefetched there) and must not write any buffer. Without the attribute both are no-ops.
+// Every thread calls calla_pdl_wait() before it exits, so completion stays transitive.
 __device__ __forceinline__ void calla_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void calla_pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 

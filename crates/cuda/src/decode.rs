@@ -136,6 +136,9 @@ pub struct DeviceLayer {
 
 /// The whole model's weights on the device.
 pub struct CudaModel {
+    /// Unique per upload: a session's captured graphs hold this model's device pointers and
+    /// replay only with the model they were captured from.
+    id: u64,
     /// The checkpoint's config.
     pub cfg: TextConfig,
     /// `embed_tokens` [vocab, D_MODEL], quantized.
@@ -148,7 +151,7 @@ pub struct CudaModel {
     pub layers: Vec<DeviceLayer>,
     /// RoPE inverse frequencies [rotary_dim / 2] (MODEL.md §3.6 step 3).
     pub inv_freq: CudaSlice<f32>,
-    /// Logit rows `>= vocab_limit` are never picked (rows with no token in a compact vocabulary).
+    /// Logit rows `>= vocab_limit` are never picked (the padding rows past the tokenizer's ids).
     pub vocab_limit: usize,
     /// Bytes of weights one decode step reads (non-expert weights, the chosen experts, one
     /// embedding row, the LM head), for the roofline.
@@ -244,7 +247,9 @@ impl CudaModel {
             layers.push(DeviceLayer { input_norm: f(&lw.input_norm)?, post_norm: f(&lw.post_norm)?, mixer, moe });
         }
         let inv_freq = f(&model::reference::rope_inv_freq(cfg.rope_theta, cfg.rotary_dim()))?;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(CudaModel {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cfg: cfg.clone(),
             embed,
             lm_head,
@@ -279,7 +284,8 @@ pub(crate) enum DeviceLayerState {
 /// captured step graphs.
 pub struct CudaSession {
     pub(crate) max_ctx: usize,
-    /// Token history [max_ctx]: the prompt, then generated tokens.
+    /// Token history [max_ctx + 1] (the kernels see the first max_ctx): the prompt, then
+    /// generated tokens.
     pub(crate) ids: CudaSlice<i32>,
     /// [1]: prompt length (ids below it are never overwritten).
     pub(crate) n_fixed: CudaSlice<i32>,
@@ -305,6 +311,8 @@ pub struct CudaSession {
     pub(crate) graph_prompt: Option<StepGraph>,
     /// Capture with programmatic dependent launch (see [`crate::graph`]).
     pub(crate) pdl: bool,
+    /// [`CudaModel`] id the graphs were captured with.
+    pub(crate) graph_model: Option<u64>,
 }
 
 impl CudaSession {
@@ -348,6 +356,7 @@ impl CudaSession {
             graph_full: None,
             graph_prompt: None,
             pdl: false,
+            graph_model: None,
         })
     }
 
@@ -450,12 +459,19 @@ impl CudaSession {
 
     /// Captures the two step graphs (once per session). Called by [`Self::start`].
     pub(crate) fn ensure_graphs(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
+        if self.graph_model != Some(m.id) {
+            // graphs of another model hold its (maybe freed) device pointers: capture again
+            self.graph_full = None;
+            self.graph_prompt = None;
+            self.graph_model = None;
+        }
         if self.graph_full.is_none() {
             self.graph_full = Some(self.capture(cx, m, true)?);
         }
         if self.graph_prompt.is_none() {
             self.graph_prompt = Some(self.capture(cx, m, false)?);
         }
+        self.graph_model = Some(m.id);
         Ok(())
     }
 
@@ -518,20 +534,24 @@ impl CudaSession {
         Ok(())
     }
 
-    /// Queues `n` decode steps (each embeds the last token, runs the model, and appends the
-    /// greedy token). Stops early at the context limit. Returns the number queued.
+    /// Queues `n` decode steps of model `m` (each embeds the last token, runs the model, and
+    /// appends the greedy token). Stops early at the context limit. Returns the number queued.
     ///
     /// # Errors
-    /// Driver errors; [`CudaError::Unsupported`] before [`Self::start`].
-    pub fn decode(&mut self, n: usize) -> Result<usize, CudaError> {
-        let g = self
-            .graph_full
-            .as_ref()
-            .ok_or_else(|| CudaError::Unsupported("decode before start".into()))?;
+    /// Driver errors; [`CudaError::Unsupported`] before [`Self::start`] or with another model
+    /// than the sequence was started with.
+    pub fn decode(&mut self, m: &CudaModel, n: usize) -> Result<usize, CudaError> {
+        if self.graph_model != Some(m.id) {
+            return Err(CudaError::Unsupported("decode before start, or with another model than the sequence was started with".into()));
+        }
+        let g = self.graph_full.as_ref().expect("captured with graph_model");
         // the step at host_pos writes ids[host_pos + 1]
         let n = n.min(self.max_ctx.saturating_sub(self.host_pos + 1));
-        for _ in 0..n {
-            g.launch()?;
+        for i in 0..n {
+            if let Err(e) = g.launch() {
+                self.host_pos += i;
+                return Err(e);
+            }
         }
         self.host_pos += n;
         Ok(n)
@@ -545,7 +565,7 @@ impl CudaSession {
     pub fn generated(&self, cx: &CudaContext) -> Result<Vec<u32>, CudaError> {
         let n = self.host_pos + 1;
         let v = cx.stream().clone_dtoh(&self.ids.slice(..n.min(self.max_ctx)))?;
-        Ok(v[self.host_fixed..].iter().map(|&t| t as u32).collect())
+        Ok(v.get(self.host_fixed..).unwrap_or(&[]).iter().map(|&t| t as u32).collect())
     }
 
     /// Waits and returns the logits of the last step that ran the LM head [vocab rows].

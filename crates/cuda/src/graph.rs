@@ -6,10 +6,12 @@
 //! between the many small kernels of a batch-1 decode step.
 //!
 //! Correctness rule for every kernel in a PDL graph (`kernels/prelude.cuh`): each thread calls
-//! `calla_pdl_wait()` before it reads anything an earlier kernel wrote, and before it exits,
-//! even when it has nothing to do — completion then stays transitive along the chain of
-//! kernels, so a kernel may read the output of any earlier kernel, not only its direct
-//! predecessor.
+//! `calla_pdl_wait()` before it reads anything an earlier kernel wrote, before it writes any
+//! buffer (an earlier kernel may still be reading or writing it), and before it exits, even when
+//! it has nothing to do — completion then stays transitive along the chain of kernels, so a
+//! kernel may read the output of any earlier kernel, not only its direct predecessor. The one
+//! documented exception: a kernel may read, before its wait, state that only it writes (the GDN
+//! decode step prefetches its own recurrent and conv state, `kernels/gdn.cu`).
 //!
 //! cudarc's `CudaStream::end_capture` instantiates at once, so the capture and instantiation are
 //! done here with the driver API directly.
