@@ -24,8 +24,6 @@ __device__ __forceinline__ void embed_rows_body(float* __restrict__ x, const uns
                                                 const int* __restrict__ ids, int pos0, int t, int n_ids,
                                                 int n_rows) {
     constexpr int D = CALLA_D_MODEL;
-    constexpr int WPR = D * BITS / 32;
-    constexpr int GPR = D / CALLA_QUANT_GROUP;
     calla_pdl_wait();
     const int i = blockIdx.x;
     if (i >= t) return;
@@ -33,26 +31,7 @@ __device__ __forceinline__ void embed_rows_body(float* __restrict__ x, const uns
     const int p = pos0 + i;
     const int id = (p >= 0 && p < n_ids) ? __ldcg(ids + p) : -1;
     float v[8];
-    if (id < 0 || id >= n_rows) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = __int_as_float(0x7fc00000);
-    } else {
-        const size_t g = (size_t)id * GPR + c0 / CALLA_QUANT_GROUP;
-        const float s = calla_bf16_to_f32(scales[g]);
-        const float b = calla_bf16_to_f32(biases[g]);
-        if (BITS == 4) {
-            const unsigned w = packed[(size_t)id * WPR + threadIdx.x];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(s, (float)((w >> (4 * k)) & 15u)), b);
-        } else {
-            const uint2 w = *reinterpret_cast<const uint2*>(packed + (size_t)id * WPR + 2 * threadIdx.x);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                v[k] = __fadd_rn(__fmul_rn(s, (float)((w.x >> (8 * k)) & 255u)), b);
-                v[4 + k] = __fadd_rn(__fmul_rn(s, (float)((w.y >> (8 * k)) & 255u)), b);
-            }
-        }
-    }
+    calla_dequant_row8<BITS>(v, packed, scales, biases, id, n_rows, threadIdx.x);
     float4* xo = reinterpret_cast<float4*>(x + (size_t)i * D + c0);
     xo[0] = make_float4(v[0], v[1], v[2], v[3]);
     xo[1] = make_float4(v[4], v[5], v[6], v[7]);

@@ -35,3 +35,38 @@ __device__ __forceinline__ float calla_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+// Eight consecutive columns c0 .. c0+7 (c0 = 8 * lane, inside one quantization group) of row
+// `id` of an MLX-quantized [n_rows, CALLA_D_MODEL] matrix, dequantized exactly as
+// quant::dequantize does (scale·q rounded, then + bias rounded, in f32). An id outside
+// [0, n_rows) gives NaN, so a bad token poisons its row visibly instead of reading another one.
+// Used by the embedding gathers (step.cu, prefill.cu).
+template <int BITS>
+__device__ __forceinline__ void calla_dequant_row8(float v[8], const unsigned* __restrict__ packed,
+                                                   const unsigned short* __restrict__ scales,
+                                                   const unsigned short* __restrict__ biases, int id,
+                                                   int n_rows, int lane) {
+    constexpr int WPR = CALLA_D_MODEL * BITS / 32;            // packed words per row
+    constexpr int GPR = CALLA_D_MODEL / CALLA_QUANT_GROUP;    // groups per row
+    static_assert(CALLA_D_MODEL % 8 == 0 && CALLA_QUANT_GROUP % 8 == 0, "8 columns per lane inside one group");
+    if (id < 0 || id >= n_rows) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const size_t g = (size_t)id * GPR + (lane * 8) / CALLA_QUANT_GROUP;
+    const float s = calla_bf16_to_f32(scales[g]);
+    const float b = calla_bf16_to_f32(biases[g]);
+    if (BITS == 4) {
+        const unsigned w = packed[(size_t)id * WPR + lane];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(s, (float)((w >> (4 * k)) & 15u)), b);
+    } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(packed + (size_t)id * WPR + 2 * lane);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = __fadd_rn(__fmul_rn(s, (float)((w.x >> (8 * k)) & 255u)), b);
+            v[4 + k] = __fadd_rn(__fmul_rn(s, (float)((w.y >> (8 * k)) & 255u)), b);
+        }
+    }
+}

@@ -70,36 +70,13 @@ __device__ __forceinline__ void embed_body(float* __restrict__ x, const unsigned
                                            const unsigned short* __restrict__ scales,
                                            const unsigned short* __restrict__ biases, const int* __restrict__ ids,
                                            const int* __restrict__ pos, int n_ids, int n_rows) {
-    constexpr int D = CALLA_D_MODEL;
-    constexpr int WPR = D * BITS / 32;       // packed words per row
-    constexpr int GPR = D / CALLA_QUANT_GROUP; // groups per row
-    static_assert(D % 8 == 0 && CALLA_QUANT_GROUP % 8 == 0, "8 columns per thread inside one group");
     calla_pdl_wait(); // ids and pos are written by earlier kernels
     const int c0 = threadIdx.x * 8;
     const int p = __ldcg(pos);
     const int id = (p >= 0 && p < n_ids) ? __ldcg(ids + p) : -1;
     float v[8];
-    if (id < 0 || id >= n_rows) {
-        // a bad position or token id poisons the step visibly instead of reading another row
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = __int_as_float(0x7fc00000);
-    } else {
-        const size_t g = (size_t)id * GPR + c0 / CALLA_QUANT_GROUP;
-        const float s = calla_bf16_to_f32(scales[g]);
-        const float b = calla_bf16_to_f32(biases[g]);
-        if (BITS == 4) {
-            const unsigned w = packed[(size_t)id * WPR + threadIdx.x];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(__fmul_rn(s, (float)((w >> (4 * k)) & 15u)), b);
-        } else {
-            const uint2 w = *reinterpret_cast<const uint2*>(packed + (size_t)id * WPR + 2 * threadIdx.x);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                v[k] = __fadd_rn(__fmul_rn(s, (float)((w.x >> (8 * k)) & 255u)), b);
-                v[4 + k] = __fadd_rn(__fmul_rn(s, (float)((w.y >> (8 * k)) & 255u)), b);
-            }
-        }
-    }
+    // a bad position or token id poisons the step visibly instead of reading another row
+    calla_dequant_row8<BITS>(v, packed, scales, biases, id, n_rows, threadIdx.x);
     calla_pdl_launch_dependents();
     float4* xo = reinterpret_cast<float4*>(x + c0);
     xo[0] = make_float4(v[0], v[1], v[2], v[3]);
