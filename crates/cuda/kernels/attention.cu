@@ -156,7 +156,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_decode_split(const float* __restrict__ proj, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                   const float* __restrict__ inv_freq, const int* __restrict__ pos_p, unsigned short* k_cache,
                   unsigned short* v_cache, float* __restrict__ part_o, float* __restrict__ part_ml, int max_ctx,
-                  int n_splits, float qscale) {
+                  int n_splits, float qscale, CallaL2Prefetch pf) {
+    calla_l2_prefetch_share(pf);  // e.g. o_proj's weights, read right after the combine
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(16) unsigned short qs_hi[G][HD];
     __shared__ __align__(16) unsigned short qs_lo[G][HD];

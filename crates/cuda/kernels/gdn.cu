@@ -388,7 +388,8 @@ extern "C" __global__ void __cluster_dims__(calla_gdn::CLUSTER, 1, 1) __launch_b
 gdn_decode_step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
                 const float* __restrict__ proj, const float* __restrict__ conv_w,
                 const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
-                const float* __restrict__ norm_w) {
+                const float* __restrict__ norm_w, CallaL2Prefetch pf) {
+    calla_l2_prefetch_share(pf);  // e.g. out_proj's weights, read by the next kernel
     calla_gdn::step(out, s, conv_state, proj, conv_w, a_neg_exp, dt_bias, norm_w);
 }
 

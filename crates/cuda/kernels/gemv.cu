@@ -105,16 +105,42 @@ __device__ __forceinline__ int sb_cell(int c) { return c ^ (((c >> 4) & 1) << 1)
 //   4 bits: cc = 32t + 8m + 2b + r   (word m of chunk t: even columns in a0/b0, odd in a2/b1)
 //   8 bits: cc = 64j + 16t + 8p + 4r + b, m = 2j + p   (chunk 4j + t, words 2p + r)
 // B word (ks, m, lane = 4n + t, r) is at uint4 (2ks + m/2)*32 + lane, component 2(m%2) + r.
-template <int BITS, int K>
-__device__ __forceinline__ void build_x_table(unsigned char* smem, const float* __restrict__ x) {
+//
+// With NORM, x is first replaced by the zero-centred RMSNorm of x (kernels/rms_norm.cu, same
+// arithmetic in the same order, so the result equals rms_norm_d_model followed by the plain
+// GEMV bit for bit): x <- x / sqrt(mean(x^2) + eps) * (1 + nw), nw = this thread's 8 norm
+// weights. Must then be called by every thread of the block (one barrier); `ss_red` holds NW
+// floats.
+template <int BITS, int K, bool NORM>
+__device__ __forceinline__ void build_x_table(unsigned char* smem, const float* __restrict__ x, const float4 (&nw)[2],
+                                              float eps, float* ss_red) {
     using C = Cfg<BITS, K>;
     unsigned* btab = reinterpret_cast<unsigned*>(smem);
     float4* cst = reinterpret_cast<float4*>(smem + C::BTAB);
     const int lane = threadIdx.x & 31;
     const int c0 = threadIdx.x * 8;
-    if (c0 >= K) return; // warp-uniform (K / 8 is a multiple of 32)
-    const float4 xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
-    const float4 xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
+    const bool live = c0 < K; // warp-uniform (K / 8 is a multiple of 32)
+    if (!NORM && !live) return;
+    float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
+    if (live) {
+        xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
+        xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
+    }
+    if (NORM) {
+        static_assert(!NORM || K / 8 <= THREADS, "one thread per 8 columns");
+        float ss = xa.x * xa.x + xa.y * xa.y + xa.z * xa.z + xa.w * xa.w + xb.x * xb.x + xb.y * xb.y + xb.z * xb.z + xb.w * xb.w;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) ss_red[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        float tot = 0.f;
+#pragma unroll
+        for (int i = 0; i < K / 256; ++i) tot += ss_red[i]; // the warps holding columns, in order
+        const float inv = rsqrtf(tot / float(K) + eps);
+        if (!live) return;
+        xa = make_float4(xa.x * inv * (1.f + nw[0].x), xa.y * inv * (1.f + nw[0].y), xa.z * inv * (1.f + nw[0].z), xa.w * inv * (1.f + nw[0].w));
+        xb = make_float4(xb.x * inv * (1.f + nw[1].x), xb.y * inv * (1.f + nw[1].y), xb.z * inv * (1.f + nw[1].z), xb.w * inv * (1.f + nw[1].w));
+    }
     const float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
     float mx = 0.f, sum = 0.f;
 #pragma unroll
@@ -205,16 +231,18 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
     }
 }
 
-template <int BITS, int K, bool RESID>
+template <int BITS, int K, bool RESID, bool NORM>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
-                                          const float* __restrict__ resid, int rows, int ks_log2) {
+                                          const float* __restrict__ resid, const float* __restrict__ norm_w,
+                                          float eps, int rows, int ks_log2) {
     using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float red[2][NW][16];
+    __shared__ float ss_red[NW];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -275,10 +303,15 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     }
 
     CALLA_GEMV_UNIT();
+    float4 nw[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+    if (NORM && (int)threadIdx.x * 8 < K) { // norm weights: constant, read before the wait
+        nw[0] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
+        nw[1] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
+    }
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
     calla_pdl_wait();
-    build_x_table<BITS, K>(smem, x);
+    build_x_table<BITS, K, NORM>(smem, x, nw, eps, ss_red);
     __syncthreads();
 
     const uint4* btab = reinterpret_cast<const uint4*>(smem) + lane;
@@ -378,13 +411,42 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, int rows, int ks_log2) {                                         \
-        calla_gemv::gemv_body<BITS, K, false>(out, packed, scales, biases, x, nullptr, rows, ks_log2);    \
+        calla_gemv::gemv_body<BITS, K, false, false>(out, packed, scales, biases, x, nullptr, nullptr, 0.f, \
+                                                     rows, ks_log2);                                       \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         RNAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                           \
               const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,        \
               const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2) {       \
-        calla_gemv::gemv_body<BITS, K, true>(out, packed, scales, biases, x, resid, rows, ks_log2);       \
+        calla_gemv::gemv_body<BITS, K, true, false>(out, packed, scales, biases, x, resid, nullptr, 0.f,  \
+                                                    rows, ks_log2);                                        \
+    }
+
+// RMSNorm of x (weights norm_w f32 [K], eps) fused in front: the projections out of the residual
+// stream (input_layernorm -> in_proj / q|gate|k|v, final norm -> LM head).
+#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K)                                                                \
+    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
+        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
+             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
+             const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
+             int ks_log2) {                                                                                \
+        calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
+                                                    rows, ks_log2);                                        \
+    }
+
+// The same with at most 56 registers per thread (__maxnreg__, no __launch_bounds__): 16 warps x
+// 56 = 28,672 registers, so a block fits on an SM beside a block of moe_down (576 threads x
+// 64 = 36,864 of the 65,536) and can start its weight prefetch while the MoE of the previous
+// layer is still finishing. For measurement against the unbounded entry (calla cuda-bench
+// --compare).
+#define CALLA_GEMV_NORM_R56_ENTRY(NAME, BITS, K)                                                            \
+    extern "C" __global__ void __maxnreg__(56)                                                             \
+        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
+             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
+             const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
+             int ks_log2) {                                                                                \
+        calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
+                                                    rows, ks_log2);                                        \
     }
 
 // K = D_EXPERT (expert / shared-expert down projection)
@@ -393,6 +455,10 @@ CALLA_GEMV_ENTRY(gemv_q8_k512, gemv_resid_q8_k512, 8, CALLA_D_EXPERT)
 // K = D_MODEL (every projection out of the residual stream, LM head)
 CALLA_GEMV_ENTRY(gemv_q4_k2048, gemv_resid_q4_k2048, 4, CALLA_D_MODEL)
 CALLA_GEMV_ENTRY(gemv_q8_k2048, gemv_resid_q8_k2048, 8, CALLA_D_MODEL)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL)
+CALLA_GEMV_NORM_R56_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL)
+CALLA_GEMV_NORM_R56_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

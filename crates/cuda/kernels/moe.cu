@@ -14,7 +14,9 @@
 //     write u as integer digits for the tensor cores (below) to `uq`/`umeta`. With
 //     F_TOPK_IN_ROUTER (the default), the last block to finish (atomic counter, reset by it) runs
 //     softmax + top-k + renormalisation in one warp and writes sel_ids[TOP_K], sel_w[TOP_K + 1]
-//     (routing weights, then the shared gate's sigmoid).
+//     (routing weights, then the shared gate's sigmoid). Given norm weights, every block first
+//     replaces u by rms_norm(u) in shared memory (the layer's post_attention_layernorm, fused:
+//     no separate norm launch; then `u` is the residual stream h itself).
 //  2. moe_gate_up_e{EB}_s{SB}: one block per (slot, 16-row tile): slots 0..TOP_K-1 are the
 //     chosen experts (ids read from device memory), slot TOP_K the shared expert. A tile holds 8
 //     gate rows and the 8 up rows of the same outputs, so SwiGLU happens in the block: act[slot]
@@ -319,11 +321,16 @@ __device__ __forceinline__ void router_body(const uint4* __restrict__ r_packed, 
                                             const float* __restrict__ u, float* __restrict__ logits,
                                             unsigned* __restrict__ uq, float2* __restrict__ umeta,
                                             int* __restrict__ sel_ids, float* __restrict__ sel_w,
-                                            unsigned* __restrict__ counter, int flags) {
+                                            unsigned* __restrict__ counter, int flags,
+                                            const float* __restrict__ norm_w, float eps,
+                                            const CallaL2Prefetch& pf) {
+    calla_l2_prefetch_share(pf);  // e.g. the next layer's input projection and GDN state
     using R = RouterShape<RB>;
     using G = RouterShape<GB>;
+    static_assert(R_WARPS * 32 * 8 == D, "the fused norm: one thread per 8 values of u");
     __shared__ float s_part[R_WARPS];
     __shared__ unsigned s_last;
+    __shared__ __align__(16) float s_u[D];  // u = rms_norm(u, norm_w) when norm_w is given
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool gate_block = blockIdx.x == NE / R::RPB;
     // this lane's chunk: row, chunk index c
@@ -346,7 +353,32 @@ __device__ __forceinline__ void router_body(const uint4* __restrict__ r_packed, 
             sbw = __ldg(g_sb + c * G::EPC / GROUP);
         }
     }
+    float4 nw0 = make_float4(0.f, 0.f, 0.f, 0.f), nw1 = nw0;
+    if (norm_w != nullptr) {  // constant: before the wait
+        nw0 = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
+        nw1 = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
+    }
     calla_pdl_wait();  // u comes from the previous kernel
+    if (norm_w != nullptr) {
+        // post_attention_layernorm fused in front: kernels/rms_norm.cu's arithmetic in its order
+        // (equal bit for bit); every block normalizes its own copy of u in shared memory.
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(u) + 2 * threadIdx.x);
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(u) + 2 * threadIdx.x + 1);
+        float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) s_part[warp] = ss;
+        __syncthreads();
+        float tot = 0.f;
+#pragma unroll
+        for (int i = 0; i < R_WARPS; ++i) tot += s_part[i];
+        const float inv = rsqrtf(tot / float(D) + eps);
+        float4* su = reinterpret_cast<float4*>(s_u) + 2 * threadIdx.x;
+        su[0] = make_float4(a.x * inv * (1.f + nw0.x), a.y * inv * (1.f + nw0.y), a.z * inv * (1.f + nw0.z), a.w * inv * (1.f + nw0.w));
+        su[1] = make_float4(b.x * inv * (1.f + nw1.x), b.y * inv * (1.f + nw1.y), b.z * inv * (1.f + nw1.z), b.w * inv * (1.f + nw1.w));
+        __syncthreads();  // s_u complete; s_part free again
+        u = s_u;
+    }
     float v = 0.f;
     if (active) v = gate_block ? router_part<GB>(w, sbw, u, c) : router_part<RB>(w, sbw, u, c);
 #pragma unroll
@@ -388,6 +420,8 @@ __device__ __forceinline__ void router_body(const uint4* __restrict__ r_packed, 
     __threadfence();
     router_topk(logits, sel_ids, sel_w, lane);
     if (lane == 0) *counter = 0u;  // for the next launch (kernel boundaries order it)
+    // (Prefetching the chosen experts' ~14 MB into L2 from here was measured: one SM's bulk
+    // prefetches move only ~0.25 TB/s, so this block ran ~60 us. Off.)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -595,9 +629,10 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
         const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,                            \
         const uint4* __restrict__ g_packed, const unsigned* __restrict__ g_sb, const float* __restrict__ u, \
         float* __restrict__ logits, unsigned* __restrict__ uq, float2* __restrict__ umeta,                \
-        int* __restrict__ sel_ids, float* __restrict__ sel_w, unsigned* __restrict__ counter, int flags) { \
+        int* __restrict__ sel_ids, float* __restrict__ sel_w, unsigned* __restrict__ counter, int flags,   \
+        const float* __restrict__ norm_w, float eps, CallaL2Prefetch pf) {                                \
         calla_moe::router_body<RB, GB>(r_packed, r_sb, g_packed, g_sb, u, logits, uq, umeta, sel_ids,     \
-                                       sel_w, counter, flags);                                            \
+                                       sel_w, counter, flags, norm_w, eps, pf);                           \
     }
 CALLA_MOE_ROUTER(moe_router_r4_g4, 4, 4)
 CALLA_MOE_ROUTER(moe_router_r4_g8, 4, 8)
@@ -635,3 +670,19 @@ CALLA_MOE_DOWN(moe_down_e4_s4, 4, 4)
 CALLA_MOE_DOWN(moe_down_e4_s8, 4, 8)
 CALLA_MOE_DOWN(moe_down_e8_s4, 8, 4)
 CALLA_MOE_DOWN(moe_down_e8_s8, 8, 8)
+
+// The same with at most 48 registers per thread (__maxnreg__, no __launch_bounds__): 576 x 48 =
+// 27,648 registers, so a down block fits on an SM beside three gate/up blocks and can start
+// (and load its weights) before they drain. A measured variant (MoeFlags::down_reg_cap).
+#define CALLA_MOE_DOWN_R48(NAME, EB, SB)                                                                  \
+    extern "C" __global__ void __maxnreg__(48) NAME(                                                     \
+        float* out, const float* resid, const float* __restrict__ act,                                    \
+        const int* __restrict__ sel_ids, const float* __restrict__ sel_w,                                  \
+        const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags) {                   \
+        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags); \
+    }
+CALLA_MOE_DOWN_R48(moe_down_r48_e4_s4, 4, 4)
+CALLA_MOE_DOWN_R48(moe_down_r48_e4_s8, 4, 8)
+CALLA_MOE_DOWN_R48(moe_down_r48_e8_s4, 8, 4)
+CALLA_MOE_DOWN_R48(moe_down_r48_e8_s8, 8, 8)

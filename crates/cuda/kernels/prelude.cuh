@@ -70,3 +70,36 @@ __device__ __forceinline__ void calla_dequant_row8(float v[8], const unsigned* _
         }
     }
 }
+
+// L2 prefetch hints (Hopper cp.async.bulk.prefetch.L2): up to four regions of global memory
+// that a LATER kernel of the step will read (e.g. the next projection's weights), handed to a
+// kernel that leaves DRAM bandwidth idle (it waits on latency: the MoE router, the GDN step,
+// split-K attention), so those bytes are on chip when their reader starts. Hints only: nothing
+// depends on them, and they are issued before calla_pdl_wait() (they read no data). Each block
+// takes its 1/grid share of every region (256-byte aligned pieces); warp 0's lanes issue 16 KB
+// bulk prefetches. Host side: cuda::L2Prefetch (same layout: 4 pointers, then 4 byte counts).
+struct CallaL2Prefetch {
+    const char* ptr[4];
+    unsigned long long bytes[4];
+};
+
+__device__ __forceinline__ void calla_l2_prefetch_share(const CallaL2Prefetch& pf) {
+    const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    if (tid >= 32) return;
+    const unsigned long long G = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+    const unsigned long long B = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+    constexpr unsigned long long PIECE = 16384;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const unsigned long long n = pf.bytes[r] & ~15ull;  // the size operand is a multiple of 16
+        if (pf.ptr[r] == nullptr || n == 0) continue;
+        const unsigned long long share = ((n + G - 1) / G + 255) & ~255ull;
+        const unsigned long long lo = share * B, hi = lo + share < n ? lo + share : n;
+        for (unsigned long long o = lo + tid * PIECE; o < hi; o += 32 * PIECE) {
+            const unsigned len = (unsigned)(hi - o < PIECE ? hi - o : PIECE);
+            unsigned long long g;
+            asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(pf.ptr[r] + o));
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(len) : "memory");
+        }
+    }
+}

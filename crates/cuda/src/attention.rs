@@ -43,6 +43,9 @@ pub struct AttnScratch {
     part_o: CudaSlice<f32>,
     /// `[N_KV_HEADS, n_splits, N_Q_HEADS / N_KV_HEADS, 2]` f32: (max in log2 units, sum).
     part_ml: CudaSlice<f32>,
+    /// L2 prefetch hints passed with the next split kernel (the decode step sets the layer's
+    /// `o_proj` here); empty by default.
+    pub l2_prefetch: crate::L2Prefetch,
 }
 
 impl AttnScratch {
@@ -85,6 +88,7 @@ impl CudaContext {
             n_splits,
             part_o: stream.alloc_zeros(p::N_KV_HEADS * n_splits * g * p::HEAD_DIM)?,
             part_ml: stream.alloc_zeros(p::N_KV_HEADS * n_splits * g * 2)?,
+            l2_prefetch: crate::L2Prefetch::default(),
         })
     }
 
@@ -215,7 +219,8 @@ impl CudaContext {
                 .arg(&mut scratch.part_ml)
                 .arg(&max_ctx)
                 .arg(&n_splits)
-                .arg(&qscale);
+                .arg(&qscale)
+                .arg(&scratch.l2_prefetch);
             // SAFETY: argument types, lengths and alignment match the kernel (checked above); the
             // dynamic shared memory limit was raised in `attn_scratch`.
             unsafe { b.launch(cfg) }?;

@@ -21,7 +21,7 @@
 //! (only `pos += 1`). This token-by-token prompt pass is correct but is not the batched prefill
 //! (issue 4 item 3); it exists so generation works end to end.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 use model::linear::Linear;
 use model::load::{Mixer, Weights};
 use quant::QMatRef;
@@ -32,7 +32,7 @@ use crate::attention::{AttnScratch, ATTN_PROJ};
 use crate::gdn::{GdnScratch, GDN_PROJ};
 use crate::graph::StepGraph;
 use crate::moe::{DeviceMoe, MoeScratch};
-use crate::{CudaContext, CudaError, DeviceQMat};
+use crate::{CudaContext, CudaError, DeviceQMat, L2Prefetch};
 
 /// Several quantized matrices with the same input that one decode step applies to the same
 /// vector, stacked by rows into as few device matrices as their formats allow (one when all
@@ -81,6 +81,25 @@ impl StackedQMat {
         for (m, r0) in &self.runs {
             let mut o = out.slice_mut(*r0..*r0 + m.rows);
             cx.gemv(&mut o, m, x)?;
+        }
+        Ok(())
+    }
+
+    /// `out[0..rows] = W·rms_norm(x, norm_w)` with one fused GEMV per run
+    /// ([`CudaContext::gemv_norm`]).
+    ///
+    /// # Errors
+    /// As [`CudaContext::gemv_norm`].
+    pub fn gemv_norm(
+        &self,
+        cx: &CudaContext,
+        out: &mut CudaViewMut<'_, f32>,
+        x: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+    ) -> Result<(), CudaError> {
+        for (m, r0) in &self.runs {
+            let mut o = out.slice_mut(*r0..*r0 + m.rows);
+            cx.gemv_norm(&mut o, m, x, norm_w)?;
         }
         Ok(())
     }
@@ -280,6 +299,40 @@ pub(crate) enum DeviceLayerState {
     Attn { k: CudaSlice<u16>, v: CudaSlice<u16> },
 }
 
+/// Kernel classes of the decode step, as bit flags for [`CudaSession::set_ablation`]: the
+/// time a step loses when one class is left out is that class's share of the step, including
+/// the launch gaps and overlap it costs in place (`calla cuda-bench --ablate`).
+pub mod ablate {
+    /// Every RMSNorm (input, post-attention, final).
+    pub const NORM: u32 = 1;
+    /// The stacked input projections (GDN qkv|z|b|a, attention q|gate|k|v).
+    pub const IN_PROJ: u32 = 2;
+    /// The mixer cores (GDN conv + gates + recurrent update + gated norm; attention q/k norm,
+    /// RoPE, KV write, split-K attention and combine).
+    pub const MIXER: u32 = 4;
+    /// The output projections with the residual add.
+    pub const OUT_PROJ: u32 = 8;
+    /// MoE kernel 1: router GEMV, top-k and the activation digits.
+    pub const MOE_ROUTER: u32 = 16;
+    /// MoE kernel 2: expert and shared-expert gate/up + SwiGLU.
+    pub const MOE_GATE_UP: u32 = 32;
+    /// MoE kernel 3: expert and shared-expert down + weighted combine + residual.
+    pub const MOE_DOWN: u32 = 64;
+    /// The LM head GEMV (the greedy pick stays).
+    pub const LM_HEAD: u32 = 128;
+    /// Every class with its name, in step order.
+    pub const ALL: [(u32, &str); 8] = [
+        (NORM, "rms_norm"),
+        (IN_PROJ, "in_proj"),
+        (MIXER, "mixer"),
+        (OUT_PROJ, "out_proj+resid"),
+        (MOE_ROUTER, "moe_router"),
+        (MOE_GATE_UP, "moe_gate_up"),
+        (MOE_DOWN, "moe_down"),
+        (LM_HEAD, "lm_head"),
+    ];
+}
+
 /// One sequence on the GPU: token history, position, GDN state, KV cache, activations, and the
 /// captured step graphs.
 pub struct CudaSession {
@@ -311,6 +364,16 @@ pub struct CudaSession {
     pub(crate) graph_prompt: Option<StepGraph>,
     /// Capture with programmatic dependent launch (see [`crate::graph`]).
     pub(crate) pdl: bool,
+    /// [`ablate`] classes left out of the captured step (0 in normal use).
+    pub(crate) skip: u32,
+    /// RMSNorms fused into the kernels that read their output (the default), or run as
+    /// separate launches (for comparison).
+    pub(crate) fuse_norm: bool,
+    /// Latency-bound kernels prefetch the next weights into L2 (off by default: measured
+    /// slower; see [`Self::set_l2_prefetch`]).
+    pub(crate) l2_prefetch: bool,
+    /// MoE launch variant ([`crate::moe::MoeFlags::DEFAULT`] unless measuring).
+    pub(crate) moe_flags: crate::moe::MoeFlags,
     /// [`CudaModel`] id the graphs were captured with.
     pub(crate) graph_model: Option<u64>,
 }
@@ -356,6 +419,10 @@ impl CudaSession {
             graph_full: None,
             graph_prompt: None,
             pdl: false,
+            skip: 0,
+            fuse_norm: true,
+            l2_prefetch: false,
+            moe_flags: crate::moe::MoeFlags::DEFAULT,
             graph_model: None,
         })
     }
@@ -372,19 +439,36 @@ impl CudaSession {
 
     /// Queues one decode step on the stream (not captured: used for capture and for tests).
     fn enqueue_step(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<(), CudaError> {
+        let on = |class: u32| self.skip & class == 0;
+        let fuse = self.fuse_norm;
+        let (mixer_pf, router_pf) = if self.l2_prefetch { self.prefetch_plan(cx, m) } else { Default::default() };
         {
             let mut x = self.x.slice_mut(..);
             cx.embed_gather(&mut x, &m.embed, &self.ids.slice(..), &self.pos.slice(..))?;
         }
-        for (lw, ls) in m.layers.iter().zip(self.layers.iter_mut()) {
-            cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
+        for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
+            let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
+            self.gdn_scratch.l2_prefetch = mixer_pf;
+            self.attn_scratch.l2_prefetch = mixer_pf;
+            self.moe_scratch.l2_prefetch = router_pf;
+            if !fuse && on(ablate::NORM) {
+                cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
+            }
             match (&lw.mixer, ls) {
                 (
                     DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj },
                     DeviceLayerState::Gdn { conv, s },
                 ) => {
-                    in_proj.gemv(cx, &mut self.proj.slice_mut(..GDN_PROJ), &self.u.slice(..))?;
+                    if on(ablate::IN_PROJ) {
+                        let out = &mut self.proj.slice_mut(..GDN_PROJ);
+                        if fuse {
+                            in_proj.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
+                        } else {
+                            in_proj.gemv(cx, out, &self.u.slice(..))?;
+                        }
+                    }
                     let n_out = p::N_V_HEADS * p::D_V;
+                    if on(ablate::MIXER) {
                     cx.gdn_decode_step(
                         &self.proj.slice(..GDN_PROJ),
                         &conv_w.slice(..),
@@ -396,11 +480,22 @@ impl CudaSession {
                         &mut self.gdn_scratch,
                         &mut self.mix.slice_mut(..n_out),
                     )?;
-                    cx.gemv_residual(&mut self.h.slice_mut(..), out_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                    }
+                    if on(ablate::OUT_PROJ) {
+                        cx.gemv_residual(&mut self.h.slice_mut(..), out_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                    }
                 }
                 (DeviceMixer::Attn { qkv, q_norm, k_norm, o_proj }, DeviceLayerState::Attn { k, v }) => {
-                    qkv.gemv(cx, &mut self.proj.slice_mut(..ATTN_PROJ), &self.u.slice(..))?;
+                    if on(ablate::IN_PROJ) {
+                        let out = &mut self.proj.slice_mut(..ATTN_PROJ);
+                        if fuse {
+                            qkv.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
+                        } else {
+                            qkv.gemv(cx, out, &self.u.slice(..))?;
+                        }
+                    }
                     let n_out = p::N_Q_HEADS * p::HEAD_DIM;
+                    if on(ablate::MIXER) {
                     cx.attn_decode_step(
                         &self.proj.slice(..ATTN_PROJ),
                         &q_norm.slice(..),
@@ -412,16 +507,47 @@ impl CudaSession {
                         &mut self.attn_scratch,
                         &mut self.mix.slice_mut(..n_out),
                     )?;
-                    cx.gemv_residual(&mut self.h.slice_mut(..), o_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                    }
+                    if on(ablate::OUT_PROJ) {
+                        cx.gemv_residual(&mut self.h.slice_mut(..), o_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                    }
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
-            cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
-            cx.moe_decode_step(&lw.moe, &self.u.slice(..), &self.h.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..))?;
+            if !fuse && on(ablate::NORM) {
+                cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
+            }
+            // fused: the router normalizes h itself (u = rms_norm(h), resid = h)
+            let (u, norm) = if fuse { (self.h.slice(..), Some(lw.post_norm.slice(..))) } else { (self.u.slice(..), None) };
+            for (part, class) in [ablate::MOE_ROUTER, ablate::MOE_GATE_UP, ablate::MOE_DOWN].into_iter().enumerate() {
+                if on(class) {
+                    cx.moe_decode_part(
+                        &lw.moe,
+                        &u,
+                        &self.h.slice(..),
+                        &mut self.moe_scratch,
+                        &mut self.x.slice_mut(..),
+                        part,
+                        self.moe_flags,
+                        norm.as_ref(),
+                    )?;
+                }
+            }
         }
+        self.gdn_scratch.l2_prefetch = L2Prefetch::default();
+        self.attn_scratch.l2_prefetch = L2Prefetch::default();
+        self.moe_scratch.l2_prefetch = L2Prefetch::default();
         if with_head {
-            cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &m.final_norm.slice(..))?;
-            cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
+            if !fuse && on(ablate::NORM) {
+                cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &m.final_norm.slice(..))?;
+            }
+            if on(ablate::LM_HEAD) {
+                if fuse {
+                    cx.gemv_norm(&mut self.logits.slice_mut(..), &m.lm_head, &self.x.slice(..), &m.final_norm.slice(..))?;
+                } else {
+                    cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
+                }
+            }
             cx.argmax_step(
                 &self.logits.slice(..),
                 m.vocab_limit,
@@ -435,6 +561,72 @@ impl CudaSession {
         Ok(())
     }
 
+    /// Per layer, the L2 prefetch hints of its latency-bound kernels: the mixer core (GDN step,
+    /// split attention) asks for the layer's output projection; the MoE router for the next
+    /// layer's stacked input projection (its first run) and, for a GDN layer, its recurrent
+    /// state. Those kernels leave DRAM mostly idle, so the bytes arrive before their readers
+    /// start (the in_proj GEMV alone is 14 MB at 4 bits: 3.4 µs of the copy roofline).
+    fn prefetch_plan(&self, cx: &CudaContext, m: &CudaModel) -> (Vec<L2Prefetch>, Vec<L2Prefetch>) {
+        let st = cx.stream();
+        let n = m.layers.len();
+        let mut mixer = vec![L2Prefetch::default(); n];
+        let mut router = vec![L2Prefetch::default(); n];
+        for i in 0..n {
+            let out = match &m.layers[i].mixer {
+                DeviceMixer::Gdn { out_proj, .. } => out_proj,
+                DeviceMixer::Attn { o_proj, .. } => o_proj,
+            };
+            mixer[i].push_qmat(cx, out);
+            if let Some(next) = m.layers.get(i + 1) {
+                let stacked = match &next.mixer {
+                    DeviceMixer::Gdn { in_proj, .. } => in_proj,
+                    DeviceMixer::Attn { qkv, .. } => qkv,
+                };
+                if let Some((first, _)) = stacked.runs.first() {
+                    router[i].push_qmat(cx, first);
+                }
+                if let Some(DeviceLayerState::Gdn { s, .. }) = self.layers.get(i + 1) {
+                    router[i].push(s.device_ptr(st).0, s.len() * 4);
+                }
+            }
+        }
+        (mixer, router)
+    }
+
+    /// Lets the latency-bound kernels of the step prefetch the next weights into L2
+    /// ([`Self::prefetch_plan`]) or not (`false`, the default). Results are the same. Measured
+    /// on the H200 (docs/CUDA.md): slower, 1,425 vs 1,333 µs per token, because a block's bulk
+    /// prefetches must drain before it retires, which lengthens the router (+2.3 µs per layer)
+    /// more than the GEMVs gain.
+    /// The step graphs are captured again on the next [`Self::start`] when this changes.
+    pub fn set_l2_prefetch(&mut self, on: bool) {
+        if on != self.l2_prefetch {
+            self.l2_prefetch = on;
+            self.graph_full = None;
+            self.graph_prompt = None;
+        }
+    }
+
+    /// Drops the captured step graphs (captured again on the next [`Self::start`]): after a
+    /// context-wide launch option changed ([`CudaContext::set_step_carveout`],
+    /// [`CudaContext::set_gemv_reg_cap`]).
+    #[doc(hidden)]
+    pub fn invalidate_graphs(&mut self) {
+        self.graph_full = None;
+        self.graph_prompt = None;
+    }
+
+    /// Runs the MoE with another launch variant (for measurement); graphs are captured again
+    /// on the next [`Self::start`] when it changes.
+    #[doc(hidden)]
+    pub fn set_moe_flags(&mut self, flags: crate::moe::MoeFlags) {
+        if flags != self.moe_flags {
+            self.moe_flags = flags;
+            self.graph_full = None;
+            self.graph_prompt = None;
+        }
+    }
+
     fn capture(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<StepGraph, CudaError> {
         let st = cx.stream().clone();
         let pdl = self.pdl;
@@ -446,6 +638,30 @@ impl CudaSession {
     pub fn set_pdl(&mut self, on: bool) {
         if on != self.pdl {
             self.pdl = on;
+            self.graph_full = None;
+            self.graph_prompt = None;
+        }
+    }
+
+    /// Leaves the [`ablate`] classes in `skip` out of the step graphs (captured again on the
+    /// next [`Self::start`] when it changes). For measurement only: a step with any class left
+    /// out computes garbage (indices stay in range), only its time means anything.
+    #[doc(hidden)]
+    pub fn set_ablation(&mut self, skip: u32) {
+        if skip != self.skip {
+            self.skip = skip;
+            self.graph_full = None;
+            self.graph_prompt = None;
+        }
+    }
+
+    /// Fuses every RMSNorm into the kernel that reads its output (`true`, the default:
+    /// [`CudaContext::gemv_norm`], [`CudaContext::moe_decode_step_norm`]) or runs them as
+    /// separate launches (`false`); both compute the same bits. The step graphs are captured
+    /// again on the next [`Self::start`] when this changes.
+    pub fn set_fuse_norm(&mut self, on: bool) {
+        if on != self.fuse_norm {
+            self.fuse_norm = on;
             self.graph_full = None;
             self.graph_prompt = None;
         }

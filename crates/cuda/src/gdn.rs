@@ -37,13 +37,15 @@ const THREADS: u32 = 256;
 /// should a variant need device scratch. Allocate once with [`CudaContext::gdn_scratch`].
 #[derive(Debug)]
 pub struct GdnScratch {
-    _private: (),
+    /// L2 prefetch hints passed with the next [`CudaContext::gdn_decode_step`] (the decode step
+    /// sets the layer's `out_proj` here); empty by default.
+    pub l2_prefetch: crate::L2Prefetch,
 }
 
 impl CudaContext {
     /// Scratch for [`Self::gdn_decode_step`] (currently no device memory).
     pub fn gdn_scratch(&self) -> Result<GdnScratch, CudaError> {
-        Ok(GdnScratch { _private: () })
+        Ok(GdnScratch { l2_prefetch: crate::L2Prefetch::default() })
     }
 
     /// One Gated DeltaNet decode step for one layer (batch 1, one token), one kernel launch:
@@ -88,7 +90,6 @@ impl CudaContext {
         scratch: &mut GdnScratch,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
-        let _ = scratch;
         let checks = [
             ("proj", proj.len(), GDN_PROJ),
             ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
@@ -132,7 +133,8 @@ impl CudaContext {
             .arg(conv_w)
             .arg(a_neg_exp)
             .arg(dt_bias)
-            .arg(norm_w);
+            .arg(norm_w)
+            .arg(&scratch.l2_prefetch);
         // SAFETY: argument order and types match the kernel's signature; lengths checked above.
         // The cluster shape is a compile-time attribute of the kernel (__cluster_dims__), and
         // the grid is a multiple of it.

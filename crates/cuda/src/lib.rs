@@ -76,6 +76,10 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_resid_q8_k2048",
             "gemv_resid_q4_k4096",
             "gemv_resid_q8_k4096",
+            "gemv_norm_q4_k2048",
+            "gemv_norm_q8_k2048",
+            "gemv_norm_r56_q4_k2048",
+            "gemv_norm_r56_q8_k2048",
         ],
     },
     KernelSource {
@@ -161,6 +165,10 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_down_e4_s8",
             "moe_down_e8_s4",
             "moe_down_e8_s8",
+            "moe_down_r48_e4_s4",
+            "moe_down_r48_e4_s8",
+            "moe_down_r48_e8_s4",
+            "moe_down_r48_e8_s8",
         ],
     },
 ];
@@ -254,6 +262,65 @@ impl DeviceQMat {
     }
 }
 
+/// L2 prefetch hints handed to a kernel: up to four regions of device memory that a later
+/// kernel of the step reads (`CallaL2Prefetch` in `kernels/prelude.cuh`, same layout). The
+/// kernel's blocks split each region and ask L2 for it with `cp.async.bulk.prefetch.L2` before
+/// their PDL wait, so weights stream in while a latency-bound kernel (router, GDN step, split
+/// attention) leaves DRAM idle. Only a hint: results never depend on it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct L2Prefetch {
+    ptr: [u64; 4],
+    bytes: [u64; 4],
+}
+
+// SAFETY: plain old data with the C layout of CallaL2Prefetch (4 pointers, 4 u64).
+unsafe impl cudarc::driver::DeviceRepr for L2Prefetch {}
+
+impl L2Prefetch {
+    /// Regions in use.
+    pub fn len(&self) -> usize {
+        self.bytes.iter().filter(|&&b| b > 0).count()
+    }
+
+    /// No region.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds `bytes` at device address `ptr` (16-byte aligned; the size is rounded down to a
+    /// multiple of 16). Returns `false`, adding nothing, when all four slots are taken.
+    pub fn push(&mut self, ptr: u64, bytes: usize) -> bool {
+        match self.bytes.iter().position(|&b| b == 0) {
+            Some(i) if bytes >= 16 => {
+                self.ptr[i] = ptr;
+                self.bytes[i] = bytes as u64;
+                true
+            }
+            Some(_) => true,
+            None => false,
+        }
+    }
+
+    /// Adds a quantized matrix (codes, scales, biases: three regions); `false` when they do
+    /// not all fit (then none is added).
+    pub fn push_qmat(&mut self, cx: &CudaContext, m: &DeviceQMat) -> bool {
+        if 4 - self.len() < 3 {
+            return false;
+        }
+        let st = cx.stream();
+        self.push(m.packed.device_ptr(st).0, m.packed.len() * 4);
+        self.push(m.scales.device_ptr(st).0, m.scales.len() * 2);
+        self.push(m.biases.device_ptr(st).0, m.biases.len() * 2);
+        true
+    }
+
+    /// Total bytes hinted.
+    pub fn total_bytes(&self) -> u64 {
+        self.bytes.iter().sum()
+    }
+}
+
 /// A CUDA context on one device with every kernel of [`KERNELS`] loaded, and one stream that
 /// all launches go to (in order).
 pub struct CudaContext {
@@ -261,6 +328,11 @@ pub struct CudaContext {
     stream: Arc<CudaStream>,
     gemv: [[Option<CudaFunction>; 3]; 2], // [bits 4|8][k 512|2048|4096]
     gemv_resid: [[Option<CudaFunction>; 3]; 2],
+    gemv_norm: [Option<CudaFunction>; 2], // [bits 4|8], K = D_MODEL
+    gemv_norm_r56: [Option<CudaFunction>; 2], // the same, at most 56 registers per thread
+    /// Use `gemv_norm_r56` (see `kernels/gemv.cu`; the default, measured faster in the decode
+    /// step); set by [`Self::set_gemv_reg_cap`].
+    gemv_reg_cap: std::sync::atomic::AtomicBool,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
     /// zero between launches): [`step::STEP_SCRATCH_WORDS`] words.
     step_scratch: CudaSlice<u32>,
@@ -321,11 +393,25 @@ impl CudaContext {
                 }
             }
         }
+        let mut gemv_norm: [Option<CudaFunction>; 2] = Default::default();
+        let mut gemv_norm_r56: [Option<CudaFunction>; 2] = Default::default();
+        for (bi, b) in [4, 8].iter().enumerate() {
+            for (slot, name) in [(&mut gemv_norm, format!("gemv_norm_q{b}_k2048")), (&mut gemv_norm_r56, format!("gemv_norm_r56_q{b}_k2048"))] {
+                let func = f("gemv", &name)?;
+                use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL) as i32)?;
+                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                slot[bi] = Some(func);
+            }
+        }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         Ok(CudaContext {
             rms_norm_d_model: f("rms_norm", "rms_norm_d_model")?,
             gemv,
             gemv_resid,
+            gemv_norm,
+            gemv_norm_r56,
+            gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
             step_scratch,
             funcs,
             ctx,
@@ -471,6 +557,56 @@ impl CudaContext {
         self.gemv_tuned(out, mat, x, Some(resid), None)
     }
 
+    /// `out = W·rms_norm(x, norm_w)`: [`Self::rms_norm`] fused in front of [`Self::gemv`] for a
+    /// matrix of `D_MODEL` columns (input_layernorm → in_proj / q|gate|k|v, final norm → LM
+    /// head, MODEL.md §3.1). Every block normalizes x itself with the arithmetic of
+    /// `kernels/rms_norm.cu`, so the result equals the two launches bit for bit. `norm_w`:
+    /// `[D_MODEL]` f32 (zero-centred: the scale is `1 + w`).
+    ///
+    /// # Errors
+    /// As [`Self::gemv`]; also [`CudaError::Unsupported`] when `mat.cols` or `norm_w.len()` is
+    /// not `D_MODEL`.
+    pub fn gemv_norm(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        mat: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+    ) -> Result<(), CudaError> {
+        if mat.cols != p::D_MODEL || norm_w.len() != p::D_MODEL {
+            return Err(CudaError::Unsupported(format!(
+                "gemv_norm: a [{}, {}] matrix with {} norm weights (built for D_MODEL = {} columns)",
+                mat.rows,
+                mat.cols,
+                norm_w.len(),
+                p::D_MODEL
+            )));
+        }
+        let (_, cfg, ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
+        let table = if self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed) { &self.gemv_norm_r56 } else { &self.gemv_norm };
+        let f = table[match mat.bits {
+            Bits::B4 => 0,
+            Bits::B8 => 1,
+        }]
+        .as_ref()
+        .expect("loaded");
+        let eps = p::RMS_EPS;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(&mat.packed)
+            .arg(&mat.scales)
+            .arg(&mat.biases)
+            .arg(x)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(&rows)
+            .arg(&ks_log2);
+        // SAFETY: argument types and lengths match `gemv_norm_*` (checked above and in
+        // gemv_prepare); the grid never exceeds the blocks with work.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// [`Self::gemv`] (or, with `resid`, [`Self::gemv_residual`]) with the launch configuration
     /// forced: `tune = Some((ks_log2, blocks))` splits K over `2^ks_log2` warps (clamped to
     /// `0..=min(4, log2(cols / 256))`) and uses `blocks` blocks (clamped to the blocks with
@@ -576,6 +712,53 @@ impl CudaContext {
         // SAFETY: as checked above.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// Launches [`Self::gemv_norm`] from its register-capped entry point (`true`, the default:
+    /// at most 56 registers per thread, so a block can share an SM with the MoE down kernel it
+    /// follows and start its weight loads early; measured 1,311 vs 1,334 µs per decode step on
+    /// the H200) or from the unbounded one (75 registers). Same results; for measurement
+    /// (`calla cuda-bench --compare`). Takes effect for launches queued or captured afterwards.
+    #[doc(hidden)]
+    pub fn set_gemv_reg_cap(&self, on: bool) {
+        self.gemv_reg_cap.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Asks for the largest shared-memory carve-out (`pct` = 100) on every decode-step kernel,
+    /// or the driver's default (`pct` = -1) on those that do not need it (the GEMVs always ask
+    /// for 100). An SM changes its L1/shared split only when idle, so a kernel preferring a
+    /// smaller carve-out can keep the next GEMV's 200 KB blocks off an SM until it drains.
+    /// For measurement (`calla cuda-bench --compare`); affects launches queued or captured
+    /// afterwards.
+    ///
+    /// # Errors
+    /// Driver errors from setting the attribute.
+    #[doc(hidden)]
+    pub fn set_step_carveout(&self, pct: i32) -> Result<(), CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        for (name, f) in &self.funcs {
+            if name.starts_with("gemv_") {
+                continue;
+            }
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
+        }
+        Ok(())
+    }
+
+    /// Registers per thread, static shared memory (bytes) and the most threads per block of
+    /// every loaded entry point, sorted by name (for occupancy and co-residency analysis).
+    pub fn kernel_resources(&self) -> Vec<(&'static str, i32, i32, i32)> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        let mut v: Vec<_> = self
+            .funcs
+            .iter()
+            .map(|(name, f)| {
+                let get = |a| f.get_attribute(a).unwrap_or(-1);
+                (*name, get(A::CU_FUNC_ATTRIBUTE_NUM_REGS), get(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES), get(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK))
+            })
+            .collect();
+        v.sort();
+        v
     }
 
     /// Waits until all queued work is done.

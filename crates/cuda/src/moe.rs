@@ -41,11 +41,14 @@ pub struct MoeFlags {
     pub topk_in_router: bool,
     /// Gate/up blocks prefetch the down kernel's tiles of their expert into L2.
     pub prefetch_down: bool,
+    /// The down kernel from its 48-register entry point (`moe_down_r48_*`: same results, fits
+    /// beside three gate/up blocks on an SM).
+    pub down_reg_cap: bool,
 }
 
 impl MoeFlags {
     /// What `moe_decode_step` runs: the fastest on the H200 with PDL edges (docs/CUDA.md).
-    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false };
+    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false };
 
     fn bits(self) -> i32 {
         i32::from(self.topk_in_router) | (i32::from(self.prefetch_down) << 1)
@@ -166,6 +169,9 @@ pub struct MoeScratch {
     act: CudaSlice<f32>,
     /// Finished-block counter of the router kernel (zero between launches).
     counter: CudaSlice<u32>,
+    /// L2 prefetch hints passed with the next router launch (the decode step sets the next
+    /// layer's input projection and GDN state here); empty by default.
+    pub l2_prefetch: crate::L2Prefetch,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -442,6 +448,7 @@ impl CudaContext {
             umeta: s.alloc_zeros::<f32>(groups * 2)?,
             act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
             counter: s.alloc_zeros::<u32>(1)?,
+            l2_prefetch: crate::L2Prefetch::default(),
         })
     }
 
@@ -467,7 +474,30 @@ impl CudaContext {
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
         for part in 0..3 {
-            self.moe_decode_part(m, u, resid, scratch, out, part, MoeFlags::DEFAULT)?;
+            self.moe_decode_part(m, u, resid, scratch, out, part, MoeFlags::DEFAULT, None)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::moe_decode_step`] on `u = rms_norm(h, norm_w)` with `resid = h`: the layer's
+    /// post_attention_layernorm fused into the router kernel (each of its blocks normalizes h
+    /// with the arithmetic of `kernels/rms_norm.cu`, so the result equals [`Self::rms_norm`]
+    /// followed by [`Self::moe_decode_step`] bit for bit). `h`, `out`: `[D_MODEL]` f32, `out`
+    /// not aliasing `h` (h is u here); `norm_w`: `[D_MODEL]` f32.
+    ///
+    /// # Errors
+    /// As [`Self::moe_decode_step`]; a `norm_w` of another length is
+    /// [`CudaError::Unsupported`].
+    pub fn moe_decode_step_norm(
+        &self,
+        m: &DeviceMoe,
+        h: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        for part in 0..3 {
+            self.moe_decode_part(m, h, h, scratch, out, part, MoeFlags::DEFAULT, Some(norm_w))?;
         }
         Ok(())
     }
@@ -475,6 +505,8 @@ impl CudaContext {
     /// One of the three launches of [`Self::moe_decode_step`] (0: router (and top-k), 1:
     /// gate/up (and top-k), 2: down and combine) with the given variant, for measurement. Part
     /// `i` reads what part `i - 1` left in `scratch`; all three must use the same `flags`.
+    /// With `norm` (used by part 0 only), u is normalized first as in
+    /// [`Self::moe_decode_step_norm`].
     ///
     /// # Errors
     /// As [`Self::moe_decode_step`]; `part > 2` is [`CudaError::Unsupported`].
@@ -489,9 +521,10 @@ impl CudaContext {
         out: &mut CudaViewMut<'_, f32>,
         part: usize,
         flags: MoeFlags,
+        norm: Option<&CudaView<'_, f32>>,
     ) -> Result<(), CudaError> {
         let d = p::D_MODEL;
-        if u.len() != d || resid.len() != d || out.len() != d {
+        if u.len() != d || resid.len() != d || out.len() != d || norm.is_some_and(|w| w.len() != d) {
             return Err(unsupported(format!(
                 "moe_decode_step: u {} resid {} out {} (D_MODEL = {d})",
                 u.len(),
@@ -526,8 +559,15 @@ impl CudaContext {
                     .arg(&mut scratch.sel_w)
                     .arg(&mut scratch.counter)
                     .arg(&fl);
+                let null = 0u64; // a null norm_w: u is used as it is
+                match norm {
+                    Some(w) => b.arg(w),
+                    None => b.arg(&null),
+                };
+                let eps = p::RMS_EPS;
+                b.arg(&eps).arg(&scratch.l2_prefetch);
                 // SAFETY: arguments match `moe_router_*` in kernels/moe.cu; lengths fixed by
-                // upload_moe_refs and moe_scratch.
+                // upload_moe_refs and moe_scratch (norm_w: D_MODEL f32 or null).
                 unsafe { b.launch(cfg) }?;
             }
             1 => {
@@ -566,7 +606,8 @@ impl CudaContext {
             }
             2 => {
                 let name = format!(
-                    "moe_down_e{}_s{}",
+                    "moe_down{}_e{}_s{}",
+                    if flags.down_reg_cap { "_r48" } else { "" },
                     bits_index(m.down_bits),
                     bits_index(m.shared_down_bits)
                 );

@@ -190,9 +190,13 @@ fn launch_raw(cx: &cuda::CudaContext, name: &str, pdl: bool, a: &Args) -> sys::C
         .iter()
         .map(|v| v as *const u64 as *mut std::ffi::c_void)
         .collect();
+    // gdn_decode_step's ninth parameter: no L2 prefetch (the diagnostic kernels take eight)
+    let no_prefetch = cuda::L2Prefetch::default();
+    params.push(&no_prefetch as *const cuda::L2Prefetch as *mut std::ffi::c_void);
     cx.raw().bind_to_thread().expect("bind");
-    // SAFETY: every gdn.cu entry takes these eight pointers; `vals` outlives the call (the
-    // driver copies the parameters at launch).
+    // SAFETY: every gdn.cu entry takes these eight pointers (gdn_decode_step also the prefetch
+    // list); `vals` and `no_prefetch` outlive the call (the driver copies the parameters at
+    // launch).
     unsafe { sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }
 }
 

@@ -10,7 +10,9 @@
 //! graph and timed with CUDA events (also with programmatic dependent launch between the GEMVs,
 //! as the decode step runs them). Edge shapes (fewer rows than a 16-row tile, a partial last
 //! tile) are checked for correctness only, with the host's launch and with every K split on 3
-//! blocks and on one block per SM. RMSNorm against an f64 CPU reference.
+//! blocks and on one block per SM. RMSNorm against an f64 CPU reference. The GEMV with the
+//! RMSNorm fused in front (`gemv_norm`, K = D_MODEL) against the two launches it replaces, bit
+//! for bit, and against the CPU; then both timed in a PDL graph.
 //!
 //! Tolerance: `Tol::F32` (relative L2 error < 1e-4, max error < 1e-3·rms), the brief's bound.
 //! Expected ~1e-6: the products are exact integers, x is split into three 8-bit digits per group
@@ -349,6 +351,9 @@ pub fn run(s: &mut Suite) {
         ));
     }
 
+    // --- RMSNorm fused in front of the GEMV (gemv_norm) against rms_norm + gemv
+    all_ok &= fused_norm(s);
+
     // --- summary
     println!();
     println!("| bits | shape | rows x cols | MB | us (graph) | GB/s | % of copy | us (graph, PDL) | % of copy (PDL) | us (stream) | rel err | ok |");
@@ -495,4 +500,106 @@ fn sweep(s: &mut Suite) {
         let (ks_auto, blocks_auto) = cuda::gemv_config(rows, cols, bits as usize, sm);
         line(format!("(auto = ks_log2 {ks_auto}, {blocks_auto} blocks)"), f64::NAN);
     }
+}
+
+/// `gemv_norm` (RMSNorm fused into the GEMV) at K = D_MODEL: bit-equal to `rms_norm` followed by
+/// `gemv` (same arithmetic, same order), within `Tol::F32` of the CPU (f64 norm, then
+/// `quant::reference::gemv`), guard words intact; then the fused launch and the pair it replaces
+/// timed in a PDL graph over enough matrix copies to defeat the L2. Returns whether all passed.
+fn fused_norm(s: &mut Suite) -> bool {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let gdn_in = 2 * p::N_K_HEADS * p::D_K + 2 * p::N_V_HEADS * p::D_V + 2 * p::N_V_HEADS;
+    let mut ok_all = true;
+    for bits in [4u32, 8] {
+        for (rows, timed) in [(gdn_in, true), (1000, false), (8, false)] {
+            let seed = 0xF05E_u64 + rows as u64 + u64::from(bits);
+            let spec = QuantSpec::new(bits, cuda::QUANT_GROUP).unwrap();
+            let packed = rand_u32s(rows * spec.words_per_row(d), seed);
+            let scales: Vec<bf16> = rand_f32s(rows * spec.groups_per_row(d), seed ^ 0xA, 0.02).into_iter().map(bf16::from_f32).collect();
+            let biases: Vec<bf16> = rand_f32s(rows * spec.groups_per_row(d), seed ^ 0xB, 0.1).into_iter().map(bf16::from_f32).collect();
+            let m = QMatRef::new(rows, d, spec, &packed, &scales, &biases).unwrap();
+            let dm = cx.upload_qmat(m).expect("upload");
+            // the residual stream: a large scale (the norm must bring it back) and outliers
+            let mut x = rand_f32s(d, seed ^ 0x3, 40.0);
+            x[11] = 900.0;
+            x[d - 3] = -650.0;
+            let w = rand_f32s(d, seed ^ 0x4, 0.6);
+            let ms: f64 = x.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / d as f64;
+            let inv = 1.0 / (ms + f64::from(p::RMS_EPS)).sqrt();
+            let u: Vec<f32> = x.iter().zip(&w).map(|(v, wi)| (f64::from(*v) * inv * (1.0 + f64::from(*wi))) as f32).collect();
+            let mut reference = vec![0f32; rows];
+            quant::reference::gemv(&mut reference, m, &u);
+            let reference: Vec<f64> = reference.iter().map(|v| f64::from(*v)).collect();
+            let xd = cx.upload_f32(&x).unwrap();
+            let wd = cx.upload_f32(&w).unwrap();
+            let mut ud = cx.upload_f32(&vec![0f32; d]).unwrap();
+            let mut pair = cx.upload_f32(&vec![0f32; rows]).unwrap();
+            let mut fused = guarded(cx, rows);
+            cx.rms_norm(&mut ud.slice_mut(..), &xd.slice(..), &wd.slice(..)).expect("rms_norm");
+            cx.gemv(&mut pair.slice_mut(..), &dm, &ud.slice(..)).expect("gemv");
+            cx.gemv_norm(&mut fused.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm");
+            let pair_h = cx.download_f32(&pair).unwrap();
+            let fused_h = cx.download_f32(&fused).unwrap();
+            let mut c = check_guarded(&fused_h, &reference, Tol::F32);
+            let differ = pair_h.iter().zip(&fused_h[GUARD..GUARD + rows]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            if differ > 0 {
+                c.ok = false;
+                c.msg.push_str(&format!("{differ} of {rows} outputs differ from rms_norm + gemv; "));
+            }
+            // the other entry point (cx.set_gemv_reg_cap; 56 registers is the default): the same bits
+            let mut capped = guarded(cx, rows);
+            cx.set_gemv_reg_cap(false);
+            cx.gemv_norm(&mut capped.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm (unbounded registers)");
+            cx.set_gemv_reg_cap(true);
+            let capped_h = cx.download_f32(&capped).unwrap();
+            let differ = capped_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            if differ > 0 {
+                c.ok = false;
+                c.msg.push_str(&format!("entry points differ in {differ} words; "));
+            }
+            let mut extra = String::new();
+            if timed {
+                let bytes = m.stored_bytes();
+                let copies = (512usize << 20).div_ceil(bytes).clamp(1, 256);
+                let mut mats = vec![dm];
+                for _ in 1..copies {
+                    mats.push(cx.upload_qmat(m).expect("upload"));
+                }
+                let launches = copies.max(if s.quick { 64 } else { 256 }).div_ceil(copies) * copies;
+                let mut time = |fuse: bool| -> f64 {
+                    let stream = cx.stream().clone();
+                    let graph = StepGraph::capture(&stream, true, || {
+                        for i in 0..launches {
+                            if fuse {
+                                cx.gemv_norm(&mut pair.slice_mut(..), &mats[i % copies], &xd.slice(..), &wd.slice(..))?;
+                            } else {
+                                cx.rms_norm(&mut ud.slice_mut(..), &xd.slice(..), &wd.slice(..))?;
+                                cx.gemv(&mut pair.slice_mut(..), &mats[i % copies], &ud.slice(..))?;
+                            }
+                        }
+                        Ok(())
+                    })
+                    .expect("PDL graph");
+                    graph.launch().unwrap();
+                    let mut ts = Vec::new();
+                    for _ in 0..(if s.quick { 3 } else { 7 }) {
+                        let (a, b) = (s.event(), s.event());
+                        a.record(&stream).unwrap();
+                        graph.launch().unwrap();
+                        b.record(&stream).unwrap();
+                        b.synchronize().unwrap();
+                        ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
+                    }
+                    median(ts) * 1e6
+                };
+                let (us_pair, us_fused) = (time(false), time(true));
+                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us (PDL graph, {copies} copies)");
+                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3}");
+            }
+            ok_all &= c.ok;
+            s.record("gemv_norm", &format!("q{bits} [{rows}x{d}] fused = rms_norm + gemv, vs CPU"), &c, &extra);
+        }
+    }
+    ok_all
 }

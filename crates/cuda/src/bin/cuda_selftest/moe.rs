@@ -183,7 +183,7 @@ fn check_step(
             cx.moe_decode_step(dm, &ud.slice(..), &rd.slice(..), scratch, &mut ov).expect("moe_decode_step");
         } else {
             for part in 0..3 {
-                cx.moe_decode_part(dm, &ud.slice(..), &rd.slice(..), scratch, &mut ov, part, flags).expect("moe part");
+                cx.moe_decode_part(dm, &ud.slice(..), &rd.slice(..), scratch, &mut ov, part, flags, None).expect("moe part");
             }
         }
     }
@@ -298,6 +298,12 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         let resid = rand_f32s(d, seed ^ (0x200 + i), 2.0);
         check_step(s, &format!("{name} input {i}"), &w, &w.router, &dm, &mut scratch, &u, &resid, None, MoeFlags::DEFAULT);
     }
+    // post_attention_layernorm fused into the router: equal to rms_norm + the step, bit for bit
+    for i in 0..2u64 {
+        let h = rand_f32s(d, seed ^ (0x400 + i), 30.0);
+        let nw = rand_f32s(d, seed ^ (0x500 + i), 0.6);
+        fused_norm_step(s, &format!("{name} fused norm, input {i}"), &dm, &mut scratch, &h, &nw);
+    }
     // every variant on one more input
     for fl in VARIANTS {
         let u = input(seed ^ 0x180, 0.0);
@@ -356,7 +362,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
                 Some(pt) => pt..pt + 1,
             };
             for pt in parts {
-                cx.moe_decode_part(m, &us[l].slice(..), &resid.slice(..), scratch, &mut ov, pt, fl).expect("moe step");
+                cx.moe_decode_part(m, &us[l].slice(..), &resid.slice(..), scratch, &mut ov, pt, fl, None).expect("moe step");
             }
         }
     };
@@ -422,18 +428,20 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
 }
 
 /// The variants timed (the default is marked in the output).
-const VARIANTS: [MoeFlags; 4] = [
-    MoeFlags { topk_in_router: true, prefetch_down: false },
-    MoeFlags { topk_in_router: true, prefetch_down: true },
-    MoeFlags { topk_in_router: false, prefetch_down: false },
-    MoeFlags { topk_in_router: false, prefetch_down: true },
+const VARIANTS: [MoeFlags; 5] = [
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false },
+    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false },
+    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false },
+    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false },
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true },
 ];
 
 fn vname(f: MoeFlags) -> String {
     format!(
-        "top-k {}, {}",
+        "top-k {}, {}{}",
         if f.topk_in_router { "in router" } else { "in gate/up" },
-        if f.prefetch_down { "L2 prefetch" } else { "no prefetch" }
+        if f.prefetch_down { "L2 prefetch" } else { "no prefetch" },
+        if f.down_reg_cap { ", down at 48 registers" } else { "" }
     )
 }
 
@@ -447,4 +455,32 @@ pub fn run(s: &mut Suite) {
     if !s.quick {
         run_case(s, "mixed", [4, 8, 4, 8, 8, 8], 0x40E_0003, true);
     }
+}
+
+/// `moe_decode_step_norm(h, w)` against `rms_norm(h, w)` then `moe_decode_step(u, h)`: the same
+/// chosen experts and routing weights and the same output, bit for bit; guard words intact.
+fn fused_norm_step(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch: &mut cuda::moe::MoeScratch, h: &[f32], nw: &[f32]) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let hd = cx.upload_f32(h).unwrap();
+    let wd = cx.upload_f32(nw).unwrap();
+    let mut ud = cx.upload_f32(&vec![0f32; d]).unwrap();
+    let mut pair = guarded(cx, d);
+    cx.rms_norm(&mut ud.slice_mut(..), &hd.slice(..), &wd.slice(..)).expect("rms_norm");
+    cx.moe_decode_step(dm, &ud.slice(..), &hd.slice(..), scratch, &mut pair.slice_mut(GUARD..GUARD + d)).expect("moe");
+    let ids_pair: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+    let w_pair = cx.download_f32(&scratch.sel_w).unwrap();
+    let mut fused = guarded(cx, d);
+    cx.moe_decode_step_norm(dm, &hd.slice(..), &wd.slice(..), scratch, &mut fused.slice_mut(GUARD..GUARD + d)).expect("moe fused");
+    let ids_fused: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+    let w_fused = cx.download_f32(&scratch.sel_w).unwrap();
+    let (a, b) = (cx.download_f32(&pair).unwrap(), cx.download_f32(&fused).unwrap());
+    let reference: Vec<f64> = a[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
+    let mut c = check_guarded(&b, &reference, Tol::F32);
+    let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    if differ > 0 || ids_pair != ids_fused || w_pair.iter().zip(&w_fused).any(|(x, y)| x.to_bits() != y.to_bits()) {
+        c.ok = false;
+        c.msg.push_str(&format!("{differ} words differ; ids {ids_fused:?} vs {ids_pair:?}; "));
+    }
+    s.record(SEC, label, &c, "");
 }
