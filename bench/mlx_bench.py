@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Time MLX-LM prefill and decode on a local MLX-layout folder (run with the venv that has mlx + mlx-lm).
 
-    mlx_bench.py --model DIR --prompt-tokens 128 --gen-tokens 16 [--trials 2] [--json FILE]
+    mlx_bench.py --model DIR --prompt-tokens 128[,2048,...] --gen-tokens 16 [--trials 2] [--json FILE]
+
+With several prompt lengths the model is loaded once and each length is timed in turn; the JSON's
+top-level figures are those of the first length and `runs` holds one entry per length.
 
 Same procedure as `mlx_lm.benchmark` (random prompt ids, EOS disabled, one warm-up, then timed trials
 through `mlx_lm.stream_generate`), with a smaller warm-up and a JSON result. MLX-LM's own figures are
@@ -24,7 +27,7 @@ import time
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", default="128", help="comma-separated prompt lengths")
     p.add_argument("--gen-tokens", type=int, default=16)
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--warmup-prompt", type=int, default=16)
@@ -60,28 +63,12 @@ def main():
     print(f"mlx-lm {mlx_lm.__version__} mlx {mx.__version__} device {mx.default_device()}; "
           f"loaded in {load_s:.1f}s; warm-up p={a.warmup_prompt} g={a.warmup_gen}", file=sys.stderr, flush=True)
     run(a.warmup_prompt, a.warmup_gen)
-    trials = []
-    for i in range(a.trials):
-        r, wall = run(a.prompt_tokens, a.gen_tokens)
-        t = {
-            "prompt_tokens": r.prompt_tokens, "generation_tokens": r.generation_tokens,
-            "prompt_tps": r.prompt_tps, "generation_tps": r.generation_tps,
-            "ttft_s": r.prompt_tokens / r.prompt_tps if r.prompt_tps else None,
-            "peak_memory_gb": r.peak_memory, "wall_s": wall,
-        }
-        trials.append(t)
-        print(f"trial {i + 1}: prefill {t['prompt_tps']:.2f} tok/s, decode {t['generation_tps']:.2f} tok/s, "
-              f"ttft {t['ttft_s']:.2f}s, wall {wall:.1f}s", file=sys.stderr, flush=True)
-
-    def med(k):
-        return statistics.median(t[k] for t in trials)
-
+    lengths = [int(v) for v in str(a.prompt_tokens).split(",") if v.strip()]
+    runs = [measure(run, n, a) for n in lengths]
     out = {
         "engine": "mlx-lm", "mlx_lm_version": mlx_lm.__version__, "mlx_version": mx.__version__,
         "device": str(mx.default_device()), "model": os.path.abspath(a.model),
-        "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "trials": trials,
-        "prefill_tps": med("prompt_tps"), "decode_tps": med("generation_tps"), "ttft_s": med("ttft_s"),
-        "peak_memory_gb": max(t["peak_memory_gb"] for t in trials),
+        "gen_tokens": a.gen_tokens, **runs[0], "runs": runs,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "load_s": load_s,
     }
@@ -90,6 +77,31 @@ def main():
         with open(a.json, "w") as f:
             f.write(s + "\n")
     print(s)
+
+
+def measure(run, n_prompt, a):
+    """`a.trials` timed runs of one prompt length; medians of MLX-LM's own figures."""
+    trials = []
+    for i in range(a.trials):
+        r, wall = run(n_prompt, a.gen_tokens)
+        t = {
+            "prompt_tokens": r.prompt_tokens, "generation_tokens": r.generation_tokens,
+            "prompt_tps": r.prompt_tps, "generation_tps": r.generation_tps,
+            "ttft_s": r.prompt_tokens / r.prompt_tps if r.prompt_tps else None,
+            "peak_memory_gb": r.peak_memory, "wall_s": wall,
+        }
+        trials.append(t)
+        print(f"prompt {n_prompt} trial {i + 1}: prefill {t['prompt_tps']:.2f} tok/s, decode {t['generation_tps']:.2f} tok/s, "
+              f"ttft {t['ttft_s']:.2f}s, wall {wall:.1f}s", file=sys.stderr, flush=True)
+
+    def med(k):
+        return statistics.median(t[k] for t in trials)
+
+    return {
+        "prompt_tokens": n_prompt, "trials": trials,
+        "prefill_tps": med("prompt_tps"), "decode_tps": med("generation_tps"), "ttft_s": med("ttft_s"),
+        "peak_memory_gb": max(t["peak_memory_gb"] for t in trials),
+    }
 
 
 if __name__ == "__main__":

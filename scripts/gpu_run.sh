@@ -4,31 +4,42 @@
 #   1. the kernel self-test (every kernel against the CPU reference at the real shapes),
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
-#   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`.
-# Logs and JSON go to OUTDIR (default: ./gpu-out). Exit status: non-zero if any step failed.
+#   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`
+#      (with --ablate: also each decode kernel class's share of the step),
+#   4. with --mlx: MLX-LM's CUDA backend on the same full-size folder (bench/mlx_bench.py), from
+#      wheels carried in .whl/ (scripts/gpu_wheels.sh; a wheel over the carry limit arrives in
+#      parts over several calls and is joined here once all its parts are in).
+# With --only-mlx, step 4 alone (on the full-size folder a previous call left). Logs and JSON go
+# to OUTDIR (default: ./gpu-out). Exit status: non-zero if any step failed.
 #
-#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick]
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--ablate] [--mlx | --only-mlx] [--no-check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   --*|"") out=gpu-out ;;
   *) out=$1; shift ;;
 esac
-bench=1; quick=""
+bench=1; quick=""; ablate=""; mlx=0; check=1
 for a in "$@"; do
   case "$a" in
     --no-bench) bench=0 ;;
     --quick) quick="--quick" ;;
+    --ablate) ablate="--ablate --compare" ;;
+    --mlx) mlx=1 ;;
+    --only-mlx) mlx=1; bench=0; check=0 ;;
+    --no-check) check=0 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
 b=/tmp/calla-gpu-bin
 mkdir -p $b
-for f in calla cuda_selftest; do
-  python3 -c "import lzma,sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())" target/gpu-bundle/$f.xz > $b/$f \
-    && chmod +x $b/$f || { echo "missing target/gpu-bundle/$f.xz (run scripts/gpu_bundle.sh)"; exit 2; }
-done
+if [ "$check" = 1 ] || [ "$bench" = 1 ]; then
+  for f in calla cuda_selftest; do
+    python3 -c "import lzma,sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())" target/gpu-bundle/$f.xz > $b/$f \
+      && chmod +x $b/$f || { echo "missing target/gpu-bundle/$f.xz (run scripts/gpu_bundle.sh)"; exit 2; }
+  done
+fi
 if [ -z "${CALLA_NVRTC_DIR:-}" ]; then
   lib=$(find /usr/local /usr/lib /opt -name 'libnvrtc.so.13' 2>/dev/null | head -1)
   [ -n "$lib" ] && export CALLA_NVRTC_DIR=$(dirname "$lib")
@@ -39,26 +50,33 @@ mkdir -p "$work"
 status=0
 step() { echo "== $1 ($(date +%T))"; }
 
-step "kernel self-test"
-$b/cuda_selftest $quick > "$out/selftest.txt" 2>&1 || status=1
-tail -3 "$out/selftest.txt"
+if [ "$check" = 1 ]; then
+  step "kernel self-test"
+  $b/cuda_selftest $quick > "$out/selftest.txt" 2>&1 || status=1
+  tail -3 "$out/selftest.txt"
 
-step "synth 4 layers, 4-bit"
-[ -f "$work/L4-q4/config.json" ] || $b/calla synth --out "$work/L4-q4" --layers 4 --bits 4 2>&1 | tail -1
-step "cuda-check"
-$b/calla cuda-check --model "$work/L4-q4" > "$out/cuda-check.txt" 2>&1 || status=1
-tail -3 "$out/cuda-check.txt"
-step "cuda-check with programmatic dependent launch"
-$b/calla cuda-check --model "$work/L4-q4" --pdl > "$out/cuda-check-pdl.txt" 2>&1 || status=1
-tail -3 "$out/cuda-check-pdl.txt"
+  step "synth 4 layers, 4-bit"
+  [ -f "$work/L4-q4/config.json" ] || $b/calla synth --out "$work/L4-q4" --layers 4 --bits 4 2>&1 | tail -1
+  step "cuda-check"
+  $b/calla cuda-check --model "$work/L4-q4" > "$out/cuda-check.txt" 2>&1 || status=1
+  tail -3 "$out/cuda-check.txt"
+  step "cuda-check with programmatic dependent launch"
+  $b/calla cuda-check --model "$work/L4-q4" --pdl > "$out/cuda-check-pdl.txt" 2>&1 || status=1
+  tail -3 "$out/cuda-check-pdl.txt"
+fi
 
 if [ "$bench" = 1 ]; then
   step "synth full size, 4-bit"
   [ -f "$work/full-q4/config.json" ] || $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1 || status=1
   tail -1 "$out/synth-full.txt"
   step "cuda-bench"
-  $b/calla cuda-bench --model "$work/full-q4" --pdl --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
+  $b/calla cuda-bench --model "$work/full-q4" --pdl $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
   cat "$out/cuda-bench.txt" | grep -v '^JSON'
+fi
+
+if [ "$mlx" = 1 ]; then
+  step "MLX-LM (CUDA) on the same folder"
+  scripts/gpu_mlx.sh "$work/full-q4" "$out" || status=1
 fi
 echo "== done, status $status"
 exit $status

@@ -39,6 +39,23 @@ pub struct CudaBenchArgs {
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
+    /// Run every RMSNorm of the decode step as its own launch instead of fused into the next
+    /// kernel (for comparison; the same bits either way).
+    #[arg(long)]
+    no_fuse_norm: bool,
+    /// Let latency-bound decode kernels prefetch the next weights into L2 (measured slower; for
+    /// comparison).
+    #[arg(long)]
+    l2_prefetch: bool,
+    /// Also measure decode (first decode context) with each step option off in turn, in this
+    /// process on the same weights: L2 prefetch, fused norms, both.
+    #[arg(long)]
+    compare: bool,
+    /// Also measure each kernel class's share of the decode step (at the first decode context):
+    /// the step is captured again with that class left out, and the time it saves is listed
+    /// with the class's launches per step.
+    #[arg(long)]
+    ablate: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -130,6 +147,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
+    sess.set_fuse_norm(!a.no_fuse_norm);
+    sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
         "graph" => false,
@@ -182,6 +201,80 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         }));
         eprintln!("decode @ {ctx:>6}: {tps:>8.1} tok/s ({:.1} us/token), {:.1}% of the copy roofline", 1e6 / tps, 100.0 * bytes as f64 * tps / bw);
     }
+    let mut variants = Vec::new();
+    if a.compare {
+        let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
+        let prompt = random_prompt(ctx, vocab, 100);
+        use cuda::moe::MoeFlags;
+        let d = MoeFlags::DEFAULT;
+        let gate_up_topk = MoeFlags { topk_in_router: false, ..MoeFlags::DEFAULT };
+        let down_r48 = MoeFlags { down_reg_cap: true, ..MoeFlags::DEFAULT };
+        // (name, fused norms, L2 prefetch, MoE variant, max carve-out for every kernel, fused
+        // GEMV at 56 registers (the default))
+        let (fuse0, pf0) = (!a.no_fuse_norm, a.l2_prefetch);
+        for (name, fuse, pf, flags, carve, cap) in [
+            ("as configured", fuse0, pf0, d, false, true),
+            ("GEMV+norm, registers unbounded", fuse0, pf0, d, false, false),
+            ("norms as launches", false, pf0, d, false, true),
+            ("L2 prefetch on", fuse0, true, d, false, true),
+            ("top-k in gate/up", fuse0, pf0, gate_up_topk, false, true),
+            ("max carve-out everywhere", fuse0, pf0, d, true, true),
+            ("MoE down at 48 registers", fuse0, pf0, down_r48, false, true),
+        ] {
+            sess.set_fuse_norm(fuse);
+            sess.set_l2_prefetch(pf);
+            sess.set_moe_flags(flags);
+            cx.set_step_carveout(if carve { 100 } else { -1 })?;
+            cx.set_gemv_reg_cap(cap);
+            sess.invalidate_graphs();
+            start(&mut sess, &prompt)?;
+            sess.decode(&gm, 8)?;
+            cx.synchronize()?;
+            let t = Instant::now();
+            let n = sess.decode(&gm, a.gen_tokens)?;
+            cx.synchronize()?;
+            let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
+            let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
+            eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+        }
+        sess.set_fuse_norm(fuse0);
+        sess.set_l2_prefetch(pf0);
+        sess.set_moe_flags(MoeFlags::DEFAULT);
+        cx.set_step_carveout(-1)?;
+        cx.set_gemv_reg_cap(true);
+        sess.invalidate_graphs();
+    }
+    let mut ablation = Vec::new();
+    if a.ablate {
+        let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
+        let prompt = random_prompt(ctx, vocab, 100);
+        let mut time_step = |sess: &mut CudaSession, skip: u32| -> Result<(f64, usize)> {
+            sess.set_ablation(skip);
+            start(sess, &prompt)?;
+            sess.decode(&gm, 8)?; // warm-up after the capture
+            cx.synchronize()?;
+            let t = Instant::now();
+            let n = sess.decode(&gm, a.gen_tokens)?;
+            cx.synchronize()?;
+            let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
+            Ok((t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64, kernels))
+        };
+        let (full_us, full_k) = time_step(&mut sess, 0)?;
+        let all = cuda::decode::ablate::ALL.iter().fold(0, |acc, (c, _)| acc | c);
+        let (floor_us, floor_k) = time_step(&mut sess, all)?;
+        eprintln!("ablation @ {ctx}: full step {full_us:.1} us ({full_k} kernels); every class left out {floor_us:.1} us ({floor_k} kernels)");
+        for &(class, name) in &cuda::decode::ablate::ALL {
+            let (us, k) = time_step(&mut sess, class)?;
+            let launches = full_k.saturating_sub(k);
+            let saved = full_us - us;
+            eprintln!("  without {name:<15} {us:>8.1} us  saves {saved:>7.1} us  over {launches:>3} launches ({:.2} us each)", saved / launches.max(1) as f64);
+            ablation.push(serde_json::json!({"class": name, "us_without": us, "us_saved": saved, "launches": launches}));
+        }
+        sess.set_ablation(0);
+        ablation.insert(0, serde_json::json!({"class": "full", "us_without": full_us, "launches": full_k, "context": ctx}));
+        ablation.push(serde_json::json!({"class": "all left out", "us_without": floor_us, "launches": floor_k}));
+    }
     println!(
         "calla cuda-bench · {} · {name} · {} layers · upload {upload_s:.1} s · copy roofline {:.0} GB/s · weights/token {:.3} GB",
         a.model.display(),
@@ -201,6 +294,30 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             r["bytes_per_token"], r["roofline_pct"].as_f64().unwrap_or(0.0), r["roofline_tok_s"].as_f64().unwrap_or(0.0)
         );
     }
+    if a.ablate || a.compare {
+        println!("{:<28} {:>5} {:>12} {:>12}", "kernel", "regs", "static smem", "max threads");
+        for (name, regs, smem, threads) in cx.kernel_resources() {
+            println!("{name:<28} {regs:>5} {smem:>12} {threads:>12}");
+        }
+    }
+    for v in &variants {
+        println!("decode variant {:<32} {:>9.1} us/token {:>8.1} tok/s", v["variant"].as_str().unwrap_or(""), v["us_per_token"].as_f64().unwrap_or(0.0), v["decode_tok_s"].as_f64().unwrap_or(0.0));
+    }
+    if !ablation.is_empty() {
+        println!("{:>16} {:>12} {:>10} {:>9} {:>14}", "left out", "us/token", "us saved", "launches", "us per launch");
+        for r in &ablation {
+            let saved = r["us_saved"].as_f64();
+            let launches = r["launches"].as_u64().unwrap_or(0);
+            println!(
+                "{:>16} {:>12.1} {:>10} {:>9} {:>14}",
+                r["class"].as_str().unwrap_or(""),
+                r["us_without"].as_f64().unwrap_or(0.0),
+                saved.map(|v| format!("{v:.1}")).unwrap_or_default(),
+                launches,
+                saved.map(|v| format!("{:.2}", v / launches.max(1) as f64)).unwrap_or_default(),
+            );
+        }
+    }
     let out = serde_json::json!({
         "engine": "calla-cuda",
         "device": name,
@@ -212,9 +329,16 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "upload_s": upload_s,
         "prefill_mode": if batched { format!("batched, chunks of {}", a.prefill_chunk) } else { "token-by-token graph replay".to_string() },
         "pdl": a.pdl,
+        "fused_norm": !a.no_fuse_norm,
+        "l2_prefetch": a.l2_prefetch,
         "graph": sess.graph_stats().map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "decode": decode,
+        "ablation": ablation,
+        "variants": variants,
+        "kernel_resources": if a.ablate || a.compare { cx.kernel_resources() } else { Vec::new() }.into_iter()
+            .map(|(name, regs, smem, threads)| serde_json::json!({"kernel": name, "registers": regs, "static_smem": smem, "max_threads": threads}))
+            .collect::<Vec<_>>(),
     });
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
