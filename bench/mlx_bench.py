@@ -36,6 +36,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    lengths = [int(v) for v in str(a.prompt_tokens).split(",") if v.strip()]
+    if not lengths:
+        sys.exit("--prompt-tokens: give at least one prompt length")
 
     import mlx.core as mx
     import mlx_lm
@@ -63,7 +66,6 @@ def main():
     print(f"mlx-lm {mlx_lm.__version__} mlx {mx.__version__} device {mx.default_device()}; "
           f"loaded in {load_s:.1f}s; warm-up p={a.warmup_prompt} g={a.warmup_gen}", file=sys.stderr, flush=True)
     run(a.warmup_prompt, a.warmup_gen)
-    lengths = [int(v) for v in str(a.prompt_tokens).split(",") if v.strip()]
     runs = [measure(run, n, a) for n in lengths]
     out = {
         "engine": "mlx-lm", "mlx_lm_version": mlx_lm.__version__, "mlx_version": mx.__version__,

@@ -9,6 +9,7 @@
 #   scripts/gpu_mlx.sh MODEL_DIR OUTDIR [PROMPT_TOKENS (default 512,2048,8192)] [GEN_TOKENS (default 64)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ $# -ge 2 ] || { echo "usage: scripts/gpu_mlx.sh MODEL_DIR OUTDIR [PROMPT_TOKENS] [GEN_TOKENS]" >&2; exit 2; }
 model=$1; out=$2; prompts=${3:-512,2048,8192}; gen=${4:-64}
 mkdir -p "$out"
 parts=/tmp/calla-wheel-parts
@@ -29,9 +30,11 @@ for sum in $parts/*.whl.sha256; do
 done
 [ "$missing" = 0 ] || exit 3
 site=/tmp/calla-mlx-site
-if [ ! -f $site/.done ]; then
+key=$(sha256sum $parts/*.whl | sha256sum | cut -c1-16)  # reinstall when the wheels change
+if [ ! -f "$site/.installed-$key" ]; then
+  rm -rf $site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $parts/*.whl || exit 1
-  touch $site/.done
+  touch "$site/.installed-$key"
 fi
 export PYTHONPATH=$site
 # mlx-cuda-13 links against the NVIDIA wheels the image already has (cublas, cudnn, nvrtc, ...)

@@ -201,6 +201,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         }));
         eprintln!("decode @ {ctx:>6}: {tps:>8.1} tok/s ({:.1} us/token), {:.1}% of the copy roofline", 1e6 / tps, 100.0 * bytes as f64 * tps / bw);
     }
+    // the step graph as measured above (the comparisons below capture others)
+    let graph_stats = sess.graph_stats();
     let mut variants = Vec::new();
     if a.compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
@@ -236,7 +238,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
             let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);
@@ -265,6 +267,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let (floor_us, floor_k) = time_step(&mut sess, all)?;
         eprintln!("ablation @ {ctx}: full step {full_us:.1} us ({full_k} kernels); every class left out {floor_us:.1} us ({floor_k} kernels)");
         for &(class, name) in &cuda::decode::ablate::ALL {
+            if class == cuda::decode::ablate::NORM && !a.no_fuse_norm {
+                continue; // fused: no launch of its own to leave out
+            }
             let (us, k) = time_step(&mut sess, class)?;
             let launches = full_k.saturating_sub(k);
             let saved = full_us - us;
@@ -331,7 +336,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "pdl": a.pdl,
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
-        "graph": sess.graph_stats().map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
+        "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "decode": decode,
         "ablation": ablation,

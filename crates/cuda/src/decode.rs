@@ -86,7 +86,8 @@ impl StackedQMat {
     }
 
     /// `out[0..rows] = W·rms_norm(x, norm_w)` with one fused GEMV per run
-    /// ([`CudaContext::gemv_norm`]).
+    /// ([`CudaContext::gemv_norm`]). `x`, `norm_w`: `[D_MODEL]` f32, 16-byte aligned; `out`:
+    /// `[rows]` f32.
     ///
     /// # Errors
     /// As [`CudaContext::gemv_norm`].
@@ -376,6 +377,8 @@ pub struct CudaSession {
     pub(crate) moe_flags: crate::moe::MoeFlags,
     /// [`CudaModel`] id the graphs were captured with.
     pub(crate) graph_model: Option<u64>,
+    /// [`CudaContext::launch_generation`] when the graphs were captured.
+    pub(crate) graph_gen: u64,
 }
 
 impl CudaSession {
@@ -424,6 +427,7 @@ impl CudaSession {
             l2_prefetch: false,
             moe_flags: crate::moe::MoeFlags::DEFAULT,
             graph_model: None,
+            graph_gen: 0,
         })
     }
 
@@ -595,9 +599,9 @@ impl CudaSession {
 
     /// Lets the latency-bound kernels of the step prefetch the next weights into L2
     /// ([`Self::prefetch_plan`]) or not (`false`, the default). Results are the same. Measured
-    /// on the H200 (docs/CUDA.md): slower, 1,425 vs 1,333 µs per token, because a block's bulk
-    /// prefetches must drain before it retires, which lengthens the router (+2.3 µs per layer)
-    /// more than the GEMVs gain.
+    /// on the H200 (docs/CUDA.md): slower, 1,442.5 vs 1,317.8 µs per token, because a block's
+    /// bulk prefetches must drain before it retires, which lengthens the router (+2.3 µs per
+    /// layer) more than the GEMVs gain.
     /// The step graphs are captured again on the next [`Self::start`] when this changes.
     pub fn set_l2_prefetch(&mut self, on: bool) {
         if on != self.l2_prefetch {
@@ -675,11 +679,13 @@ impl CudaSession {
 
     /// Captures the two step graphs (once per session). Called by [`Self::start`].
     pub(crate) fn ensure_graphs(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
-        if self.graph_model != Some(m.id) {
-            // graphs of another model hold its (maybe freed) device pointers: capture again
+        if self.graph_model != Some(m.id) || self.graph_gen != cx.launch_generation() {
+            // graphs of another model hold its (maybe freed) device pointers, and graphs of an
+            // older launch generation other kernels or attributes: capture again
             self.graph_full = None;
             self.graph_prompt = None;
             self.graph_model = None;
+            self.graph_gen = cx.launch_generation();
         }
         if self.graph_full.is_none() {
             self.graph_full = Some(self.capture(cx, m, true)?);

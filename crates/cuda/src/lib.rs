@@ -314,11 +314,6 @@ impl L2Prefetch {
         self.push(m.biases.device_ptr(st).0, m.biases.len() * 2);
         true
     }
-
-    /// Total bytes hinted.
-    pub fn total_bytes(&self) -> u64 {
-        self.bytes.iter().sum()
-    }
 }
 
 /// A CUDA context on one device with every kernel of [`KERNELS`] loaded, and one stream that
@@ -333,6 +328,8 @@ pub struct CudaContext {
     /// Use `gemv_norm_r56` (see `kernels/gemv.cu`; the default, measured faster in the decode
     /// step); set by [`Self::set_gemv_reg_cap`].
     gemv_reg_cap: std::sync::atomic::AtomicBool,
+    /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
+    launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
     /// zero between launches): [`step::STEP_SCRATCH_WORDS`] words.
     step_scratch: CudaSlice<u32>,
@@ -412,6 +409,7 @@ impl CudaContext {
             gemv_norm,
             gemv_norm_r56,
             gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
+            launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
             ctx,
@@ -583,6 +581,10 @@ impl CudaContext {
             )));
         }
         let (_, cfg, ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
+        let (wp, _guard) = norm_w.device_ptr(&self.stream);
+        if wp % 16 != 0 {
+            return Err(CudaError::Unsupported(format!("gemv_norm: norm_w must be 16-byte aligned (device address {wp:#x})")));
+        }
         let table = if self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed) { &self.gemv_norm_r56 } else { &self.gemv_norm };
         let f = table[match mat.bits {
             Bits::B4 => 0,
@@ -716,20 +718,33 @@ impl CudaContext {
 
     /// Launches [`Self::gemv_norm`] from its register-capped entry point (`true`, the default:
     /// at most 56 registers per thread, so a block can share an SM with the MoE down kernel it
-    /// follows and start its weight loads early; measured 1,311 vs 1,334 µs per decode step on
-    /// the H200) or from the unbounded one (75 registers). Same results; for measurement
-    /// (`calla cuda-bench --compare`). Takes effect for launches queued or captured afterwards.
+    /// follows and start its weight loads early; measured 1,317.8 vs 1,342.5 µs per 4-bit decode
+    /// step on the H200) or from the unbounded one (74 registers at 4 bits, 78 at 8). Same
+    /// results. The fit is exact at 4 bits (16 warps x 1,792 + 18 warps x 2,048 = 65,536
+    /// registers); an 8-bit `moe_down` (76-83 registers) or the 8-bit GEMV's 221 KiB of shared
+    /// memory never fit beside it, so there the cap gains nothing measured. Graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
     #[doc(hidden)]
     pub fn set_gemv_reg_cap(&self, on: bool) {
-        self.gemv_reg_cap.store(on, std::sync::atomic::Ordering::Relaxed);
+        if self.gemv_reg_cap.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Generation of the context-wide launch options ([`Self::set_gemv_reg_cap`],
+    /// [`Self::set_step_carveout`]): a graph captured under another generation is captured
+    /// again before its next use (`CudaSession` checks this).
+    pub fn launch_generation(&self) -> u64 {
+        self.launch_gen.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Asks for the largest shared-memory carve-out (`pct` = 100) on every decode-step kernel,
     /// or the driver's default (`pct` = -1) on those that do not need it (the GEMVs always ask
     /// for 100). An SM changes its L1/shared split only when idle, so a kernel preferring a
     /// smaller carve-out can keep the next GEMV's 200 KB blocks off an SM until it drains.
-    /// For measurement (`calla cuda-bench --compare`); affects launches queued or captured
-    /// afterwards.
+    /// For measurement (`calla cuda-bench --compare`; measured slower); affects launches queued
+    /// afterwards, and graphs captured earlier are captured again
+    /// ([`Self::launch_generation`]).
     ///
     /// # Errors
     /// Driver errors from setting the attribute.
@@ -742,6 +757,7 @@ impl CudaContext {
             }
             f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
         }
+        self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

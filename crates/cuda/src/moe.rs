@@ -14,7 +14,7 @@
 //!
 //! Design and measurements: `docs/CUDA.md`, section "MoE decode".
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 use quant::{Bits, QMatRef};
 use rayon::prelude::*;
@@ -42,7 +42,8 @@ pub struct MoeFlags {
     /// Gate/up blocks prefetch the down kernel's tiles of their expert into L2.
     pub prefetch_down: bool,
     /// The down kernel from its 48-register entry point (`moe_down_r48_*`: same results, fits
-    /// beside three gate/up blocks on an SM).
+    /// beside three gate/up blocks on an SM, but spills at 8 bits (up to 216 B per thread) and
+    /// measured slower in the decode step: off).
     pub down_reg_cap: bool,
 }
 
@@ -526,13 +527,20 @@ impl CudaContext {
         let d = p::D_MODEL;
         if u.len() != d || resid.len() != d || out.len() != d || norm.is_some_and(|w| w.len() != d) {
             return Err(unsupported(format!(
-                "moe_decode_step: u {} resid {} out {} (D_MODEL = {d})",
+                "moe_decode_step: u {} resid {} out {} norm_w {:?} (D_MODEL = {d})",
                 u.len(),
                 resid.len(),
-                out.len()
+                out.len(),
+                norm.map(|w| w.len())
             )));
         }
         let s = self.stream();
+        if let Some(w) = norm {
+            let (wp, _guard) = w.device_ptr(s);
+            if wp % 16 != 0 {
+                return Err(unsupported(format!("moe_decode_step: norm_w must be 16-byte aligned (device address {wp:#x})")));
+            }
+        }
         let fl = flags.bits();
         match part {
             0 => {

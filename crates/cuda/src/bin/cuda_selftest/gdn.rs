@@ -205,7 +205,7 @@ fn dptr<T: DevicePtr<f32>>(cx: &cuda::CudaContext, b: &T) -> u64 {
 }
 
 /// 12 steps from (`conv0`, `s0`) on GPU (`CudaContext::gdn_decode_step`) and CPU, comparing
-/// after each step.
+/// after each step; even steps with L2 prefetch hints.
 fn run_sequence(s: &mut Suite, label: &str, seed: u64, conv0: Vec<f32>, s0: Vec<f32>) {
     let cx = s.cx;
     let w = weights(seed);
@@ -222,6 +222,17 @@ fn run_sequence(s: &mut Suite, label: &str, seed: u64, conv0: Vec<f32>, s0: Vec<
         let x = proj(seed ^ (0x1000 + step as u64));
         let projd = cx.upload_f32(&x).unwrap();
         let mut outd = guarded(cx, GDN_OUT);
+        // Even steps carry L2 prefetch hints (they must change nothing): a region whose size is
+        // not a multiple of 16, one of 128 bytes (smaller than the grid's 256-byte shares: one
+        // block fetches it), one under 16 bytes (dropped), and a whole buffer.
+        scratch.l2_prefetch = cuda::L2Prefetch::default();
+        if step % 2 == 0 {
+            let pf = &mut scratch.l2_prefetch;
+            pf.push(dptr(cx, &normd), 500);
+            pf.push(dptr(cx, &aned), 128);
+            pf.push(dptr(cx, &dtbd), 12);
+            pf.push(dptr(cx, &conv_wd), w.conv_w.len() * 4);
+        }
         {
             let mut ov = outd.slice_mut(GUARD..GUARD + GDN_OUT);
             let mut cv = convd.slice_mut(GUARD..GUARD + GDN_CONV_STATE_LEN);

@@ -548,12 +548,12 @@ fn fused_norm(s: &mut Suite) -> bool {
                 c.msg.push_str(&format!("{differ} of {rows} outputs differ from rms_norm + gemv; "));
             }
             // the other entry point (cx.set_gemv_reg_cap; 56 registers is the default): the same bits
-            let mut capped = guarded(cx, rows);
+            let mut unbounded = guarded(cx, rows);
             cx.set_gemv_reg_cap(false);
-            cx.gemv_norm(&mut capped.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm (unbounded registers)");
+            cx.gemv_norm(&mut unbounded.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm (unbounded registers)");
             cx.set_gemv_reg_cap(true);
-            let capped_h = cx.download_f32(&capped).unwrap();
-            let differ = capped_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            let unbounded_h = cx.download_f32(&unbounded).unwrap();
+            let differ = unbounded_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             if differ > 0 {
                 c.ok = false;
                 c.msg.push_str(&format!("entry points differ in {differ} words; "));
