@@ -473,17 +473,17 @@ impl CudaSession {
                     }
                     let n_out = p::N_V_HEADS * p::D_V;
                     if on(ablate::MIXER) {
-                    cx.gdn_decode_step(
-                        &self.proj.slice(..GDN_PROJ),
-                        &conv_w.slice(..),
-                        &a_neg_exp.slice(..),
-                        &dt_bias.slice(..),
-                        &norm.slice(..),
-                        &mut conv.slice_mut(..),
-                        &mut s.slice_mut(..),
-                        &mut self.gdn_scratch,
-                        &mut self.mix.slice_mut(..n_out),
-                    )?;
+                        cx.gdn_decode_step(
+                            &self.proj.slice(..GDN_PROJ),
+                            &conv_w.slice(..),
+                            &a_neg_exp.slice(..),
+                            &dt_bias.slice(..),
+                            &norm.slice(..),
+                            &mut conv.slice_mut(..),
+                            &mut s.slice_mut(..),
+                            &mut self.gdn_scratch,
+                            &mut self.mix.slice_mut(..n_out),
+                        )?;
                     }
                     if on(ablate::OUT_PROJ) {
                         cx.gemv_residual(&mut self.h.slice_mut(..), out_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
@@ -500,17 +500,17 @@ impl CudaSession {
                     }
                     let n_out = p::N_Q_HEADS * p::HEAD_DIM;
                     if on(ablate::MIXER) {
-                    cx.attn_decode_step(
-                        &self.proj.slice(..ATTN_PROJ),
-                        &q_norm.slice(..),
-                        &k_norm.slice(..),
-                        &m.inv_freq.slice(..),
-                        &self.pos.slice(..),
-                        &mut k.slice_mut(..),
-                        &mut v.slice_mut(..),
-                        &mut self.attn_scratch,
-                        &mut self.mix.slice_mut(..n_out),
-                    )?;
+                        cx.attn_decode_step(
+                            &self.proj.slice(..ATTN_PROJ),
+                            &q_norm.slice(..),
+                            &k_norm.slice(..),
+                            &m.inv_freq.slice(..),
+                            &self.pos.slice(..),
+                            &mut k.slice_mut(..),
+                            &mut v.slice_mut(..),
+                            &mut self.attn_scratch,
+                            &mut self.mix.slice_mut(..n_out),
+                        )?;
                     }
                     if on(ablate::OUT_PROJ) {
                         cx.gemv_residual(&mut self.h.slice_mut(..), o_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
