@@ -423,24 +423,17 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     }
 
 // RMSNorm of x (weights norm_w f32 [K], eps) fused in front: the projections out of the residual
-// stream (input_layernorm -> in_proj / q|gate|k|v, final norm -> LM head).
-#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K)                                                                \
-    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
-        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
-             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
-             int ks_log2) {                                                                                \
-        calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
-                                                    rows, ks_log2);                                        \
-    }
-
-// The same with at most 56 registers per thread (__maxnreg__, no __launch_bounds__): 16 warps x
-// 56 = 28,672 registers, so a block fits on an SM beside a block of moe_down (576 threads x
-// 64 = 36,864 of the 65,536) and can start its weight prefetch while the MoE of the previous
-// layer is still finishing. For measurement against the unbounded entry (calla cuda-bench
-// --compare).
-#define CALLA_GEMV_NORM_R56_ENTRY(NAME, BITS, K)                                                            \
-    extern "C" __global__ void __maxnreg__(56)                                                             \
+// stream (input_layernorm -> in_proj / q|gate|k|v, final norm -> LM head). QUALS is one of:
+//   CALLA_GEMV_ONE_PER_SM: __launch_bounds__(THREADS, 1), as the other entry points;
+//   CALLA_GEMV_56_REGS: at most 56 registers per thread (__maxnreg__, which excludes
+//     __launch_bounds__): 16 warps x 56 = 28,672 registers, so a block fits on an SM beside a
+//     4-bit moe_down block (576 threads x 64 = 36,864 of the 65,536) and starts its weight
+//     prefetch while the previous layer's MoE is still finishing (the default; the host's
+//     CudaContext::set_gemv_reg_cap picks).
+#define CALLA_GEMV_ONE_PER_SM __launch_bounds__(calla_gemv::THREADS, 1)
+#define CALLA_GEMV_56_REGS __maxnreg__(56)
+#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS)                                                         \
+    extern "C" __global__ void QUALS                                                                       \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
@@ -455,10 +448,10 @@ CALLA_GEMV_ENTRY(gemv_q8_k512, gemv_resid_q8_k512, 8, CALLA_D_EXPERT)
 // K = D_MODEL (every projection out of the residual stream, LM head)
 CALLA_GEMV_ENTRY(gemv_q4_k2048, gemv_resid_q4_k2048, 4, CALLA_D_MODEL)
 CALLA_GEMV_ENTRY(gemv_q8_k2048, gemv_resid_q8_k2048, 8, CALLA_D_MODEL)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL)
-CALLA_GEMV_NORM_R56_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL)
-CALLA_GEMV_NORM_R56_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

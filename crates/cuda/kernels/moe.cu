@@ -658,31 +658,25 @@ CALLA_MOE_GATE_UP(moe_gate_up_e4_s8, 4, 8)
 CALLA_MOE_GATE_UP(moe_gate_up_e8_s4, 8, 4)
 CALLA_MOE_GATE_UP(moe_gate_up_e8_s8, 8, 8)
 
-#define CALLA_MOE_DOWN(NAME, EB, SB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(calla_moe::DN_KS * calla_moe::NSLOT * 32, 1) NAME(       \
+// QUALS: CALLA_MOE_DOWN_ONE_PER_SM (the default) or CALLA_MOE_DOWN_48_REGS: at most 48 registers
+// per thread (__maxnreg__, which excludes __launch_bounds__): 576 x 48 = 27,648 registers, so a
+// down block fits on an SM beside three gate/up blocks and can start (and load its weights)
+// before they drain. A measured variant (MoeFlags::down_reg_cap): slower, it spills at 8 bits.
+#define CALLA_MOE_DOWN_ONE_PER_SM __launch_bounds__(calla_moe::DN_KS * calla_moe::NSLOT * 32, 1)
+#define CALLA_MOE_DOWN_48_REGS __maxnreg__(48)
+#define CALLA_MOE_DOWN(NAME, EB, SB, QUALS)                                                               \
+    extern "C" __global__ void QUALS NAME(                                                                \
         float* out, const float* resid, const float* __restrict__ act,                                    \
         const int* __restrict__ sel_ids, const float* __restrict__ sel_w,                                  \
         const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
         const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags) {                   \
         calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags); \
     }
-CALLA_MOE_DOWN(moe_down_e4_s4, 4, 4)
-CALLA_MOE_DOWN(moe_down_e4_s8, 4, 8)
-CALLA_MOE_DOWN(moe_down_e8_s4, 8, 4)
-CALLA_MOE_DOWN(moe_down_e8_s8, 8, 8)
-
-// The same with at most 48 registers per thread (__maxnreg__, no __launch_bounds__): 576 x 48 =
-// 27,648 registers, so a down block fits on an SM beside three gate/up blocks and can start
-// (and load its weights) before they drain. A measured variant (MoeFlags::down_reg_cap).
-#define CALLA_MOE_DOWN_R48(NAME, EB, SB)                                                                  \
-    extern "C" __global__ void __maxnreg__(48) NAME(                                                     \
-        float* out, const float* resid, const float* __restrict__ act,                                    \
-        const int* __restrict__ sel_ids, const float* __restrict__ sel_w,                                  \
-        const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
-        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags) {                   \
-        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags); \
-    }
-CALLA_MOE_DOWN_R48(moe_down_r48_e4_s4, 4, 4)
-CALLA_MOE_DOWN_R48(moe_down_r48_e4_s8, 4, 8)
-CALLA_MOE_DOWN_R48(moe_down_r48_e8_s4, 8, 4)
-CALLA_MOE_DOWN_R48(moe_down_r48_e8_s8, 8, 8)
+CALLA_MOE_DOWN(moe_down_e4_s4, 4, 4, CALLA_MOE_DOWN_ONE_PER_SM)
+CALLA_MOE_DOWN(moe_down_e4_s8, 4, 8, CALLA_MOE_DOWN_ONE_PER_SM)
+CALLA_MOE_DOWN(moe_down_e8_s4, 8, 4, CALLA_MOE_DOWN_ONE_PER_SM)
+CALLA_MOE_DOWN(moe_down_e8_s8, 8, 8, CALLA_MOE_DOWN_ONE_PER_SM)
+CALLA_MOE_DOWN(moe_down_r48_e4_s4, 4, 4, CALLA_MOE_DOWN_48_REGS)
+CALLA_MOE_DOWN(moe_down_r48_e4_s8, 4, 8, CALLA_MOE_DOWN_48_REGS)
+CALLA_MOE_DOWN(moe_down_r48_e8_s4, 8, 4, CALLA_MOE_DOWN_48_REGS)
+CALLA_MOE_DOWN(moe_down_r48_e8_s8, 8, 8, CALLA_MOE_DOWN_48_REGS)

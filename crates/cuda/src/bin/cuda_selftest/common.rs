@@ -157,6 +157,22 @@ impl Suite<'_> {
             .expect("event")
     }
 
+    /// Median seconds per unit over `reps` timed calls of `launch` (CUDA events around each;
+    /// every call does `per` units of work, e.g. one graph replay of `per` kernels).
+    pub fn median_timed(&self, reps: usize, per: usize, mut launch: impl FnMut()) -> f64 {
+        let stream = self.cx.stream();
+        let mut ts = Vec::new();
+        for _ in 0..reps.max(1) {
+            let (a, b) = (self.event(), self.event());
+            a.record(stream).unwrap();
+            launch();
+            b.record(stream).unwrap();
+            b.synchronize().unwrap();
+            ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / per.max(1) as f64);
+        }
+        median(ts)
+    }
+
     /// Median seconds per call of `launch` (which queues `per_launch` kernels... or any work on
     /// the stream), replayed from a captured CUDA graph, `reps` times, after one warm-up.
     pub fn time_graph(&self, reps: usize, mut launch: impl FnMut()) -> f64 {

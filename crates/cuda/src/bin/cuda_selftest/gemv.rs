@@ -400,15 +400,11 @@ pub fn run(s: &mut Suite) {
 /// host picks (also replayed with programmatic dependent launch) against forced K splits and
 /// grid sizes.
 fn sweep(s: &mut Suite) {
+    let suite = &*s;
     let cx = s.cx;
     let stream = cx.stream().clone();
     let sm = cx.sm_count();
     let copy_bw = s.copy_bw;
-    let ev = || {
-        cx.raw()
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event")
-    };
     let shapes: [(u32, usize, usize); 7] = [
         (4, 12352, p::D_MODEL),
         (8, 12352, p::D_MODEL),
@@ -441,16 +437,7 @@ fn sweep(s: &mut Suite) {
             })
             .expect("PDL graph");
             graph.launch().unwrap();
-            let mut ts = Vec::new();
-            for _ in 0..5 {
-                let (a, b) = (ev(), ev());
-                a.record(&stream).unwrap();
-                graph.launch().unwrap();
-                b.record(&stream).unwrap();
-                b.synchronize().unwrap();
-                ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
-            }
-            median(ts) * 1e6
+            suite.median_timed(5, launches, || graph.launch().unwrap()) * 1e6
         };
         let mut time = |tune: Option<(i32, u32)>| {
             let run_all = |outd: &mut CudaSlice<f32>| {
@@ -468,16 +455,7 @@ fn sweep(s: &mut Suite) {
                 .unwrap()
                 .expect("graph");
             graph.launch().unwrap();
-            let mut ts = Vec::new();
-            for _ in 0..5 {
-                let (a, b) = (ev(), ev());
-                a.record(&stream).unwrap();
-                graph.launch().unwrap();
-                b.record(&stream).unwrap();
-                b.synchronize().unwrap();
-                ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
-            }
-            median(ts) * 1e6
+            suite.median_timed(5, launches, || graph.launch().unwrap()) * 1e6
         };
         let line = |what: String, us: f64| {
             println!(
@@ -582,16 +560,7 @@ fn fused_norm(s: &mut Suite) -> bool {
                     })
                     .expect("PDL graph");
                     graph.launch().unwrap();
-                    let mut ts = Vec::new();
-                    for _ in 0..(if s.quick { 3 } else { 7 }) {
-                        let (a, b) = (s.event(), s.event());
-                        a.record(&stream).unwrap();
-                        graph.launch().unwrap();
-                        b.record(&stream).unwrap();
-                        b.synchronize().unwrap();
-                        ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
-                    }
-                    median(ts) * 1e6
+                    s.median_timed(if s.quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6
                 };
                 let (us_pair, us_fused) = (time(false), time(true));
                 println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us (PDL graph, {copies} copies)");
