@@ -78,6 +78,8 @@ __device__ __forceinline__ void calla_dequant_row8(float v[8], const unsigned* _
 // depends on them, and they are issued before calla_pdl_wait() (they read no data). Each block
 // takes its 1/grid share of every region (256-byte aligned pieces); warp 0's lanes issue 16 KB
 // bulk prefetches. Host side: cuda::L2Prefetch (same layout: 4 pointers, then 4 byte counts).
+// Measured in the decode step (docs/CUDA.md): slower, because a block's bulk prefetches drain
+// before it retires, so the decode step leaves the hints empty unless asked (--l2-prefetch).
 struct CallaL2Prefetch {
     const char* ptr[4];
     unsigned long long bytes[4];
