@@ -188,15 +188,6 @@ impl Suite<'_> {
             .expect("end capture")
             .expect("graph");
         graph.launch().expect("graph launch");
-        let mut ts = Vec::new();
-        for _ in 0..reps.max(1) {
-            let (a, b) = (self.event(), self.event());
-            a.record(stream).unwrap();
-            graph.launch().unwrap();
-            b.record(stream).unwrap();
-            b.synchronize().unwrap();
-            ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3);
-        }
-        median(ts)
+        self.median_timed(reps, 1, || graph.launch().unwrap())
     }
 }

@@ -26,7 +26,7 @@ use quant::{QMatRef, QuantSpec};
 use rayon::prelude::*;
 use spec::production as p;
 
-use crate::common::{check_guarded, guarded, median, rand_f32s, rand_u32s, Suite, Tol, GUARD};
+use crate::common::{check_guarded, guarded, rand_f32s, rand_u32s, Suite, Tol, GUARD};
 
 struct Row {
     name: String,
@@ -79,11 +79,6 @@ pub fn run(s: &mut Suite) {
     let quick = s.quick;
     let copy_bw = s.copy_bw;
     let stream = cx.stream().clone();
-    let ev = || {
-        cx.raw()
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event")
-    };
     let mut all_ok = true;
 
     let attn_out = p::N_Q_HEADS * p::HEAD_DIM;
@@ -227,16 +222,7 @@ pub fn run(s: &mut Suite) {
             };
             // plain stream launches
             run_all(&mut outd);
-            let mut ts = Vec::new();
-            for _ in 0..(if quick { 3 } else { 5 }) {
-                let (a, b) = (ev(), ev());
-                a.record(&stream).unwrap();
-                run_all(&mut outd);
-                b.record(&stream).unwrap();
-                b.synchronize().unwrap();
-                ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
-            }
-            let us_stream = median(ts) * 1e6;
+            let us_stream = s.median_timed(if quick { 3 } else { 5 }, launches, || run_all(&mut outd)) * 1e6;
             // graph replay
             stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -247,16 +233,7 @@ pub fn run(s: &mut Suite) {
                 .unwrap()
                 .expect("graph");
             graph.launch().unwrap();
-            let mut ts = Vec::new();
-            for _ in 0..(if quick { 3 } else { 7 }) {
-                let (a, b) = (ev(), ev());
-                a.record(&stream).unwrap();
-                graph.launch().unwrap();
-                b.record(&stream).unwrap();
-                b.synchronize().unwrap();
-                ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
-            }
-            let us_graph = median(ts) * 1e6;
+            let us_graph = s.median_timed(if quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6;
             drop(graph);
             // graph replay with programmatic dependent launch between the GEMVs (as the decode
             // step runs them): the next GEMV's prologue overlaps this one's tail
@@ -266,16 +243,7 @@ pub fn run(s: &mut Suite) {
             })
             .expect("PDL graph");
             graph.launch().unwrap();
-            let mut ts = Vec::new();
-            for _ in 0..(if quick { 3 } else { 7 }) {
-                let (a, b) = (ev(), ev());
-                a.record(&stream).unwrap();
-                graph.launch().unwrap();
-                b.record(&stream).unwrap();
-                b.synchronize().unwrap();
-                ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3 / launches as f64);
-            }
-            let us_pdl = median(ts) * 1e6;
+            let us_pdl = s.median_timed(if quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6;
             drop(graph);
             drop(mats);
             let r = Row {

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use cuda::CudaContext;
 
-use common::{median, Suite};
+use common::Suite;
 
 /// Every section: name and entry point.
 const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("step", step::run), ("gdn", gdn::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("gdnpre", gdn_prefill::run)];
@@ -68,19 +68,12 @@ fn main() {
     let src = stream.alloc_zeros::<u8>(copy_bytes).expect("alloc");
     let mut dst = stream.alloc_zeros::<u8>(copy_bytes).expect("alloc");
     let mut suite = Suite { cx: &cx, quick, copy_bw: 0.0, all_ok: true, json: Vec::new() };
-    let mut copy_t = Vec::new();
-    for i in 0..8 {
-        let (a, b) = (suite.event(), suite.event());
-        a.record(&stream).unwrap();
-        stream.memcpy_dtod(&src, &mut dst).expect("dtod");
-        b.record(&stream).unwrap();
-        b.synchronize().unwrap();
-        if i >= 2 {
-            copy_t.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3);
-        }
+    for _ in 0..2 {
+        stream.memcpy_dtod(&src, &mut dst).expect("dtod"); // warm-up
     }
+    let copy_s = suite.median_timed(6, 1, || stream.memcpy_dtod(&src, &mut dst).expect("dtod"));
     drop((src, dst));
-    suite.copy_bw = 2.0 * copy_bytes as f64 / median(copy_t);
+    suite.copy_bw = 2.0 * copy_bytes as f64 / copy_s;
     println!("device-to-device copy: {:.0} GB/s (read + write)", suite.copy_bw / 1e9);
 
     for (sec, run) in SECTIONS {

@@ -234,50 +234,13 @@ fn check_step(
 /// kernel-to-kernel edges are programmatic when `pdl` (Hopper programmatic dependent launch, as
 /// the decode step graph uses it: a kernel starts its prologue while its predecessor finishes).
 fn time_graph_pdl(s: &Suite, pdl: bool, reps: usize, enqueue: impl FnOnce()) -> f64 {
-    use cuda::cudarc::driver::sys;
-    let stream = s.cx.stream();
-    let cs = stream.cu_stream();
-    let ok = |r: sys::CUresult| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "driver call");
-    stream.context().bind_to_thread().unwrap();
-    // SAFETY: driver calls on a live stream; the graph and its instance are destroyed below.
-    unsafe {
-        ok(sys::cuStreamBeginCapture_v2(cs, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+    let graph = cuda::graph::StepGraph::capture(s.cx.stream(), pdl, || {
         enqueue();
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        ok(sys::cuStreamEndCapture(cs, &mut graph));
-        if pdl {
-            let mut n = 0usize;
-            let np = std::ptr::null_mut();
-            ok(sys::cuGraphGetEdges_v2(graph, np, np, std::ptr::null_mut(), &mut n));
-            let mut from = vec![std::ptr::null_mut(); n];
-            let mut to = vec![std::ptr::null_mut(); n];
-            let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
-            ok(sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut n));
-            for i in 0..n {
-                // every node of this capture is a kernel
-                ok(sys::cuGraphRemoveDependencies_v2(graph, &from[i], &to[i], &data[i], 1));
-                let mut e: sys::CUgraphEdgeData = std::mem::zeroed();
-                e.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
-                e.type_ = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
-                ok(sys::cuGraphAddDependencies_v2(graph, &from[i], &to[i], &e, 1));
-            }
-        }
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        ok(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0));
-        ok(sys::cuGraphLaunch(exec, cs));
-        let mut ts = Vec::new();
-        for _ in 0..reps.max(1) {
-            let (a, b) = (s.event(), s.event());
-            a.record(stream).unwrap();
-            ok(sys::cuGraphLaunch(exec, cs));
-            b.record(stream).unwrap();
-            b.synchronize().unwrap();
-            ts.push(f64::from(a.elapsed_ms(&b).unwrap()) * 1e-3);
-        }
-        ok(sys::cuGraphExecDestroy(exec));
-        ok(sys::cuGraphDestroy(graph));
-        crate::common::median(ts)
-    }
+        Ok(())
+    })
+    .expect("graph capture");
+    graph.launch().expect("graph launch");
+    s.median_timed(reps, 1, || graph.launch().unwrap())
 }
 
 /// One bit layout: correctness on several inputs (and the tie case), then timing.
