@@ -3,6 +3,8 @@
 //! Plain loops: for each group, dequantize the group to f32 (`scale * q + bias`, as
 //! [`crate::dequantize`]), then accumulate `w * x` in f32, left to right.
 
+use half::bf16;
+
 use crate::{quantize_act_q8, unpack_codes, validate, QMatRef};
 
 /// `out[r] = Σ_c W[r, c] · x[c]`: quantized matrix `[rows, cols]` times vector `[cols]`.
@@ -107,22 +109,30 @@ pub fn gemm_q8act(out: &mut [f32], m: QMatRef<'_>, x: &[f32], t: usize) {
     let mut codes = vec![0u8; cols];
     for r in 0..rows {
         unpack_codes(&m.packed[r * wpr..(r + 1) * wpr], m.spec.bits, &mut codes);
+        let (scales, biases) = (&m.scales[r * gpr..(r + 1) * gpr], &m.biases[r * gpr..(r + 1) * gpr]);
         for tt in 0..t {
-            let xt = &xi[tt * cols..(tt + 1) * cols];
-            let mut acc = 0f32;
-            for g in 0..gpr {
-                let isum: i32 = codes[g * gs..(g + 1) * gs]
-                    .iter()
-                    .zip(&xt[g * gs..(g + 1) * gs])
-                    .map(|(&q, &v)| i32::from(q) * i32::from(v))
-                    .sum();
-                let s = m.scales[r * gpr + g].to_f32();
-                let b = m.biases[r * gpr + g].to_f32();
-                let v = (s * sx[tt * gpr + g]) * isum as f32;
-                let w = b * xs[tt * gpr + g];
-                acc += v + w;
-            }
-            out[tt * rows + r] = acc;
+            let g = tt * gpr..(tt + 1) * gpr;
+            out[tt * rows + r] = q8act_row(&codes, scales, biases, &xi[tt * cols..(tt + 1) * cols], &sx[g.clone()], &xs[g], gs);
         }
     }
+}
+
+/// One output of [`gemm_q8act`]: row `codes` (unpacked, `[cols]`) with its per-group `scales`
+/// and `biases` (`[cols / gs]`) against one token's int8 activations `xi` (`[cols]`) with
+/// their group scales `sx` and sums `xs` (`[cols / gs]`): `Σ_g (s_g·sx_g)·Σ q·xi + b_g·xs_g`,
+/// accumulated over groups in order. The fast path's portable fallback uses it too, so both
+/// keep the same arithmetic and order.
+pub(crate) fn q8act_row(codes: &[u8], scales: &[bf16], biases: &[bf16], xi: &[i8], sx: &[f32], xs: &[f32], gs: usize) -> f32 {
+    let mut acc = 0f32;
+    for (g, ((s, b), (sxg, xsg))) in scales.iter().zip(biases).zip(sx.iter().zip(xs)).enumerate() {
+        let isum: i32 = codes[g * gs..(g + 1) * gs]
+            .iter()
+            .zip(&xi[g * gs..(g + 1) * gs])
+            .map(|(&q, &v)| i32::from(q) * i32::from(v))
+            .sum();
+        let v = (s.to_f32() * sxg) * isum as f32;
+        let w = b.to_f32() * xsg;
+        acc += v + w;
+    }
+    acc
 }

@@ -340,22 +340,11 @@ unsafe fn q8act_rows_portable(m: &QMatRef<'_>, qa: &QAct, r0: usize, r1: usize, 
     let mut codes = vec![0u8; cols];
     for r in r0..r1 {
         crate::unpack_codes(&m.packed[r * wpr..(r + 1) * wpr], m.spec.bits, &mut codes);
+        let (scales, biases) = (&m.scales[r * gpr..(r + 1) * gpr], &m.biases[r * gpr..(r + 1) * gpr]);
         for tt in 0..qa.t {
-            let xt = &qa.xi[tt * cols..(tt + 1) * cols];
-            let mut acc = 0f32;
-            for g in 0..gpr {
-                let isum: i32 = codes[g * gs..(g + 1) * gs]
-                    .iter()
-                    .zip(&xt[g * gs..(g + 1) * gs])
-                    .map(|(&q, &v)| i32::from(q) * i32::from(v))
-                    .sum();
-                let s = m.scales[r * gpr + g].to_f32();
-                let b = m.biases[r * gpr + g].to_f32();
-                let v = (s * qa.sx[tt * gpr + g]) * isum as f32;
-                let w = b * qa.xs[tt * gpr + g];
-                acc += v + w;
-            }
-            *optr.0.add(tt * rows + r) = acc;
+            let g = tt * gpr..(tt + 1) * gpr;
+            let xi = &qa.xi[tt * cols..(tt + 1) * cols];
+            *optr.0.add(tt * rows + r) = crate::reference::q8act_row(&codes, scales, biases, xi, &qa.sx[g.clone()], &qa.xs[g], gs);
         }
     }
 }
