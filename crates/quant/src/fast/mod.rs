@@ -42,6 +42,24 @@ use crate::{validate, Bits, QMatRef};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
+/// Calls `$tile!(R, 0, .., T-1)` for the register tile of `rb` rows (1 or 2) and `tb` tokens
+/// (1 to 4) the caller's blocked loops reached: the one shape table of the quantized GEMM tiles
+/// (`$tile` expands to the const-generic tile kernel with the token indices it needs).
+macro_rules! tile_shapes {
+    ($rb:expr, $tb:expr, $tile:ident) => {
+        match ($rb, $tb) {
+            (2, 4) => $tile!(2, 0, 1, 2, 3),
+            (2, 3) => $tile!(2, 0, 1, 2),
+            (2, 2) => $tile!(2, 0, 1),
+            (2, _) => $tile!(2, 0),
+            (_, 4) => $tile!(1, 0, 1, 2, 3),
+            (_, 3) => $tile!(1, 0, 1, 2),
+            (_, 2) => $tile!(1, 0, 1),
+            _ => $tile!(1, 0),
+        }
+    };
+}
+
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod portable;
@@ -374,16 +392,7 @@ fn gemm_fused_avx2(out: &mut [f32], m: &QMatRef<'_>, x: &[f32], t: usize) {
                         unsafe { x86::gemm_tile_avx2::<$r, { [$($j),+].len() }>(m, r, [$(xs($j)),+], [$(xm($j)),+], [$(o($j)),+]) }
                     };
                 }
-                match (rb, tb) {
-                    (2, 4) => tile!(2, 0, 1, 2, 3),
-                    (2, 3) => tile!(2, 0, 1, 2),
-                    (2, 2) => tile!(2, 0, 1),
-                    (2, _) => tile!(2, 0),
-                    (_, 4) => tile!(1, 0, 1, 2, 3),
-                    (_, 3) => tile!(1, 0, 1, 2),
-                    (_, 2) => tile!(1, 0, 1),
-                    _ => tile!(1, 0),
-                }
+                tile_shapes!(rb, tb, tile);
                 r += rb;
             }
             t0 += tb;

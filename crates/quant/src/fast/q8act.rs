@@ -432,16 +432,7 @@ unsafe fn q8act_rows_avx2(m: &QMatRef<'_>, qa: &QAct, r0: usize, r1: usize, optr
                     }
                 };
             }
-            match (rb, tb) {
-                (2, 4) => tile!(2, 0, 1, 2, 3),
-                (2, 3) => tile!(2, 0, 1, 2),
-                (2, 2) => tile!(2, 0, 1),
-                (2, _) => tile!(2, 0),
-                (_, 4) => tile!(1, 0, 1, 2, 3),
-                (_, 3) => tile!(1, 0, 1, 2),
-                (_, 2) => tile!(1, 0, 1),
-                _ => tile!(1, 0),
-            }
+            tile_shapes!(rb, tb, tile);
             r += rb;
         }
         t0 += tb;
