@@ -55,11 +55,11 @@ constexpr int NK = CALLA_N_K_HEADS;
 constexpr int NV = CALLA_N_V_HEADS;
 constexpr int DK = CALLA_D_K;
 constexpr int DV = CALLA_D_V;
-constexpr int KEY_DIM = NK * DK;
-constexpr int CONV_DIM = 2 * KEY_DIM + NV * DV;
-constexpr int Z_OFF = CONV_DIM;
-constexpr int B_OFF = Z_OFF + NV * DV;
-constexpr int A_OFF = B_OFF + NV;
+using calla_gdn_layout::KEY_DIM;
+using calla_gdn_layout::CONV_DIM;
+using calla_gdn_layout::Z_OFF;
+using calla_gdn_layout::B_OFF;
+using calla_gdn_layout::A_OFF;
 constexpr int V_PER_K = NV / NK;             // V-heads per QK head (consecutive grouping)
 constexpr int COL_BLOCKS = 4;                // blocks per V-head
 constexpr int COLS = DV / COL_BLOCKS;        // value columns per block

@@ -38,12 +38,12 @@ constexpr int NK = CALLA_N_K_HEADS;
 constexpr int NV = CALLA_N_V_HEADS;
 constexpr int DK = CALLA_D_K;
 constexpr int DV = CALLA_D_V;
-constexpr int KEY_DIM = NK * DK;
-constexpr int CONV_DIM = 2 * KEY_DIM + NV * DV;
-constexpr int Z_OFF = CONV_DIM;
-constexpr int B_OFF = Z_OFF + NV * DV;
-constexpr int A_OFF = B_OFF + NV;
-constexpr int PROJ = A_OFF + NV;       // floats per token of the stacked in_proj output
+using calla_gdn_layout::KEY_DIM;
+using calla_gdn_layout::CONV_DIM;
+using calla_gdn_layout::Z_OFF;
+using calla_gdn_layout::B_OFF;
+using calla_gdn_layout::A_OFF;
+using calla_gdn_layout::PROJ;  // floats per token of the stacked in_proj output
 constexpr int VPK = NV / NK;           // V heads per QK head (consecutive grouping)
 constexpr int CH = 64;                 // chunk length C (= spec GDN_CHUNK, checked on the host)
 constexpr float L2_EPS = 1e-6f;        // l2norm epsilon, inside the sum (as the reference)

@@ -71,6 +71,21 @@ __device__ __forceinline__ void calla_dequant_row8(float v[8], const unsigned* _
     }
 }
 
+// The stacked GDN in_proj output of one token (MODEL.md §3.5): q | k (N_K_HEADS·D_K each) | v
+// (N_V_HEADS·D_V), which are the conv channels, then z (N_V_HEADS·D_V), b, a (N_V_HEADS each).
+// Used by the decode step (gdn.cu) and prefill (gdn_prefill.cu); checked against the host's
+// cuda::gdn::{GDN_CONV_DIM, GDN_PROJ}, which the dims header carries.
+namespace calla_gdn_layout {
+constexpr int KEY_DIM = CALLA_N_K_HEADS * CALLA_D_K;
+constexpr int CONV_DIM = 2 * KEY_DIM + CALLA_N_V_HEADS * CALLA_D_V;
+constexpr int Z_OFF = CONV_DIM;
+constexpr int B_OFF = Z_OFF + CALLA_N_V_HEADS * CALLA_D_V;
+constexpr int A_OFF = B_OFF + CALLA_N_V_HEADS;
+constexpr int PROJ = A_OFF + CALLA_N_V_HEADS;  // floats per token
+static_assert(CONV_DIM == CALLA_GDN_CONV_DIM && PROJ == CALLA_GDN_PROJ,
+              "GDN in_proj layout differs from crates/cuda/src/gdn.rs");
+}  // namespace calla_gdn_layout
+
 // L2 prefetch hints (Hopper cp.async.bulk.prefetch.L2): up to four regions of global memory
 // that a LATER kernel of the step will read (e.g. the next projection's weights), handed to a
 // kernel that leaves DRAM bandwidth idle (it waits on latency: the MoE router, the GDN step,

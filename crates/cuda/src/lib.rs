@@ -197,6 +197,9 @@ pub fn dims_header() -> String {
         // width of the attention output / GDN output (input of o_proj / out_proj)
         ("CALLA_ATTN_OUT", (p::N_Q_HEADS * p::HEAD_DIM).to_string()),
         ("CALLA_GDN_OUT", (p::N_V_HEADS * p::D_V).to_string()),
+        // the stacked GDN in_proj layout (kernels/prelude.cuh checks its own against these)
+        ("CALLA_GDN_CONV_DIM", gdn::GDN_CONV_DIM.to_string()),
+        ("CALLA_GDN_PROJ", gdn::GDN_PROJ.to_string()),
         ("CALLA_RMS_EPS", format!("{:e}f", p::RMS_EPS)),
         ("CALLA_QUANT_GROUP", QUANT_GROUP.to_string()),
     ];
