@@ -228,7 +228,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             sess.set_moe_flags(flags);
             cx.set_step_carveout(if carve { 100 } else { -1 })?;
             cx.set_gemv_reg_cap(cap);
-            sess.invalidate_graphs();
             start(&mut sess, &prompt)?;
             sess.decode(&gm, 8)?;
             cx.synchronize()?;
@@ -245,7 +244,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         sess.set_moe_flags(MoeFlags::DEFAULT);
         cx.set_step_carveout(-1)?;
         cx.set_gemv_reg_cap(true);
-        sess.invalidate_graphs();
     }
     let mut ablation = Vec::new();
     if a.ablate {

@@ -458,23 +458,24 @@ impl CudaSession {
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
             }
+            // the stacked input projection and the output projection around the mixer core
+            let (in_mat, n_in, out_mat, n_out) = match &lw.mixer {
+                DeviceMixer::Gdn { in_proj, out_proj, .. } => (in_proj, GDN_PROJ, out_proj, p::N_V_HEADS * p::D_V),
+                DeviceMixer::Attn { qkv, o_proj, .. } => (qkv, ATTN_PROJ, o_proj, p::N_Q_HEADS * p::HEAD_DIM),
+            };
+            if on(ablate::IN_PROJ) {
+                let out = &mut self.proj.slice_mut(..n_in);
+                if fuse {
+                    in_mat.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
+                } else {
+                    in_mat.gemv(cx, out, &self.u.slice(..))?;
+                }
+            }
             match (&lw.mixer, ls) {
-                (
-                    DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj },
-                    DeviceLayerState::Gdn { conv, s },
-                ) => {
-                    if on(ablate::IN_PROJ) {
-                        let out = &mut self.proj.slice_mut(..GDN_PROJ);
-                        if fuse {
-                            in_proj.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
-                        } else {
-                            in_proj.gemv(cx, out, &self.u.slice(..))?;
-                        }
-                    }
-                    let n_out = p::N_V_HEADS * p::D_V;
+                (DeviceMixer::Gdn { conv_w, a_neg_exp, dt_bias, norm, .. }, DeviceLayerState::Gdn { conv, s }) => {
                     if on(ablate::MIXER) {
                         cx.gdn_decode_step(
-                            &self.proj.slice(..GDN_PROJ),
+                            &self.proj.slice(..n_in),
                             &conv_w.slice(..),
                             &a_neg_exp.slice(..),
                             &dt_bias.slice(..),
@@ -485,23 +486,11 @@ impl CudaSession {
                             &mut self.mix.slice_mut(..n_out),
                         )?;
                     }
-                    if on(ablate::OUT_PROJ) {
-                        cx.gemv_residual(&mut self.h.slice_mut(..), out_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
-                    }
                 }
-                (DeviceMixer::Attn { qkv, q_norm, k_norm, o_proj }, DeviceLayerState::Attn { k, v }) => {
-                    if on(ablate::IN_PROJ) {
-                        let out = &mut self.proj.slice_mut(..ATTN_PROJ);
-                        if fuse {
-                            qkv.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
-                        } else {
-                            qkv.gemv(cx, out, &self.u.slice(..))?;
-                        }
-                    }
-                    let n_out = p::N_Q_HEADS * p::HEAD_DIM;
+                (DeviceMixer::Attn { q_norm, k_norm, .. }, DeviceLayerState::Attn { k, v }) => {
                     if on(ablate::MIXER) {
                         cx.attn_decode_step(
-                            &self.proj.slice(..ATTN_PROJ),
+                            &self.proj.slice(..n_in),
                             &q_norm.slice(..),
                             &k_norm.slice(..),
                             &m.inv_freq.slice(..),
@@ -512,11 +501,11 @@ impl CudaSession {
                             &mut self.mix.slice_mut(..n_out),
                         )?;
                     }
-                    if on(ablate::OUT_PROJ) {
-                        cx.gemv_residual(&mut self.h.slice_mut(..), o_proj, &self.mix.slice(..n_out), &self.x.slice(..))?;
-                    }
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
+            }
+            if on(ablate::OUT_PROJ) {
+                cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
             }
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
@@ -606,19 +595,16 @@ impl CudaSession {
     pub fn set_l2_prefetch(&mut self, on: bool) {
         if on != self.l2_prefetch {
             self.l2_prefetch = on;
-            self.graph_full = None;
-            self.graph_prompt = None;
+            self.drop_graphs();
         }
     }
 
-    /// Drops the captured step graphs (captured again on the next [`Self::start`]): after a
-    /// context-wide launch option changed ([`CudaContext::set_step_carveout`],
-    /// [`CudaContext::set_gemv_reg_cap`]).
-    #[doc(hidden)]
-    pub fn invalidate_graphs(&mut self) {
+    /// Drops the captured step graphs; they are captured again on the next [`Self::start`].
+    fn drop_graphs(&mut self) {
         self.graph_full = None;
         self.graph_prompt = None;
     }
+
 
     /// Runs the MoE with another launch variant (for measurement); graphs are captured again
     /// on the next [`Self::start`] when it changes.
@@ -626,8 +612,7 @@ impl CudaSession {
     pub fn set_moe_flags(&mut self, flags: crate::moe::MoeFlags) {
         if flags != self.moe_flags {
             self.moe_flags = flags;
-            self.graph_full = None;
-            self.graph_prompt = None;
+            self.drop_graphs();
         }
     }
 
@@ -642,8 +627,7 @@ impl CudaSession {
     pub fn set_pdl(&mut self, on: bool) {
         if on != self.pdl {
             self.pdl = on;
-            self.graph_full = None;
-            self.graph_prompt = None;
+            self.drop_graphs();
         }
     }
 
@@ -654,8 +638,7 @@ impl CudaSession {
     pub fn set_ablation(&mut self, skip: u32) {
         if skip != self.skip {
             self.skip = skip;
-            self.graph_full = None;
-            self.graph_prompt = None;
+            self.drop_graphs();
         }
     }
 
@@ -666,8 +649,7 @@ impl CudaSession {
     pub fn set_fuse_norm(&mut self, on: bool) {
         if on != self.fuse_norm {
             self.fuse_norm = on;
-            self.graph_full = None;
-            self.graph_prompt = None;
+            self.drop_graphs();
         }
     }
 
@@ -682,8 +664,7 @@ impl CudaSession {
         if self.graph_model != Some(m.id) || self.graph_gen != cx.launch_generation() {
             // graphs of another model hold its (maybe freed) device pointers, and graphs of an
             // older launch generation other kernels or attributes: capture again
-            self.graph_full = None;
-            self.graph_prompt = None;
+            self.drop_graphs();
             self.graph_model = None;
             self.graph_gen = cx.launch_generation();
         }
