@@ -4,8 +4,10 @@
 #   1. the kernel self-test (every kernel against the CPU reference at the real shapes),
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
+#      (also with the fused MoE kernel),
 #   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`
-#      (with --ablate: also each decode kernel class's share of the step),
+#      (with --ablate: also each decode kernel class's share of the step; with --ablate or
+#      --compare: the decode step variants in one process),
 #   4. with --mlx: MLX-LM's CUDA backend on the same full-size folder (bench/mlx_bench.py), from
 #      wheels carried in .whl/ (scripts/gpu_wheels.sh; a wheel over the carry limit arrives in
 #      parts over several calls and is joined here once all its parts are in).
@@ -13,7 +15,7 @@
 # to OUTDIR (default: ./gpu-out). Exit status: non-zero if any step failed (3: MLX wheel parts
 # still missing).
 #
-#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--ablate] [--mlx | --only-mlx] [--no-check]
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--ablate | --compare] [--mlx | --only-mlx] [--no-check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -26,6 +28,7 @@ for a in "$@"; do
     --no-bench) bench=0 ;;
     --quick) quick="--quick" ;;
     --ablate) ablate="--ablate --compare" ;;
+    --compare) ablate="--compare" ;;
     --mlx) mlx=1 ;;
     --only-mlx) mlx=1; bench=0; check=0 ;;
     --no-check) check=0 ;;
@@ -49,21 +52,27 @@ export CALLA_CUDA_CACHE="${CALLA_CUDA_CACHE:-/tmp/calla-cuda-cache}"
 work="${CALLA_GPU_WORK:-/tmp/calla-gpu}"
 mkdir -p "$work"
 status=0
+# a hung kernel (e.g. a grid barrier whose blocks are not all resident) must not eat the whole
+# device call: every GPU step gets a wall-clock limit
+to="timeout ${CALLA_STEP_TIMEOUT:-420}"
 step() { echo "== $1 ($(date +%T))"; }
 
 if [ "$check" = 1 ]; then
   step "kernel self-test"
-  $b/cuda_selftest $quick > "$out/selftest.txt" 2>&1 || status=1
+  $to $b/cuda_selftest $quick > "$out/selftest.txt" 2>&1 || status=1
   tail -3 "$out/selftest.txt"
 
   step "synth 4 layers, 4-bit"
   [ -f "$work/L4-q4/config.json" ] || $b/calla synth --out "$work/L4-q4" --layers 4 --bits 4 2>&1 | tail -1
   step "cuda-check"
-  $b/calla cuda-check --model "$work/L4-q4" > "$out/cuda-check.txt" 2>&1 || status=1
+  $to $b/calla cuda-check --model "$work/L4-q4" > "$out/cuda-check.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check.txt"
   step "cuda-check with programmatic dependent launch"
-  $b/calla cuda-check --model "$work/L4-q4" --pdl > "$out/cuda-check-pdl.txt" 2>&1 || status=1
+  $to $b/calla cuda-check --model "$work/L4-q4" --pdl > "$out/cuda-check-pdl.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check-pdl.txt"
+  step "cuda-check with PDL and the fused MoE kernel"
+  $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe-fused > "$out/cuda-check-moe-fused.txt" 2>&1 || status=1
+  tail -3 "$out/cuda-check-moe-fused.txt"
 fi
 
 if [ "$bench" = 1 ]; then
@@ -71,7 +80,7 @@ if [ "$bench" = 1 ]; then
   [ -f "$work/full-q4/config.json" ] || $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1 || status=1
   tail -1 "$out/synth-full.txt"
   step "cuda-bench"
-  $b/calla cuda-bench --model "$work/full-q4" --pdl $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
+  $to $b/calla cuda-bench --model "$work/full-q4" --pdl $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
   cat "$out/cuda-bench.txt" | grep -v '^JSON'
 fi
 

@@ -47,6 +47,10 @@ pub struct CudaBenchArgs {
     /// comparison).
     #[arg(long)]
     l2_prefetch: bool,
+    /// Run each layer's MoE block as one launch (router, top-k, gate/up, down separated by
+    /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
+    #[arg(long)]
+    moe_fused: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -79,6 +83,10 @@ pub struct CudaCheckArgs {
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
+    /// Run each layer's MoE block as one launch (router, top-k, gate/up, down separated by
+    /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
+    #[arg(long)]
+    moe_fused: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -148,6 +156,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     sess.set_fuse_norm(!a.no_fuse_norm);
+    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -208,9 +217,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
-        let d = MoeFlags::DEFAULT;
+        let d = MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT };
         let gate_up_topk = MoeFlags { topk_in_router: false, ..MoeFlags::DEFAULT };
         let down_r48 = MoeFlags { down_reg_cap: true, ..MoeFlags::DEFAULT };
+        let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
         // (name, fused norms, L2 prefetch, MoE variant, max carve-out for every kernel, fused
         // GEMV at 56 registers (the default))
         let (fuse0, pf0) = (!a.no_fuse_norm, a.l2_prefetch);
@@ -222,6 +232,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("top-k in gate/up", fuse0, pf0, gate_up_topk, false, true),
             ("max carve-out everywhere", fuse0, pf0, d, true, true),
             ("MoE down at 48 registers", fuse0, pf0, down_r48, false, true),
+            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, false, true),
         ] {
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
@@ -237,11 +248,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
             let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);
-        sess.set_moe_flags(MoeFlags::DEFAULT);
+        sess.set_moe_flags(MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT });
         cx.set_step_carveout(-1)?;
         cx.set_gemv_reg_cap(true);
     }
@@ -334,6 +345,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "pdl": a.pdl,
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
+        "moe_fused": a.moe_fused,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "decode": decode,
@@ -402,6 +414,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     let max_ctx = a.prompt_tokens.iter().max().copied().unwrap_or(1) + a.steps + 2;
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
+    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

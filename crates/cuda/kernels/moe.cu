@@ -180,9 +180,10 @@ __device__ __forceinline__ float quad_sum(float v) {
 // Half a warp (16 lanes, q = lane & 15) writes one group of 64 values xg[0..63] as digits (see
 // the header): lane q = 8h + 4r + t converts x[32h + 16r + 4t + 0..3]. words: the group's 64
 // words; meta: {2^(E-30), Σ x}. Must be called by all 32 lanes (shuffles).
-__device__ __forceinline__ void quantize_group(const float* __restrict__ xg, int q, unsigned* words, float2* meta) {
+// quantize_group_v takes this lane's four values x[32h + 16r + 4t + 0..3] already loaded (e.g.
+// with __ldcg when another block of the same launch wrote them).
+__device__ __forceinline__ void quantize_group_v(float4 v, int q, unsigned* words, float2* meta) {
     const int t = q & 3, r = (q >> 2) & 1, h = q >> 3;
-    const float4 v = *reinterpret_cast<const float4*>(xg + 32 * h + 16 * r + 4 * t);
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     float s = (v.x + v.y) + (v.z + v.w);
 #pragma unroll
@@ -207,6 +208,10 @@ __device__ __forceinline__ void quantize_group(const float* __restrict__ xg, int
     words[32 + base] = __byte_perm(hi01, hi23, 0x5410);
     words[48 + base] = __byte_perm(hi01, hi23, 0x7632);
     if (q == 0) *meta = make_float2(__uint_as_float((unsigned)(e + 97) << 23), s);  // 2^(e-30)
+}
+__device__ __forceinline__ void quantize_group(const float* __restrict__ xg, int q, unsigned* words, float2* meta) {
+    const int t = q & 3, r = (q >> 2) & 1, h = q >> 3;
+    quantize_group_v(*reinterpret_cast<const float4*>(xg + 32 * h + 16 * r + 4 * t), q, words, meta);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -314,6 +319,37 @@ __device__ __forceinline__ void router_topk(const float* __restrict__ logits, in
     }
 }
 
+// post_attention_layernorm fused in front: kernels/rms_norm.cu's arithmetic in its order (equal
+// bit for bit); every block normalizes its own copy of u (D values, from global memory through
+// L2: written by the previous kernel) into s_u. Threads 0 .. D/8-1 take 8 values each (nw0, nw1:
+// their norm weights); every thread of the block must call it (two barriers); s_part holds
+// D/256 floats and is free again afterwards.
+__device__ __forceinline__ void norm_to_smem(const float* __restrict__ u, float4 nw0, float4 nw1, float eps,
+                                             float* s_part, float* s_u) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool live = threadIdx.x < D / 8;  // warp-uniform
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+    if (live) {
+        a = __ldcg(reinterpret_cast<const float4*>(u) + 2 * threadIdx.x);
+        b = __ldcg(reinterpret_cast<const float4*>(u) + 2 * threadIdx.x + 1);
+        float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) s_part[warp] = ss;
+    }
+    __syncthreads();
+    if (live) {
+        float tot = 0.f;
+#pragma unroll
+        for (int i = 0; i < D / 256; ++i) tot += s_part[i];
+        const float inv = rsqrtf(tot / float(D) + eps);
+        float4* su = reinterpret_cast<float4*>(s_u) + 2 * threadIdx.x;
+        su[0] = make_float4(a.x * inv * (1.f + nw0.x), a.y * inv * (1.f + nw0.y), a.z * inv * (1.f + nw0.z), a.w * inv * (1.f + nw0.w));
+        su[1] = make_float4(b.x * inv * (1.f + nw1.x), b.y * inv * (1.f + nw1.y), b.z * inv * (1.f + nw1.z), b.w * inv * (1.f + nw1.w));
+    }
+    __syncthreads();  // s_u complete; s_part free again
+}
+
 // Blocks 0 .. NE/RPB-1: RPB router rows each; the last block: the shared-expert gate row.
 template <int RB, int GB>
 __device__ __forceinline__ void router_body(const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,
@@ -360,23 +396,7 @@ __device__ __forceinline__ void router_body(const uint4* __restrict__ r_packed, 
     }
     calla_pdl_wait();  // u comes from the previous kernel
     if (norm_w != nullptr) {
-        // post_attention_layernorm fused in front: kernels/rms_norm.cu's arithmetic in its order
-        // (equal bit for bit); every block normalizes its own copy of u in shared memory.
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(u) + 2 * threadIdx.x);
-        const float4 b = __ldcg(reinterpret_cast<const float4*>(u) + 2 * threadIdx.x + 1);
-        float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) s_part[warp] = ss;
-        __syncthreads();
-        float tot = 0.f;
-#pragma unroll
-        for (int i = 0; i < R_WARPS; ++i) tot += s_part[i];
-        const float inv = rsqrtf(tot / float(D) + eps);
-        float4* su = reinterpret_cast<float4*>(s_u) + 2 * threadIdx.x;
-        su[0] = make_float4(a.x * inv * (1.f + nw0.x), a.y * inv * (1.f + nw0.y), a.z * inv * (1.f + nw0.z), a.w * inv * (1.f + nw0.w));
-        su[1] = make_float4(b.x * inv * (1.f + nw1.x), b.y * inv * (1.f + nw1.y), b.z * inv * (1.f + nw1.z), b.w * inv * (1.f + nw1.w));
-        __syncthreads();  // s_u complete; s_part free again
+        norm_to_smem(u, nw0, nw1, eps, s_part, s_u);
         u = s_u;
     }
     float v = 0.f;
@@ -581,6 +601,21 @@ __device__ __forceinline__ void down_warp(const uint4* __restrict__ codes, const
     r1 = quad_sum(acc1);
 }
 
+// out[r] = resid[r] + Σ_k w_k (Σ_h red[h][k][i]): row i of a 16-row tile from the K halves'
+// partial dot products of every slot (routed, then shared), in this order.
+__device__ __forceinline__ void combine_row(const float (*red)[NSLOT][16], const float* w, int r, int i,
+                                            const float* resid, float* out) {
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < NSLOT; ++k) {
+        float y = 0.f;
+#pragma unroll
+        for (int h = 0; h < DN_KS; ++h) y += red[h][k][i];
+        m = fmaf(w[k], y, m);
+    }
+    out[r] = resid[r] + m;
+}
+
 // Warp w: slot w % NSLOT, K half w / NSLOT. out may alias resid (each element is read, then
 // written, by the same thread).
 template <int EB, int SB>
@@ -605,17 +640,289 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
         s_red[kh][slot][8 + (lane >> 2)] = r1;
     }
     __syncthreads();
-    if (threadIdx.x < 16) {
-        float m = 0.f;
-#pragma unroll
-        for (int k = 0; k < NSLOT; ++k) {
-            float y = 0.f;
-#pragma unroll
-            for (int h = 0; h < DN_KS; ++h) y += s_red[h][k][threadIdx.x];
-            m = fmaf(sel_w[k], y, m);
+    if (threadIdx.x < 16) combine_row(s_red, sel_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. fused: router + top-k + gate/up + down in one launch, phases separated by grid barriers
+//
+// One block of FU_WARPS warps per SM (the host launches min(SMs, what the work needs) blocks and
+// checks that they fit on the GPU at once: the barriers need every block resident). The same
+// arithmetic in the same order as kernels 1-3 above (results equal bit for bit):
+//
+//  0. before calla_pdl_wait (weights only): each warp's router row, the shared expert's gate/up
+//     tiles of its unit (registers) and its down tiles of the first row tile (cp.async into
+//     shared memory);
+//  1. every block: u = rms_norm(h) (or u as given) and u's digits in shared memory; router row
+//     r = block + G·warp (the shared-expert gate is row N_EXPERTS), logits to global memory;
+//     barrier;
+//  2. every block: softmax + top-k from the logits itself (one warp, no serial tail), then the
+//     routed experts' down tiles of its row tile start loading (cp.async), and gate/up units
+//     (slot, 16-row tile) u = block + G·(warp/4 + 5·round), 4 warps splitting K as in kernel 2;
+//     act = silu(gate)·up to global memory; barrier;
+//  3. row tile rt = block + G·round: 18 warps (slot, K half) as in kernel 3, combine + residual.
+//
+// Cross-block data (logits, act) is read through L2 (ld.cg): L1 is not coherent.
+
+constexpr int FU_WARPS = 20;                   // warps per block
+constexpr int FU_THREADS = FU_WARPS * 32;
+constexpr int FU_UPB = FU_WARPS / GU_KS;       // gate/up units per block and round
+constexpr int FU_UNITS = NSLOT * GU_RT;        // gate/up units: (slot, 16-row tile)
+constexpr int FU_DNW = DN_KS * NSLOT;          // down warps of a row tile
+static_assert(FU_WARPS % GU_KS == 0 && FU_DNW <= FU_WARPS && DG / 2 <= FU_WARPS && D / 8 <= FU_THREADS, "fused block shape");
+
+// Shared-memory bytes of one warp's staged down tiles (DN_GPW tiles: codes, then 8 {scale|bias}
+// pairs each) at BITS; the dynamic shared memory is FU_DNW times that (lib: moe.rs).
+template <int BITS>
+constexpr int fu_stage_bytes() { return DN_GPW * (BITS * 128 + 64); }
+
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Grid-wide barrier over co-resident blocks: bar[0] counts arrivals (back to 0 after each use),
+// bar[1] is the generation. Writes before it are visible after it to loads through L2.
+__device__ __forceinline__ void grid_sync(unsigned* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned gen = ld_acquire_gpu(bar + 1);  // before arriving: it cannot move until we do
+        __threadfence();
+        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+            bar[0] = 0u;
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (ld_acquire_gpu(bar + 1) == gen) {
+            }
         }
-        const int r = rt * 16 + threadIdx.x;
-        out[r] = resid[r] + m;
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+
+// One warp's DN_GPW down tiles of (expert e, row tile rt, K half kh) into its stage (cp.async,
+// committed as one group).
+template <int BITS>
+__device__ __forceinline__ void fu_stage_down(unsigned char* stage, const uint4* __restrict__ codes,
+                                              const uint2* __restrict__ sb, int e, int rt, int kh, int lane) {
+    const size_t t0 = ((size_t)e * DN_RT + rt) * EG + kh * DN_GPW;
+#pragma unroll
+    for (int i = 0; i < DN_GPW; ++i) {
+        uint4* sc = reinterpret_cast<uint4*>(stage + i * (BITS * 128 + 64));
+        const uint4* gc = codes + (t0 + i) * tile_u4<BITS>();
+#pragma unroll
+        for (int c = 0; c < BITS / 4; ++c) cp_async16(sc + c * 32 + lane, gc + c * 32 + lane);
+        if (lane < 8) cp_async8(reinterpret_cast<uint2*>(sc + (BITS / 4) * 32) + lane, sb + (t0 + i) * 8 + lane);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int BITS>
+__device__ __forceinline__ void fu_tile_from_stage(Tile<BITS>& t, const unsigned char* stage, int i, int lane) {
+    const uint4* sc = reinterpret_cast<const uint4*>(stage + i * (BITS * 128 + 64));
+#pragma unroll
+    for (int c = 0; c < BITS / 4; ++c) t.c[c] = sc[c * 32 + lane];
+    t.sb = reinterpret_cast<const uint2*>(sc + (BITS / 4) * 32)[lane >> 2];
+}
+
+// RB: router and shared-gate bits; EB: every expert matrix's bits (routed and shared).
+template <int RB, int EB>
+__device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,
+                                           const uint4* __restrict__ g_packed, const unsigned* __restrict__ g_sb,
+                                           const uint4* __restrict__ gu_e, const uint2* __restrict__ gu_sb_e,
+                                           const uint4* __restrict__ gu_s, const uint2* __restrict__ gu_sb_s,
+                                           const uint4* __restrict__ dn_e, const uint2* __restrict__ dn_sb_e,
+                                           const uint4* __restrict__ dn_s, const uint2* __restrict__ dn_sb_s,
+                                           const float* u, const float* resid, float* out, float* logits,
+                                           float* act, int* __restrict__ sel_ids, float* __restrict__ sel_w,
+                                           unsigned* bar, const float* __restrict__ norm_w, float eps) {
+    using R = RouterShape<RB>;
+    extern __shared__ __align__(16) unsigned char fu_dyn[];  // [FU_DNW] warps' staged down tiles
+    __shared__ __align__(16) float s_u[D];
+    __shared__ __align__(16) unsigned s_uq[DG * 64];
+    __shared__ float2 s_um[DG];
+    __shared__ float s_part[D / 256];
+    __shared__ float s_logits[NE + 1];
+    __shared__ int s_ids[TOPK];
+    __shared__ float s_w[NSLOT];
+    __shared__ float s_gu[FU_UPB][GU_KS][16];
+    __shared__ __align__(16) unsigned s_words[FU_DNW][DN_GPW * 64];
+    __shared__ float2 s_dmeta[FU_DNW][DN_GPW];
+    __shared__ float s_dn[DN_KS][NSLOT][16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int G = gridDim.x, b = blockIdx.x;
+    unsigned char* stage = fu_dyn + warp * fu_stage_bytes<EB>();
+
+    // ---- 0. weights only (before the wait)
+    const int rrow = b + G * warp;  // this warp's router row (the host makes G·FU_WARPS > NE)
+    uint4 rw[R::WPR];
+    unsigned rsb[R::WPR];
+    if (rrow < NE) {
+#pragma unroll
+        for (int i = 0; i < R::WPR; ++i) {
+            const int c = i * 32 + lane;
+            rw[i] = __ldg(r_packed + (size_t)rrow * R::CH + c);
+            rsb[i] = __ldg(r_sb + (size_t)rrow * DG + c * R::EPC / GROUP);
+        }
+    } else if (rrow == NE) {
+#pragma unroll
+        for (int i = 0; i < R::WPR; ++i) {
+            const int c = i * 32 + lane;
+            rw[i] = __ldg(g_packed + c);
+            rsb[i] = __ldg(g_sb + c * R::EPC / GROUP);
+        }
+    }
+    // gate/up: unit of round 0; the shared expert's tiles now
+    const int gj = warp / GU_KS, kq = warp % GU_KS, g0 = kq * GU_GPW;
+    Tile<EB> tl[GU_GPW];
+    auto gu_load = [&](const uint4* __restrict__ codes, const uint2* __restrict__ sb, int e, int rt) {
+        const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
+#pragma unroll
+        for (int i = 0; i < GU_GPW; ++i) tile_load<EB>(tl[i], codes + (t0 + i) * tile_u4<EB>(), sb + (t0 + i) * 8, lane);
+    };
+    {
+        const int unit = b + G * gj;
+        if (unit < FU_UNITS && unit / GU_RT == TOPK) gu_load(gu_s, gu_sb_s, 0, unit % GU_RT);
+    }
+    // down: this warp's (slot, K half) of row tile b; the shared expert's tiles now
+    const int dslot = warp % NSLOT, dkh = warp / NSLOT;
+    if (b < DN_RT && warp < FU_DNW && dslot == TOPK) fu_stage_down<EB>(stage, dn_s, dn_sb_s, 0, b, dkh, lane);
+    float4 nw0 = make_float4(0.f, 0.f, 0.f, 0.f), nw1 = nw0;
+    if (norm_w != nullptr && threadIdx.x < D / 8) {
+        nw0 = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
+        nw1 = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
+    }
+    calla_pdl_wait();  // u (and resid) come from the previous kernel
+
+    // ---- 1. u, its digits, the router
+    if (norm_w != nullptr) {
+        norm_to_smem(u, nw0, nw1, eps, s_part, s_u);
+    } else {
+        if (threadIdx.x < D / 4) reinterpret_cast<float4*>(s_u)[threadIdx.x] = __ldcg(reinterpret_cast<const float4*>(u) + threadIdx.x);
+        __syncthreads();
+    }
+    if (warp < DG / 2) {
+        const int gi = 2 * warp + (lane >> 4);
+        quantize_group(s_u + gi * GROUP, lane & 15, s_uq + gi * 64, s_um + gi);
+    }
+    if (rrow <= NE) {
+        // as kernel 1: chunk i·32 + lane of the row, warp sums, then the row's sum in chunk order
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < R::WPR; ++i) {
+            float v = router_part<RB>(rw[i], rsb[i], s_u, i * 32 + lane);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            sum += v;
+        }
+        if (lane == 0) logits[rrow] = sum;
+    }
+    grid_sync(bar);  // every block has its logits in; all blocks are resident
+    calla_pdl_launch_dependents();
+
+    // ---- 2. top-k (every block), routed down tiles, gate/up
+    if (warp == 0) {
+        for (int i = lane; i <= NE; i += 32) s_logits[i] = __ldcg(logits + i);
+        __syncwarp();
+        router_topk(s_logits, s_ids, s_w, lane);
+        if (b == 0 && lane < NSLOT) {  // for telemetry and the host
+            if (lane < TOPK) sel_ids[lane] = s_ids[lane];
+            sel_w[lane] = s_w[lane];
+        }
+    }
+    __syncthreads();
+    if (b < DN_RT && warp < FU_DNW && dslot < TOPK) fu_stage_down<EB>(stage, dn_e, dn_sb_e, s_ids[dslot], b, dkh, lane);
+    const int t = lane & 3;
+    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
+    const int gu_rounds = (FU_UNITS + G * FU_UPB - 1) / (G * FU_UPB);
+    for (int round = 0; round < gu_rounds; ++round) {
+        const int unit = b + G * (gj + FU_UPB * round);
+        const int slot = unit / GU_RT, rt = unit % GU_RT;
+        if (unit < FU_UNITS) {
+            if (slot < TOPK) gu_load(gu_e, gu_sb_e, s_ids[slot], rt);
+            else if (round > 0) gu_load(gu_s, gu_sb_s, 0, rt);
+            float acc0 = 0.f, acc1 = 0.f;
+            const uint4* bq4 = reinterpret_cast<const uint4*>(s_uq);
+#pragma unroll
+            for (int i = 0; i < GU_GPW; ++i) {
+                const uint4 bq = lane < 16 ? bq4[(g0 + i) * 16 + lane] : make_uint4(0u, 0u, 0u, 0u);
+                tile_dot<EB>(tl[i], bq, s_um[g0 + i], tmul, xmask, acc0, acc1);
+            }
+            acc0 = quad_sum(acc0);
+            acc1 = quad_sum(acc1);
+            if (t == 0) {
+                s_gu[gj][kq][lane >> 2] = acc0;
+                s_gu[gj][kq][8 + (lane >> 2)] = acc1;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < FU_UPB * 8) {
+            const int j = threadIdx.x / 8, r = threadIdx.x % 8;
+            const int un = b + G * (j + FU_UPB * round);
+            if (un < FU_UNITS) {
+                float g = 0.f, up = 0.f;
+#pragma unroll
+                for (int w = 0; w < GU_KS; ++w) {
+                    g += s_gu[j][w][r];
+                    up += s_gu[j][w][8 + r];
+                }
+                act[(un / GU_RT) * DE + (un % GU_RT) * 8 + r] = g * sigmoid_ref(g) * up;
+            }
+        }
+        __syncthreads();  // s_gu free for the next round
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this lane's staged down tiles are in
+    grid_sync(bar);  // act complete
+
+    // ---- 3. down + combine + residual, one row tile per block and round
+    const int dn_rounds = (DN_RT + G - 1) / G;
+    for (int round = 0; round < dn_rounds; ++round) {
+        const int rt = b + G * round;
+        if (rt < DN_RT && warp < FU_DNW) {
+            if (round > 0) {
+                __syncwarp();  // the previous round's reads of the stage are done
+                if (dslot < TOPK) fu_stage_down<EB>(stage, dn_e, dn_sb_e, s_ids[dslot], rt, dkh, lane);
+                else fu_stage_down<EB>(stage, dn_s, dn_sb_s, 0, rt, dkh, lane);
+                asm volatile("cp.async.wait_all;\n" ::: "memory");
+            }
+            const float* a = act + dslot * DE + dkh * DN_GPW * GROUP;
+            unsigned* words = s_words[warp];
+#pragma unroll
+            for (int i = lane >> 4; i < DN_GPW; i += 2) {
+                const int q = lane & 15;
+                const float* xg = a + i * GROUP + 32 * (q >> 3) + 16 * ((q >> 2) & 1) + 4 * (q & 3);
+                quantize_group_v(__ldcg(reinterpret_cast<const float4*>(xg)), q, words + i * 64, &s_dmeta[warp][i]);
+            }
+            __syncwarp();
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int i = 0; i < DN_GPW; ++i) {
+                Tile<EB> dt;
+                fu_tile_from_stage<EB>(dt, stage, i, lane);
+                const uint4 bq = lane < 16 ? reinterpret_cast<const uint4*>(words + i * 64)[lane] : make_uint4(0u, 0u, 0u, 0u);
+                tile_dot<EB>(dt, bq, s_dmeta[warp][i], tmul, xmask, acc0, acc1);
+            }
+            acc0 = quad_sum(acc0);
+            acc1 = quad_sum(acc1);
+            if (t == 0) {
+                s_dn[dkh][dslot][lane >> 2] = acc0;
+                s_dn[dkh][dslot][8 + (lane >> 2)] = acc1;
+            }
+        }
+        __syncthreads();
+        if (rt < DN_RT && threadIdx.x < 16) combine_row(s_dn, s_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
+        __syncthreads();  // s_dn free for the next round
     }
 }
 
@@ -680,3 +987,24 @@ CALLA_MOE_DOWN(moe_down_r48_e4_s4, 4, 4, CALLA_MOE_DOWN_48_REGS)
 CALLA_MOE_DOWN(moe_down_r48_e4_s8, 4, 8, CALLA_MOE_DOWN_48_REGS)
 CALLA_MOE_DOWN(moe_down_r48_e8_s4, 8, 4, CALLA_MOE_DOWN_48_REGS)
 CALLA_MOE_DOWN(moe_down_r48_e8_s8, 8, 8, CALLA_MOE_DOWN_48_REGS)
+
+// Fused (one launch, grid barriers): router/shared-gate bits x expert bits (routed and shared
+// alike; other mixes use the three kernels). One block per SM (FU_THREADS threads).
+#define CALLA_MOE_FUSED(NAME, RB, EB)                                                                     \
+    extern "C" __global__ void __launch_bounds__(calla_moe::FU_THREADS, 1) NAME(                         \
+        const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,                            \
+        const uint4* __restrict__ g_packed, const unsigned* __restrict__ g_sb,                            \
+        const uint4* __restrict__ gu_e, const uint2* __restrict__ gu_sb_e,                                \
+        const uint4* __restrict__ gu_s, const uint2* __restrict__ gu_sb_s,                                \
+        const uint4* __restrict__ dn_e, const uint2* __restrict__ dn_sb_e,                                \
+        const uint4* __restrict__ dn_s, const uint2* __restrict__ dn_sb_s, const float* u,                \
+        const float* resid, float* out, float* logits, float* act, int* __restrict__ sel_ids,             \
+        float* __restrict__ sel_w, unsigned* bar, const float* __restrict__ norm_w, float eps) {          \
+        calla_moe::fused_body<RB, EB>(r_packed, r_sb, g_packed, g_sb, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e,  \
+                                      dn_sb_e, dn_s, dn_sb_s, u, resid, out, logits, act, sel_ids, sel_w, \
+                                      bar, norm_w, eps);                                                  \
+    }
+CALLA_MOE_FUSED(moe_fused_r4_e4, 4, 4)
+CALLA_MOE_FUSED(moe_fused_r4_e8, 4, 8)
+CALLA_MOE_FUSED(moe_fused_r8_e4, 8, 4)
+CALLA_MOE_FUSED(moe_fused_r8_e8, 8, 8)

@@ -169,6 +169,10 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_down_r48_e4_s8",
             "moe_down_r48_e8_s4",
             "moe_down_r48_e8_s8",
+            "moe_fused_r4_e4",
+            "moe_fused_r4_e8",
+            "moe_fused_r8_e4",
+            "moe_fused_r8_e8",
         ],
     },
 ];

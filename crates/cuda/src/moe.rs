@@ -30,6 +30,26 @@ const ROUTER_WARPS: usize = 8;
 const GU_KS: usize = 4;
 /// Warps per slot in a down block splitting K (`DN_KS` in `moe.cu`).
 const DN_KS: usize = 2;
+/// Warps per block of the fused kernel (`FU_WARPS` in `moe.cu`).
+const FU_WARPS: usize = 20;
+/// Down tiles per warp (`DN_GPW` in `moe.cu`): `D_EXPERT / 64 / DN_KS`.
+const DN_GPW: usize = p::D_EXPERT / QUANT_GROUP / DN_KS;
+
+/// Dynamic shared memory of `moe_fused_*` at `bits` expert bits: each down warp's staged
+/// tiles (`fu_stage_bytes` in `moe.cu`: per tile `bits · 128` code bytes and 8 `{scale|bias}`
+/// pairs).
+fn fused_smem_bytes(bits: u32) -> usize {
+    DN_KS * (p::TOP_K + 1) * DN_GPW * (bits as usize * 128 + 64)
+}
+
+/// Blocks of the fused kernel: enough for one round of every phase (a down row tile per
+/// block, FU_WARPS / GU_KS gate/up units per block, a router row per warp), at most one per SM.
+fn fused_grid(sm_count: u32) -> u32 {
+    let down_tiles = p::D_MODEL / TILE_ROWS;
+    let gu_units = (p::TOP_K + 1) * 2 * p::D_EXPERT / TILE_ROWS;
+    let need = down_tiles.max(gu_units.div_ceil(FU_WARPS / GU_KS));
+    need.min(sm_count as usize) as u32
+}
 
 /// Variants of the decode step's launches, for measurement; [`CudaContext::moe_decode_step`]
 /// uses [`MoeFlags::DEFAULT`].
@@ -45,11 +65,19 @@ pub struct MoeFlags {
     /// beside three gate/up blocks on an SM, but spills at 8 bits (up to 216 B per thread) and
     /// measured slower in the decode step: off).
     pub down_reg_cap: bool,
+    /// Router, top-k, gate/up and down in one launch (`moe_fused_*`: one block per SM, phases
+    /// separated by grid-wide barriers, every block doing the top-k itself; same results bit
+    /// for bit). Used when the layer's router and shared gate share one width and all expert
+    /// matrices another, and the blocks fit on the GPU at once ([`CudaContext::moe_fused_ready`]);
+    /// otherwise the three kernels run. Part 0 of [`CudaContext::moe_decode_part`] is then the
+    /// whole step and parts 1 and 2 launch nothing; `topk_in_router`, `prefetch_down` and
+    /// `down_reg_cap` do not apply.
+    pub fused: bool,
 }
 
 impl MoeFlags {
     /// What `moe_decode_step` runs: the fastest on the H200 with PDL edges (docs/CUDA.md).
-    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false };
+    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false };
 
     fn bits(self) -> i32 {
         i32::from(self.topk_in_router) | (i32::from(self.prefetch_down) << 1)
@@ -170,6 +198,11 @@ pub struct MoeScratch {
     act: CudaSlice<f32>,
     /// Finished-block counter of the router kernel (zero between launches).
     counter: CudaSlice<u32>,
+    /// Grid barrier of the fused kernel: arrivals (zero between barriers), generation.
+    bar: CudaSlice<u32>,
+    /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
+    /// blocks cannot all be resident at once (it then never launches).
+    fused_grid: [u32; 2],
     /// L2 prefetch hints passed with the next router launch (the decode step sets the next
     /// layer's input projection and GDN state here); empty by default.
     pub l2_prefetch: crate::L2Prefetch,
@@ -449,8 +482,47 @@ impl CudaContext {
             umeta: s.alloc_zeros::<f32>(groups * 2)?,
             act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
             counter: s.alloc_zeros::<u32>(1)?,
+            bar: s.alloc_zeros::<u32>(2)?,
+            fused_grid: self.fused_grids()?,
             l2_prefetch: crate::L2Prefetch::default(),
         })
+    }
+
+    /// Per expert width (4, 8 bits), the fused kernel's grid: [`fused_grid`] blocks when every
+    /// router bit width's entry point fits that many blocks on the GPU at once (occupancy × SMs,
+    /// with its dynamic shared memory allowed), else 0.
+    fn fused_grids(&self) -> Result<[u32; 2], CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute;
+        self.raw().bind_to_thread()?;
+        let grid = fused_grid(self.sm_count());
+        let mut out = [0u32; 2];
+        for (i, eb) in [4u32, 8].into_iter().enumerate() {
+            let smem = fused_smem_bytes(eb);
+            let mut fits = grid as usize * FU_WARPS > p::N_EXPERTS;
+            for rb in [4u32, 8] {
+                let f = self.func(&format!("moe_fused_r{rb}_e{eb}"))?;
+                f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+                let per_sm = f.occupancy_max_active_blocks_per_multiprocessor((FU_WARPS * 32) as u32, smem, None)?;
+                fits &= per_sm as u64 * u64::from(self.sm_count()) >= u64::from(grid);
+            }
+            out[i] = if fits { grid } else { 0 };
+        }
+        Ok(out)
+    }
+
+    /// Whether [`MoeFlags::fused`] runs the fused kernel for layer `m` (else the three
+    /// kernels): router and shared gate of one width, every expert matrix of one width, and
+    /// the grid resident at once.
+    pub fn moe_fused_ready(&self, m: &DeviceMoe, scratch: &MoeScratch) -> bool {
+        self.fused_grid_for(m, scratch).is_some()
+    }
+
+    fn fused_grid_for(&self, m: &DeviceMoe, scratch: &MoeScratch) -> Option<u32> {
+        let eb = m.gate_up_bits;
+        let uniform = m.router_bits == m.shared_gate_bits
+            && [m.down_bits, m.shared_gate_up_bits, m.shared_down_bits].iter().all(|b| *b == eb);
+        let g = scratch.fused_grid[usize::from(eb == Bits::B8)];
+        (uniform && g > 0).then_some(g)
     }
 
     /// `out = resid + MoE(u)` for one token (MODEL.md §3.7): `u` = the post-attention
@@ -539,6 +611,14 @@ impl CudaContext {
             let (wp, _guard) = w.device_ptr(s);
             if wp % 16 != 0 {
                 return Err(unsupported(format!("moe_decode_step: norm_w must be 16-byte aligned (device address {wp:#x})")));
+            }
+        }
+        if flags.fused {
+            if let Some(grid) = self.fused_grid_for(m, scratch) {
+                if part > 2 {
+                    return Err(unsupported(format!("moe_decode_part {part} (0..=2)")));
+                }
+                return if part == 0 { self.moe_fused_launch(m, u, resid, scratch, out, norm, grid) } else { Ok(()) };
             }
         }
         let fl = flags.bits();
@@ -640,6 +720,63 @@ impl CudaContext {
             }
             _ => return Err(unsupported(format!("moe_decode_part {part} (0..=2)"))),
         }
+        Ok(())
+    }
+}
+
+impl CudaContext {
+    /// The fused kernel (see [`MoeFlags::fused`]) on `grid` co-resident blocks.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_fused_launch(
+        &self,
+        m: &DeviceMoe,
+        u: &CudaView<'_, f32>,
+        resid: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        norm: Option<&CudaView<'_, f32>>,
+        grid: u32,
+    ) -> Result<(), CudaError> {
+        let eb = m.gate_up_bits.bits();
+        let name = format!("moe_fused_r{}_e{eb}", m.router_bits.bits());
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: ((FU_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: fused_smem_bytes(eb) as u32,
+        };
+        let s = self.stream();
+        let mut b = s.launch_builder(self.func(&name)?);
+        b.arg(&m.router_packed)
+            .arg(&m.router_sb)
+            .arg(&m.sgate_packed)
+            .arg(&m.sgate_sb)
+            .arg(&m.gu_codes)
+            .arg(&m.gu_sb)
+            .arg(&m.sh_gu_codes)
+            .arg(&m.sh_gu_sb)
+            .arg(&m.down_codes)
+            .arg(&m.down_sb)
+            .arg(&m.sh_down_codes)
+            .arg(&m.sh_down_sb)
+            .arg(u)
+            .arg(resid)
+            .arg(out)
+            .arg(&mut scratch.logits)
+            .arg(&mut scratch.act)
+            .arg(&mut scratch.sel_ids)
+            .arg(&mut scratch.sel_w)
+            .arg(&mut scratch.bar);
+        let null = 0u64;
+        match norm {
+            Some(w) => b.arg(w),
+            None => b.arg(&null),
+        };
+        let eps = p::RMS_EPS;
+        b.arg(&eps);
+        // SAFETY: arguments match `moe_fused_*` in kernels/moe.cu; lengths fixed by
+        // upload_moe_refs and moe_scratch (norm_w: D_MODEL f32, 16-byte aligned, or null); the
+        // grid fits on the GPU at once (fused_grids), which the kernel's barriers need.
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 }

@@ -134,10 +134,19 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaE
         .map(|o| CString::new(*o).expect("opt"))
         .collect();
     opts.push(CString::new(format!("--gpu-architecture={arch}")).expect("arch"));
+    // development aid: ptxas's per-kernel registers, spills and shared memory on stderr (the
+    // cache key does not include it: clear the cache or use compile_cubin directly)
+    let verbose = std::env::var_os("CALLA_PTXAS_VERBOSE").is_some();
+    if verbose {
+        opts.push(CString::new("--ptxas-options=--verbose").expect("opt"));
+    }
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     // SAFETY: prog is valid; the option strings outlive the call.
     let r = unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
     let log = program_log(prog);
+    if verbose && r == sys::nvrtcResult::NVRTC_SUCCESS {
+        eprintln!("{name}.cu (ptxas):\n{log}");
+    }
     let out = if r != sys::nvrtcResult::NVRTC_SUCCESS {
         Err(CudaError::Nvrtc(format!(
             "{name}.cu does not compile for {arch} ({r:?}):\n{log}"

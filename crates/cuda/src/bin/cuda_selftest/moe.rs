@@ -267,6 +267,19 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         let nw = rand_f32s(d, seed ^ (0x500 + i), 0.6);
         fused_norm_step(s, &format!("{name} fused norm, input {i}"), &dm, &mut scratch, &h, &nw);
     }
+    // the fused kernel equals the three kernels bit for bit, with and without the fused norm
+    // it runs when the router and shared gate share a width and all expert matrices another
+    let ready = cx.moe_fused_ready(&dm, &scratch);
+    let uniform = bits[0] == bits[1] && bits[2..].iter().all(|b| *b == bits[2]);
+    let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: ready == uniform, msg: format!("fused kernel ready {ready}, widths uniform {uniform}") };
+    s.record(SEC, &format!("{name}: fused kernel used iff the widths are uniform"), &c, "");
+    for i in 0..if ready { 2u64 } else { 0 } {
+        let h = rand_f32s(d, seed ^ (0x600 + i), 30.0);
+        let nw = rand_f32s(d, seed ^ (0x700 + i), 0.6);
+        let resid = rand_f32s(d, seed ^ (0x800 + i), 2.0);
+        fused_equals_three(s, &format!("{name} fused kernel = three kernels, input {i}"), &dm, &mut scratch, &h, &resid, None);
+        fused_equals_three(s, &format!("{name} fused kernel = three kernels, fused norm, input {i}"), &dm, &mut scratch, &h, &h, Some(&nw));
+    }
     // every variant on one more input
     for fl in VARIANTS {
         let u = input(seed ^ 0x180, 0.0);
@@ -292,7 +305,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         }
         let dt = cx.upload_moe_refs(&w.refs(&tr)).expect("upload (ties)");
         let resid = rand_f32s(d, seed ^ 0x301, 2.0);
-        for fl in [VARIANTS[0], VARIANTS[2]] {
+        for fl in [VARIANTS[0], VARIANTS[2], FUSED] {
             check_step(
                 s,
                 &format!("{name} exact router ties [{}]", vname(fl)),
@@ -348,8 +361,10 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         let oref: Vec<f64> = resid_host.iter().zip(&rf.moe).map(|(a, b)| f64::from(*a + *b)).collect();
         let c = check(&got, &oref, Tol::F32, String::new());
         s.record(SEC, &format!("{name}: out after {reps}+1 PDL graph replays of {LAYERS} layers [{}]", vname(fl)), &c, "");
+        // kernels alone (the fused kernel is part 0 only: parts 1 and 2 launch nothing)
         let mut t_part = [0f64; 3];
-        for (pt, t) in t_part.iter_mut().enumerate() {
+        let parts = if fl.fused && cx.moe_fused_ready(&dm, &scratch) { 1 } else { 3 };
+        for (pt, t) in t_part.iter_mut().enumerate().take(parts) {
             *t = time_graph_pdl(s, false, reps, || step_all(Some(pt), fl, &mut scratch, &mut out)) / LAYERS as f64;
         }
         println!(
@@ -391,15 +406,22 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
 }
 
 /// The variants timed (the default is marked in the output).
-const VARIANTS: [MoeFlags; 5] = [
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false },
-    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false },
-    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false },
-    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false },
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true },
+const VARIANTS: [MoeFlags; 6] = [
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false },
+    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false, fused: false },
+    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false, fused: false },
+    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false, fused: false },
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true, fused: false },
+    FUSED,
 ];
 
+/// The fused kernel (one launch, grid barriers).
+const FUSED: MoeFlags = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
+
 fn vname(f: MoeFlags) -> String {
+    if f.fused {
+        return "fused, grid barriers".into();
+    }
     format!(
         "top-k {}, {}{}",
         if f.topk_in_router { "in router" } else { "in gate/up" },
@@ -417,11 +439,59 @@ pub fn run(s: &mut Suite) {
     // mixed widths: 4-bit router, 8-bit down and shared expert
     if !s.quick {
         run_case(s, "mixed", [4, 8, 4, 8, 8, 8], 0x40E_0003, true);
+        // 4-bit router and shared gate: the fused kernel's other router width
+        run_case(s, "q4 all", [4, 4, 4, 4, 4, 4], 0x40E_0004, false);
     }
 }
 
 /// `moe_decode_step_norm(h, w)` against `rms_norm(h, w)` then `moe_decode_step(u, h)`: the same
 /// chosen experts and routing weights and the same output, bit for bit; guard words intact.
+/// [`FUSED`] against [`MoeFlags::DEFAULT`] on the same input (`norm`: u = rms_norm(u, norm)):
+/// output (with guards), chosen ids and routing weights equal bit for bit. Fails when the
+/// fused kernel does not run for this layer (the check would compare the default with itself).
+#[allow(clippy::too_many_arguments)]
+fn fused_equals_three(
+    s: &mut Suite,
+    label: &str,
+    dm: &DeviceMoe,
+    scratch: &mut cuda::moe::MoeScratch,
+    u: &[f32],
+    resid: &[f32],
+    norm: Option<&[f32]>,
+) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let ud = cx.upload_f32(u).unwrap();
+    let rd = cx.upload_f32(resid).unwrap();
+    let wd = norm.map(|w| cx.upload_f32(w).unwrap());
+    let run = |fl: MoeFlags, scratch: &mut cuda::moe::MoeScratch| {
+        let mut o = guarded(cx, d);
+        {
+            let mut ov = o.slice_mut(GUARD..GUARD + d);
+            let nv = wd.as_ref().map(|w| w.slice(..));
+            for part in 0..3 {
+                cx.moe_decode_part(dm, &ud.slice(..), &rd.slice(..), scratch, &mut ov, part, fl, nv.as_ref()).expect("moe part");
+            }
+        }
+        let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+        (cx.download_f32(&o).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap())
+    };
+    let (a, ids_a, w_a) = run(MoeFlags::DEFAULT, scratch);
+    let (b, ids_b, w_b) = run(FUSED, scratch);
+    let reference: Vec<f64> = a[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
+    let mut c = check_guarded(&b, &reference, Tol::F32);
+    let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    if !cx.moe_fused_ready(dm, scratch) {
+        c.ok = false;
+        c.msg.push_str("the fused kernel does not run for this layer; ");
+    }
+    if differ > 0 || ids_a != ids_b || w_a.iter().zip(&w_b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+        c.ok = false;
+        c.msg.push_str(&format!("{differ} words differ; ids {ids_b:?} vs {ids_a:?}; "));
+    }
+    s.record(SEC, label, &c, "");
+}
+
 fn fused_norm_step(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch: &mut cuda::moe::MoeScratch, h: &[f32], nw: &[f32]) {
     let cx = s.cx;
     let d = p::D_MODEL;
