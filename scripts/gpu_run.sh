@@ -15,7 +15,7 @@
 # to OUTDIR (default: ./gpu-out). Exit status: non-zero if any step failed (3: MLX wheel parts
 # still missing).
 #
-#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--ablate | --compare] [--mlx | --only-mlx] [--no-check]
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--mlx | --only-mlx] [--no-check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -26,7 +26,8 @@ bench=1; quick=""; ablate=""; mlx=0; check=1
 for a in "$@"; do
   case "$a" in
     --no-bench) bench=0 ;;
-    --quick) quick="--quick" ;;
+    --quick) quick="$quick --quick" ;;
+    --only=*) quick="$quick --only ${a#--only=}" ;;
     --ablate) ablate="--ablate --compare" ;;
     --compare) ablate="--compare" ;;
     --mlx) mlx=1 ;;

@@ -233,6 +233,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("max carve-out everywhere", fuse0, pf0, d, true, true),
             ("MoE down at 48 registers", fuse0, pf0, down_r48, false, true),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, false, true),
+            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, false, true),
         ] {
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
@@ -248,7 +249,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
             let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);

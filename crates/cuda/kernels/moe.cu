@@ -663,6 +663,10 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
 //  3. row tile rt = block + G·round: 18 warps (slot, K half) as in kernel 3, combine + residual.
 //
 // Cross-block data (logits, act) is read through L2 (ld.cg): L1 is not coherent.
+//
+// Given uq_in/um_in (kernel 1's u digits), kernel 1 has run before (the router co-resides with
+// the output projection, as in the three-kernel path) and this launch is gate/up + down only:
+// phase 1, its barrier and the top-k are skipped, ids and weights read from sel_ids/sel_w.
 
 constexpr int FU_WARPS = 20;                   // warps per block
 constexpr int FU_THREADS = FU_WARPS * 32;
@@ -746,8 +750,12 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
                                            const uint4* __restrict__ dn_s, const uint2* __restrict__ dn_sb_s,
                                            const float* u, const float* resid, float* out, float* logits,
                                            float* act, int* __restrict__ sel_ids, float* __restrict__ sel_w,
-                                           unsigned* bar, const float* __restrict__ norm_w, float eps) {
+                                           unsigned* bar, const float* __restrict__ norm_w, float eps,
+                                           const unsigned* uq_in, const float2* um_in) {
     using R = RouterShape<RB>;
+    // With uq_in, kernel 1 (moe_router_*, top-k in its last block) has run: u's digits, the ids
+    // and weights come from it; phase 1, the first barrier and the top-k are skipped.
+    const bool routed_in = uq_in != nullptr;
     extern __shared__ __align__(16) unsigned char fu_dyn[];  // [FU_DNW] warps' staged down tiles
     __shared__ __align__(16) float s_u[D];
     __shared__ __align__(16) unsigned s_uq[DG * 64];
@@ -768,14 +776,14 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
     const int rrow = b + G * warp;  // this warp's router row (the host makes G·FU_WARPS > NE)
     uint4 rw[R::WPR];
     unsigned rsb[R::WPR];
-    if (rrow < NE) {
+    if (!routed_in && rrow < NE) {
 #pragma unroll
         for (int i = 0; i < R::WPR; ++i) {
             const int c = i * 32 + lane;
             rw[i] = __ldg(r_packed + (size_t)rrow * R::CH + c);
             rsb[i] = __ldg(r_sb + (size_t)rrow * DG + c * R::EPC / GROUP);
         }
-    } else if (rrow == NE) {
+    } else if (!routed_in && rrow == NE) {
 #pragma unroll
         for (int i = 0; i < R::WPR; ++i) {
             const int c = i * 32 + lane;
@@ -799,49 +807,57 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
     const int dslot = warp % NSLOT, dkh = warp / NSLOT;
     if (b < DN_RT && warp < FU_DNW && dslot == TOPK) fu_stage_down<EB>(stage, dn_s, dn_sb_s, 0, b, dkh, lane);
     float4 nw0 = make_float4(0.f, 0.f, 0.f, 0.f), nw1 = nw0;
-    if (norm_w != nullptr && threadIdx.x < D / 8) {
+    if (!routed_in && norm_w != nullptr && threadIdx.x < D / 8) {
         nw0 = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
         nw1 = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
     }
     calla_pdl_wait();  // u (and resid) come from the previous kernel
 
-    // ---- 1. u, its digits, the router
-    if (norm_w != nullptr) {
-        norm_to_smem(u, nw0, nw1, eps, s_part, s_u);
+    if (routed_in) {
+        // kernel 1's outputs (it has completed: this launch waited on it)
+        if (threadIdx.x < DG * 16) reinterpret_cast<uint4*>(s_uq)[threadIdx.x] = __ldcg(reinterpret_cast<const uint4*>(uq_in) + threadIdx.x);
+        if (threadIdx.x < DG) s_um[threadIdx.x] = __ldcg(um_in + threadIdx.x);
+        if (threadIdx.x < TOPK) s_ids[threadIdx.x] = __ldcg(sel_ids + threadIdx.x);
+        if (threadIdx.x < NSLOT) s_w[threadIdx.x] = __ldcg(sel_w + threadIdx.x);
+        __syncthreads();
     } else {
-        if (threadIdx.x < D / 4) reinterpret_cast<float4*>(s_u)[threadIdx.x] = __ldcg(reinterpret_cast<const float4*>(u) + threadIdx.x);
+        // ---- 1. u, its digits, the router
+        if (norm_w != nullptr) {
+            norm_to_smem(u, nw0, nw1, eps, s_part, s_u);
+        } else {
+            if (threadIdx.x < D / 4) reinterpret_cast<float4*>(s_u)[threadIdx.x] = __ldcg(reinterpret_cast<const float4*>(u) + threadIdx.x);
+            __syncthreads();
+        }
+        if (warp < DG / 2) {
+            const int gi = 2 * warp + (lane >> 4);
+            quantize_group(s_u + gi * GROUP, lane & 15, s_uq + gi * 64, s_um + gi);
+        }
+        if (rrow <= NE) {
+            // as kernel 1: chunk i·32 + lane of the row, warp sums, then the row's sum in chunk order
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < R::WPR; ++i) {
+                float v = router_part<RB>(rw[i], rsb[i], s_u, i * 32 + lane);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                sum += v;
+            }
+            if (lane == 0) logits[rrow] = sum;
+        }
+        grid_sync(bar);  // every block has its logits in
+
+        // ---- 2. top-k (every block), routed down tiles, gate/up
+        if (warp == 0) {
+            for (int i = lane; i <= NE; i += 32) s_logits[i] = __ldcg(logits + i);
+            __syncwarp();
+            router_topk(s_logits, s_ids, s_w, lane);
+            if (b == 0 && lane < NSLOT) {  // for telemetry and the host
+                if (lane < TOPK) sel_ids[lane] = s_ids[lane];
+                sel_w[lane] = s_w[lane];
+            }
+        }
         __syncthreads();
     }
-    if (warp < DG / 2) {
-        const int gi = 2 * warp + (lane >> 4);
-        quantize_group(s_u + gi * GROUP, lane & 15, s_uq + gi * 64, s_um + gi);
-    }
-    if (rrow <= NE) {
-        // as kernel 1: chunk i·32 + lane of the row, warp sums, then the row's sum in chunk order
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < R::WPR; ++i) {
-            float v = router_part<RB>(rw[i], rsb[i], s_u, i * 32 + lane);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            sum += v;
-        }
-        if (lane == 0) logits[rrow] = sum;
-    }
-    grid_sync(bar);  // every block has its logits in; all blocks are resident
-    calla_pdl_launch_dependents();
-
-    // ---- 2. top-k (every block), routed down tiles, gate/up
-    if (warp == 0) {
-        for (int i = lane; i <= NE; i += 32) s_logits[i] = __ldcg(logits + i);
-        __syncwarp();
-        router_topk(s_logits, s_ids, s_w, lane);
-        if (b == 0 && lane < NSLOT) {  // for telemetry and the host
-            if (lane < TOPK) sel_ids[lane] = s_ids[lane];
-            sel_w[lane] = s_w[lane];
-        }
-    }
-    __syncthreads();
     if (b < DN_RT && warp < FU_DNW && dslot < TOPK) fu_stage_down<EB>(stage, dn_e, dn_sb_e, s_ids[dslot], b, dkh, lane);
     const int t = lane & 3;
     const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
@@ -883,7 +899,8 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
         __syncthreads();  // s_gu free for the next round
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // this lane's staged down tiles are in
-    grid_sync(bar);  // act complete
+    grid_sync(bar);  // act complete; every block is resident
+    calla_pdl_launch_dependents();
 
     // ---- 3. down + combine + residual, one row tile per block and round
     const int dn_rounds = (DN_RT + G - 1) / G;
@@ -999,12 +1016,20 @@ CALLA_MOE_DOWN(moe_down_r48_e8_s8, 8, 8, CALLA_MOE_DOWN_48_REGS)
         const uint4* __restrict__ dn_e, const uint2* __restrict__ dn_sb_e,                                \
         const uint4* __restrict__ dn_s, const uint2* __restrict__ dn_sb_s, const float* u,                \
         const float* resid, float* out, float* logits, float* act, int* __restrict__ sel_ids,             \
-        float* __restrict__ sel_w, unsigned* bar, const float* __restrict__ norm_w, float eps) {          \
+        float* __restrict__ sel_w, unsigned* bar, const float* __restrict__ norm_w, float eps,            \
+        const unsigned* uq_in, const float2* um_in) {                                                      \
         calla_moe::fused_body<RB, EB>(r_packed, r_sb, g_packed, g_sb, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e,  \
                                       dn_sb_e, dn_s, dn_sb_s, u, resid, out, logits, act, sel_ids, sel_w, \
-                                      bar, norm_w, eps);                                                  \
+                                      bar, norm_w, eps, uq_in, um_in);                                    \
     }
 CALLA_MOE_FUSED(moe_fused_r4_e4, 4, 4)
 CALLA_MOE_FUSED(moe_fused_r4_e8, 4, 8)
 CALLA_MOE_FUSED(moe_fused_r8_e4, 8, 4)
 CALLA_MOE_FUSED(moe_fused_r8_e8, 8, 8)
+
+// Measurement only (cuda_selftest): n grid barriers in a row on the fused kernel's block shape,
+// to time one barrier (n = 64 against n = 0).
+extern "C" __global__ void __launch_bounds__(calla_moe::FU_THREADS, 1) moe_grid_barrier_probe(unsigned* bar, int n) {
+    calla_pdl_wait();
+    for (int i = 0; i < n; ++i) calla_moe::grid_sync(bar);
+}

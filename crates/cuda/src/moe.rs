@@ -73,11 +73,15 @@ pub struct MoeFlags {
     /// whole step and parts 1 and 2 launch nothing; `topk_in_router`, `prefetch_down` and
     /// `down_reg_cap` do not apply.
     pub fused: bool,
+    /// With `fused`: the router kernel (`moe_router_*`, top-k in its last block) still runs
+    /// first, as part 0, and the fused kernel does gate/up and down only (part 1; one barrier),
+    /// reading the router's ids, weights and u digits.
+    pub fused_keep_router: bool,
 }
 
 impl MoeFlags {
     /// What `moe_decode_step` runs: the fastest on the H200 with PDL edges (docs/CUDA.md).
-    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false };
+    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false };
 
     fn bits(self) -> i32 {
         i32::from(self.topk_in_router) | (i32::from(self.prefetch_down) << 1)
@@ -140,6 +144,14 @@ pub struct DeviceMoe {
     sh_gu_sb: CudaSlice<u32>,
     sh_down_codes: CudaSlice<u32>,
     sh_down_sb: CudaSlice<u32>,
+}
+
+impl MoeScratch {
+    /// The fused kernel's grid-barrier state (arrivals, generation), for checks.
+    #[doc(hidden)]
+    pub fn bar_state(&self) -> CudaView<'_, u32> {
+        self.bar.slice(..)
+    }
 }
 
 impl DeviceMoe {
@@ -613,13 +625,22 @@ impl CudaContext {
                 return Err(unsupported(format!("moe_decode_step: norm_w must be 16-byte aligned (device address {wp:#x})")));
             }
         }
+        let mut flags = flags;
         if flags.fused {
             if let Some(grid) = self.fused_grid_for(m, scratch) {
+                let fused_part = usize::from(flags.fused_keep_router);
                 if part > 2 {
                     return Err(unsupported(format!("moe_decode_part {part} (0..=2)")));
                 }
-                return if part == 0 { self.moe_fused_launch(m, u, resid, scratch, out, norm, grid) } else { Ok(()) };
+                if part == fused_part {
+                    return self.moe_fused_launch(m, u, resid, scratch, out, norm, grid, flags.fused_keep_router);
+                }
+                if part > fused_part {
+                    return Ok(());
+                }
+                // part 0 with the router kept: the three-kernel router, top-k in its last block
             }
+            flags = MoeFlags { fused: false, fused_keep_router: false, ..MoeFlags::DEFAULT };
         }
         let fl = flags.bits();
         match part {
@@ -725,7 +746,31 @@ impl CudaContext {
 }
 
 impl CudaContext {
-    /// The fused kernel (see [`MoeFlags::fused`]) on `grid` co-resident blocks.
+    /// Measurement: `n` grid-wide barriers in a row (`moe_grid_barrier_probe`, the fused
+    /// kernel's barrier on its grid and block shape), one launch; time `n` = 64 against 0 for
+    /// the cost of one barrier.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when the fused kernel's grid cannot be resident at once (the
+    /// probe would never finish); driver errors.
+    #[doc(hidden)]
+    pub fn moe_grid_barrier_probe(&self, scratch: &mut MoeScratch, n: i32) -> Result<(), CudaError> {
+        let grid = scratch.fused_grid[0];
+        if grid == 0 {
+            return Err(unsupported("the fused MoE grid does not fit on this GPU at once".into()));
+        }
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((FU_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream().launch_builder(self.func("moe_grid_barrier_probe")?);
+        b.arg(&mut scratch.bar).arg(&n);
+        // SAFETY: bar is the 2-word barrier state; the grid fits at once (fused_grids, with less
+        // shared memory here than the fused kernel's).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The fused kernel (see [`MoeFlags::fused`]) on `grid` co-resident blocks; `after_router`:
+    /// the router kernel ran before it ([`MoeFlags::fused_keep_router`]), so it reads the
+    /// router's u digits (`scratch.uq`, `scratch.umeta`), ids and weights.
     #[allow(clippy::too_many_arguments)]
     fn moe_fused_launch(
         &self,
@@ -736,6 +781,7 @@ impl CudaContext {
         out: &mut CudaViewMut<'_, f32>,
         norm: Option<&CudaView<'_, f32>>,
         grid: u32,
+        after_router: bool,
     ) -> Result<(), CudaError> {
         let eb = m.gate_up_bits.bits();
         let name = format!("moe_fused_r{}_e{eb}", m.router_bits.bits());
@@ -773,6 +819,11 @@ impl CudaContext {
         };
         let eps = p::RMS_EPS;
         b.arg(&eps);
+        if after_router {
+            b.arg(&scratch.uq).arg(&scratch.umeta);
+        } else {
+            b.arg(&null).arg(&null);
+        }
         // SAFETY: arguments match `moe_fused_*` in kernels/moe.cu; lengths fixed by
         // upload_moe_refs and moe_scratch (norm_w: D_MODEL f32, 16-byte aligned, or null); the
         // grid fits on the GPU at once (fused_grids), which the kernel's barriers need.

@@ -277,8 +277,11 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         let h = rand_f32s(d, seed ^ (0x600 + i), 30.0);
         let nw = rand_f32s(d, seed ^ (0x700 + i), 0.6);
         let resid = rand_f32s(d, seed ^ (0x800 + i), 2.0);
-        fused_equals_three(s, &format!("{name} fused kernel = three kernels, input {i}"), &dm, &mut scratch, &h, &resid, None);
-        fused_equals_three(s, &format!("{name} fused kernel = three kernels, fused norm, input {i}"), &dm, &mut scratch, &h, &h, Some(&nw));
+        for fl in [FUSED, FUSED_AFTER_ROUTER] {
+            let v = vname(fl);
+            fused_equals_three(s, &format!("{name} [{v}] = three kernels, input {i}"), fl, &dm, &mut scratch, &h, &resid, None);
+            fused_equals_three(s, &format!("{name} [{v}] = three kernels, fused norm, input {i}"), fl, &dm, &mut scratch, &h, &h, Some(&nw));
+        }
     }
     // every variant on one more input
     for fl in VARIANTS {
@@ -305,7 +308,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         }
         let dt = cx.upload_moe_refs(&w.refs(&tr)).expect("upload (ties)");
         let resid = rand_f32s(d, seed ^ 0x301, 2.0);
-        for fl in [VARIANTS[0], VARIANTS[2], FUSED] {
+        for fl in [VARIANTS[0], VARIANTS[2], FUSED, FUSED_AFTER_ROUTER] {
             check_step(
                 s,
                 &format!("{name} exact router ties [{}]", vname(fl)),
@@ -363,7 +366,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         s.record(SEC, &format!("{name}: out after {reps}+1 PDL graph replays of {LAYERS} layers [{}]", vname(fl)), &c, "");
         // kernels alone (the fused kernel is part 0 only: parts 1 and 2 launch nothing)
         let mut t_part = [0f64; 3];
-        let parts = if fl.fused && cx.moe_fused_ready(&dm, &scratch) { 1 } else { 3 };
+        let parts = if fl.fused && cx.moe_fused_ready(&dm, &scratch) { 1 + usize::from(fl.fused_keep_router) } else { 3 };
         for (pt, t) in t_part.iter_mut().enumerate().take(parts) {
             *t = time_graph_pdl(s, false, reps, || step_all(Some(pt), fl, &mut scratch, &mut out)) / LAYERS as f64;
         }
@@ -406,21 +409,24 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
 }
 
 /// The variants timed (the default is marked in the output).
-const VARIANTS: [MoeFlags; 6] = [
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false },
-    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false, fused: false },
-    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false, fused: false },
-    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false, fused: false },
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true, fused: false },
+const VARIANTS: [MoeFlags; 7] = [
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true, fused: false, fused_keep_router: false },
     FUSED,
+    FUSED_AFTER_ROUTER,
 ];
 
 /// The fused kernel (one launch, grid barriers).
 const FUSED: MoeFlags = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
+/// The router kernel, then the fused kernel for gate/up and down (one barrier).
+const FUSED_AFTER_ROUTER: MoeFlags = MoeFlags { fused: true, fused_keep_router: true, ..MoeFlags::DEFAULT };
 
 fn vname(f: MoeFlags) -> String {
     if f.fused {
-        return "fused, grid barriers".into();
+        return if f.fused_keep_router { "router, then fused gate/up + down".into() } else { "fused, grid barriers".into() };
     }
     format!(
         "top-k {}, {}{}",
@@ -432,6 +438,7 @@ fn vname(f: MoeFlags) -> String {
 
 /// Runs the MoE checks and timings.
 pub fn run(s: &mut Suite) {
+    barrier_probe(s);
     // mlx-community 4-bit: experts 4-bit, router and shared-expert gate 8-bit
     run_case(s, "q4 experts", [8, 8, 4, 4, 4, 4], 0x40E_0001, true);
     // 8-bit everywhere
@@ -446,13 +453,14 @@ pub fn run(s: &mut Suite) {
 
 /// `moe_decode_step_norm(h, w)` against `rms_norm(h, w)` then `moe_decode_step(u, h)`: the same
 /// chosen experts and routing weights and the same output, bit for bit; guard words intact.
-/// [`FUSED`] against [`MoeFlags::DEFAULT`] on the same input (`norm`: u = rms_norm(u, norm)):
+/// A fused variant against [`MoeFlags::DEFAULT`] on the same input (`norm`: u = rms_norm(u, norm)):
 /// output (with guards), chosen ids and routing weights equal bit for bit. Fails when the
 /// fused kernel does not run for this layer (the check would compare the default with itself).
 #[allow(clippy::too_many_arguments)]
 fn fused_equals_three(
     s: &mut Suite,
     label: &str,
+    fused: MoeFlags,
     dm: &DeviceMoe,
     scratch: &mut cuda::moe::MoeScratch,
     u: &[f32],
@@ -477,7 +485,7 @@ fn fused_equals_three(
         (cx.download_f32(&o).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap())
     };
     let (a, ids_a, w_a) = run(MoeFlags::DEFAULT, scratch);
-    let (b, ids_b, w_b) = run(FUSED, scratch);
+    let (b, ids_b, w_b) = run(fused, scratch);
     let reference: Vec<f64> = a[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
     let mut c = check_guarded(&b, &reference, Tol::F32);
     let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
@@ -516,4 +524,25 @@ fn fused_norm_step(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch: &mut cud
         c.msg.push_str(&format!("{differ} words differ; ids {ids_fused:?} vs {ids_pair:?}; "));
     }
     s.record(SEC, label, &c, "");
+}
+
+/// The cost of one grid-wide barrier of the fused kernel (its grid and block shape): one launch
+/// of 64 barriers against one of none, median of 20.
+fn barrier_probe(s: &mut Suite) {
+    let cx = s.cx;
+    let mut scratch = cx.moe_scratch().expect("moe_scratch");
+    let n = 64;
+    let mut t = [0f64; 2];
+    for (i, k) in [0, n].into_iter().enumerate() {
+        cx.moe_grid_barrier_probe(&mut scratch, k).expect("barrier probe");
+        t[i] = s.median_timed(20, 1, || cx.moe_grid_barrier_probe(&mut scratch, k).unwrap());
+    }
+    let per = (t[1] - t[0]) / f64::from(n);
+    // the probe returns at all: every barrier released every block (the counter is back to 0)
+    let bar: Vec<u32> = cx.stream().clone_dtoh(&scratch.bar_state()).unwrap();
+    let ok = bar[0] == 0;
+    let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok, msg: format!("arrivals left {}", bar[0]) };
+    s.record(SEC, "grid barrier probe: every block released, counter back to 0", &c, "");
+    println!("{SEC:<10} grid barrier: {:.2} us each ({n} in one launch {:.2} us, empty launch {:.2} us)", per * 1e6, t[1] * 1e6, t[0] * 1e6);
+    s.json.push((SEC.into(), format!("{{\"grid_barrier_us\":{:.3},\"launch_us\":{:.3}}}", per * 1e6, t[0] * 1e6)));
 }
