@@ -251,6 +251,27 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
             variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
+        // the device sampler in place of the greedy pick, with the step as configured
+        sess.set_fuse_norm(fuse0);
+        sess.set_l2_prefetch(pf0);
+        sess.set_moe_flags(d);
+        cx.set_step_carveout(-1)?;
+        cx.set_gemv_reg_cap(true);
+        for params in sampling_cases().iter() {
+            sess.set_sampling(&cx, &gm, Some(params))?;
+            start(&mut sess, &prompt)?;
+            sess.decode(&gm, 8)?;
+            cx.synchronize()?;
+            let t = Instant::now();
+            let n = sess.decode(&gm, a.gen_tokens)?;
+            cx.synchronize()?;
+            let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
+            let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
+            let name = format!("sampled {}", sampling_label(params));
+            eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
+            variants.push(serde_json::json!({"variant": name, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            sess.set_sampling(&cx, &gm, None)?;
+        }
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);
         sess.set_moe_flags(MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT });
@@ -361,6 +382,21 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Sampling settings that `cuda-check` runs the session with (no penalties: the step leaves the
+/// penalised logits behind, which the CPU sampler would penalise again) and `cuda-bench
+/// --compare` times: Qwen3.6's thinking-mode defaults, and plain temperature with min-p.
+fn sampling_cases() -> [sampler::SamplingParams; 2] {
+    let base = sampler::SamplingParams { seed: Some(20261129), ..Default::default() };
+    [
+        sampler::SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..base.clone() },
+        sampler::SamplingParams { temperature: 1.0, min_p: 0.05, ..base },
+    ]
+}
+
+fn sampling_label(p: &sampler::SamplingParams) -> String {
+    format!("(temperature {}, top-k {}, top-p {}, min-p {})", p.temperature, p.top_k, p.top_p, p.min_p)
 }
 
 /// Relative L2 error, max |error| over the reference's RMS, and whether the argmaxes agree.
@@ -510,6 +546,43 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         }
       }
     }
+    // On-device sampling in the session: every token the GPU samples equals what the CPU
+    // sampler (same seed, same calls) picks from the GPU's own logits of that step.
+    for (k, params) in sampling_cases().iter().enumerate() {
+        let prompt = random_prompt(a.prompt_tokens.iter().copied().max().unwrap_or(1).max(1), vocab, 99 + k as u64);
+        sess.set_sampling(&cx, &gm, Some(params))?;
+        sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
+        let mut cpu_sampler = sampler::Sampler::new(params.clone())?;
+        let (mut same, mut differ) = (0usize, Vec::new());
+        for step in 0..=a.steps {
+            let mut logits = sess.logits(&cx)?;
+            let gen = sess.generated(&cx)?;
+            let tok = *gen.last().context("no generated token")?;
+            let want = cpu_sampler.sample(&mut logits, gm.vocab_limit);
+            cpu_sampler.accept(want);
+            if tok == want {
+                same += 1;
+            } else {
+                differ.push((step, tok, want));
+            }
+            if step < a.steps {
+                sess.decode(&gm, 1)?;
+            }
+        }
+        checks += 1;
+        let ok = differ.is_empty();
+        if !ok {
+            failures += 1;
+        }
+        println!(
+            "sampled decode {}: {same} of {} tokens equal the CPU sampler on the GPU logits{} {}",
+            sampling_label(params),
+            a.steps + 1,
+            if ok { String::new() } else { format!(" (step, gpu, cpu): {differ:?}") },
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+    sess.set_sampling(&cx, &gm, None)?;
     println!("JSON {}", serde_json::json!({"checks": checks, "failures": failures, "worst_rel": worst_rel, "layers": m.cfg.num_hidden_layers}));
     if failures > 0 {
         bail!("{failures} of {checks} GPU/CPU comparisons failed");

@@ -14,7 +14,7 @@
 //!     attn: proj = [W_q|W_k|W_v]·u       ; o = attn_decode_step(proj, KV cache)     ; h = x + W_o·o
 //!     u = ZNorm(h; post_attention_layernorm)
 //!     x = h + MoE(u)
-//! logits = lm_head · ZNorm(x; norm) ; ids[pos+1] = argmax(logits) ; pos += 1
+//! logits = lm_head · ZNorm(x; norm) ; ids[pos+1] = argmax(logits) (or sampled: set_sampling) ; pos += 1
 //! ```
 //!
 //! Prompt tokens before the last run a second graph without the final norm, LM head and argmax
@@ -375,6 +375,8 @@ pub struct CudaSession {
     pub(crate) l2_prefetch: bool,
     /// MoE launch variant ([`crate::moe::MoeFlags::DEFAULT`] unless measuring).
     pub(crate) moe_flags: crate::moe::MoeFlags,
+    /// On-device sampling ([`Self::set_sampling`]); `None`: the greedy pick (`argmax_step`).
+    pub(crate) sampling: Option<crate::sample::SampleState>,
     /// [`CudaModel`] id the graphs were captured with.
     pub(crate) graph_model: Option<u64>,
     /// [`CudaContext::launch_generation`] when the graphs were captured.
@@ -426,6 +428,7 @@ impl CudaSession {
             fuse_norm: true,
             l2_prefetch: false,
             moe_flags: crate::moe::MoeFlags::DEFAULT,
+            sampling: None,
             graph_model: None,
             graph_gen: 0,
         })
@@ -541,13 +544,7 @@ impl CudaSession {
                     cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
                 }
             }
-            cx.argmax_step(
-                &self.logits.slice(..),
-                m.vocab_limit,
-                &mut self.ids.slice_mut(..self.max_ctx),
-                &self.n_fixed.slice(..),
-                &mut self.pos.slice_mut(..),
-            )?;
+            self.pick(cx, m)?;
         } else {
             cx.advance_pos(&mut self.pos.slice_mut(..))?;
         }
@@ -659,6 +656,54 @@ impl CudaSession {
         self.graph_full.as_ref().map(|g| (g.kernels, g.programmatic_edges))
     }
 
+    /// The last kernel(s) of a step that ran the LM head: the greedy pick (`argmax_step`) or,
+    /// with [`Self::set_sampling`], the device sampler (`sample_step`); either writes the token
+    /// to `ids[pos + 1]` past the prompt and advances `pos`.
+    pub(crate) fn pick(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
+        let ids = &mut self.ids.slice_mut(..self.max_ctx);
+        match &mut self.sampling {
+            None => cx.argmax_step(&self.logits.slice(..), m.vocab_limit, ids, &self.n_fixed.slice(..), &mut self.pos.slice_mut(..)),
+            Some(state) => cx.sample_step(&mut self.logits.slice_mut(..), ids, &self.n_fixed.slice(..), &mut self.pos.slice_mut(..), state),
+        }
+    }
+
+    /// Samples the generated tokens on the device with `params` (`sampler::Sampler::sample`'s
+    /// arithmetic and random stream, token for token: see [`crate::sample`]), or picks greedily
+    /// with `None` (the default; `argmax_step`, which equals sampling at temperature 0 without
+    /// penalties). Each sequence ([`Self::start`], [`Self::start_batched`]) restarts the
+    /// sampler: counts for the penalties zeroed, the random stream from `params.seed` (a fresh
+    /// OS-entropy seed per sequence when it is `None`; [`Self::sampling_seed`] reads it). The
+    /// step graphs are captured again when sampling is switched on or off, not when only the
+    /// parameters change.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] naming the parameter that [`sampler::SamplingParams::validate`]
+    /// rejects, or a `top_k` above [`crate::sample::SAMPLE_MAX_TOP_K`] (below the vocabulary);
+    /// driver errors.
+    pub fn set_sampling(&mut self, cx: &CudaContext, m: &CudaModel, params: Option<&sampler::SamplingParams>) -> Result<(), CudaError> {
+        match (params, &mut self.sampling) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                self.sampling = None;
+                self.drop_graphs();
+            }
+            (Some(p), Some(state)) if state.rows() == m.lm_head.rows && state.vocab_limit() == m.vocab_limit => {
+                cx.sample_reset(state, p)?;
+            }
+            (Some(p), _) => {
+                self.sampling = Some(cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?);
+                self.drop_graphs();
+            }
+        }
+        Ok(())
+    }
+
+    /// The seed of the device sampler's random stream for the current sequence (`None` when
+    /// picking greedily).
+    pub fn sampling_seed(&self) -> Option<u64> {
+        self.sampling.as_ref().map(|s| s.seed())
+    }
+
     /// Captures the two step graphs (once per session). Called by [`Self::start`].
     pub(crate) fn ensure_graphs(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
         if self.graph_model != Some(m.id) || self.graph_gen != cx.launch_generation() {
@@ -710,6 +755,10 @@ impl CudaSession {
                 DeviceLayerState::Attn { .. } => {}
             }
         }
+        if let Some(state) = &mut self.sampling {
+            let params = state.params().clone();
+            cx.sample_reset(state, &params)?;
+        }
         let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
         st.memcpy_htod(&ids, &mut self.ids.slice_mut(..ids.len()))?;
         st.memcpy_htod(&[ids.len() as i32], &mut self.n_fixed)?;
@@ -738,7 +787,7 @@ impl CudaSession {
     }
 
     /// Queues `n` decode steps of model `m` (each embeds the last token, runs the model, and
-    /// appends the greedy token). Stops early at the context limit. Returns the number queued.
+    /// appends the greedy or sampled token). Stops early at the context limit. Returns the number queued.
     ///
     /// # Errors
     /// Driver errors; [`CudaError::Unsupported`] before [`Self::start`] or with another model

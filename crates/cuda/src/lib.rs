@@ -21,6 +21,7 @@ pub mod decode;
 pub mod graph;
 pub mod nvrtc;
 pub mod prefill;
+pub mod sample;
 pub mod step;
 
 use std::sync::Arc;
@@ -86,6 +87,11 @@ pub const KERNELS: &[KernelSource] = &[
         name: "step",
         src: include_str!("../kernels/step.cu"),
         entries: &["embed_gather_q4", "embed_gather_q8", "argmax_step", "advance_pos"],
+    },
+    KernelSource {
+        name: "sample",
+        src: include_str!("../kernels/sample.cu"),
+        entries: &["sample_prep", "sample_weights", "sample_select", "sample_draw"],
     },
     KernelSource {
         name: "gemm",

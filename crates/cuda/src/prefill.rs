@@ -325,20 +325,14 @@ impl CudaSession {
             pos0 += t;
             last_t = t;
         }
-        // The last token's head, as the decode step ends: final norm, LM head, greedy pick
+        // The last token's head, as the decode step ends: final norm, LM head, the pick (greedy or sampled)
         // (which writes ids[n] and advances pos from n - 1 to n).
         let d = p::D_MODEL;
         let last = pf.x.slice((last_t - 1) * d..last_t * d);
         cx.rms_norm(&mut self.u.slice_mut(..), &last, &m.final_norm.slice(..))?;
         cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
         cx.stream().memcpy_htod(&[(n - 1) as i32], &mut self.pos)?;
-        cx.argmax_step(
-            &self.logits.slice(..),
-            m.vocab_limit,
-            &mut self.ids.slice_mut(..self.max_ctx),
-            &self.n_fixed.slice(..),
-            &mut self.pos.slice_mut(..),
-        )?;
+        self.pick(cx, m)?;
         self.host_pos = n;
         Ok(())
     }
