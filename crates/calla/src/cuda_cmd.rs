@@ -224,6 +224,17 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // (name, fused norms, L2 prefetch, MoE variant, max carve-out for every kernel, fused
         // GEMV at 56 registers (the default))
         let (fuse0, pf0) = (!a.no_fuse_norm, a.l2_prefetch);
+        // µs per decoded token (after 8 warm-up steps) and kernels per step
+        let mut time_decode = |sess: &mut CudaSession| -> Result<(f64, usize)> {
+            start(sess, &prompt)?;
+            sess.decode(&gm, 8)?;
+            cx.synchronize()?;
+            let t = Instant::now();
+            let n = sess.decode(&gm, a.gen_tokens)?;
+            cx.synchronize()?;
+            let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
+            Ok((us, sess.graph_stats().map(|(k, _)| k).unwrap_or(0)))
+        };
         for (name, fuse, pf, flags, carve, cap) in [
             ("as configured", fuse0, pf0, d, false, true),
             ("GEMV+norm, registers unbounded", fuse0, pf0, d, false, false),
@@ -240,14 +251,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             sess.set_moe_flags(flags);
             cx.set_step_carveout(if carve { 100 } else { -1 })?;
             cx.set_gemv_reg_cap(cap);
-            start(&mut sess, &prompt)?;
-            sess.decode(&gm, 8)?;
-            cx.synchronize()?;
-            let t = Instant::now();
-            let n = sess.decode(&gm, a.gen_tokens)?;
-            cx.synchronize()?;
-            let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
-            let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
+            let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
             variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
@@ -259,14 +263,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cx.set_gemv_reg_cap(true);
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
-            start(&mut sess, &prompt)?;
-            sess.decode(&gm, 8)?;
-            cx.synchronize()?;
-            let t = Instant::now();
-            let n = sess.decode(&gm, a.gen_tokens)?;
-            cx.synchronize()?;
-            let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
-            let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
+            let (us, kernels) = time_decode(&mut sess)?;
             let name = format!("sampled {}", sampling_label(params));
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
             variants.push(serde_json::json!({"variant": name, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
