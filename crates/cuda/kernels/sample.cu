@@ -10,24 +10,35 @@
 //                  top-k the count histogram of the top 12 bits of each logit's order key. The
 //                  last block (atomic ticket) decides the mode: SKIP (a prompt position: nothing
 //                  is sampled, no random number is used), DONE (greedy, vocab_limit 0, or a row
-//                  with no value above -inf: the argmax), SPARSE (top-k) or DENSE; draws the
-//                  ChaCha20 u64 of this call (non-greedy only) and, for top-k, the histogram
-//                  bucket that holds the k-th largest logit.
+//                  with no value above -inf: the argmax), SPARSE (top-k) or DENSE; its thread 32
+//                  draws the ChaCha20 u64 of this call (non-greedy, n > 0) while warp 0 reduces
+//                  the argmax; for top-k the block finds the histogram bucket that holds the k-th
+//                  largest logit (parallel integer prefix over the bins).
 //   sample_weights G blocks x 512: w[i] = exp_neg((clean(x[i]) - max) / temperature), the CPU's
 //                  Cand::w. DENSE with top-p: the mass histogram of the top 9 bits of w (exact
-//                  integer sums, see below); the last block walks it (Sampler::dense_top_p's
-//                  first `crossing`). SPARSE: the ids of the k-th largest's bucket are listed and
-//                  the last block finds the k-th largest logit `thr` exactly (radix select).
+//                  integer sums, see below); the last block stages it in shared memory, lists the
+//                  non-empty buckets heaviest first with their masses (in parallel) and one thread
+//                  adds them in that order (Sampler::dense_top_p's total and first `crossing`).
+//                  SPARSE: the ids of the k-th largest's bucket are listed and the last block
+//                  finds the k-th largest logit `thr` exactly (radix select over their keys,
+//                  copied into shared memory once; each pass's bin found by a warp-wide integer
+//                  prefix).
 //   sample_select  G blocks x 512: SPARSE: the candidates (clean(x) >= thr, w > 0) in id order
-//                  (per-block segments); the last block runs Sampler::plan_top_k's top-p and
-//                  min-p, and draw_sparse. DENSE with top-p: the ids of the crossing bucket; the
-//                  last block refines it on the next 11 and the last 11 bits (the CPU's two
-//                  refinements), cuts the tokens of weight exactly w* by rank, and sets w_min.
-//   sample_draw    ceil(ceil(n / 1024) / 32) blocks x 256: DENSE: the CPU's draw_dense block
-//                  sums (blocks of 1024 ids, 8 f64 lanes each, lane j summing ids j, j+8, ...
-//                  in order, then the lanes 0..7 and the remainder), and in the last block the
-//                  inverse-CDF walk. Every mode: ids[q] = token, counts[token] += 1, pos = q
-//                  (q = pos + 1; SKIP only advances pos).
+//                  (per-block segments, gathered by all threads of the last block: a scan of the
+//                  segment lengths, then one candidate per thread); the last block runs
+//                  Sampler::plan_top_k's top-p and min-p, and draw_sparse. DENSE with top-p: the
+//                  ids of the crossing bucket; the last block (their weights staged in shared
+//                  memory when at most WCAP) refines it on the next 11 and the last 11 bits (the
+//                  CPU's two refinements; each crossing added by one thread over the listed
+//                  non-empty bins), cuts the tokens of weight exactly w* by rank, sets w_min.
+//   sample_draw    ceil(ceil(n / 1024) / 8) blocks x 256: DENSE: the CPU's draw_dense block
+//                  sums (one warp per block of 1024 ids, staged in shared memory; lanes 0..7 sum
+//                  ids j, j+8, ... in order, then the lanes 0..7 and the remainder), and in the
+//                  last block the inverse-CDF walk: one thread adds the block sums in order from
+//                  shared memory keeping each running sum (the same values the CPU's crossing
+//                  compares), all threads find the crossing block from them, one thread walks
+//                  it. Every mode: ids[q] = token, counts[token] += 1, pos = q (q = pos + 1;
+//                  SKIP only advances pos).
 //
 // Bit-exactness. Every f32/f64 operation is the CPU's, in the CPU's order, with the _rn
 // intrinsics (NVRTC is called with --fmad=true; the intrinsics are never contracted, and no
@@ -43,7 +54,9 @@
 // Everything else follows the CPU's order exactly: the totals and walks over ids (one thread, in
 // id order), the block sums of the dense draw, the crossings (heaviest bucket first), and the
 // top-p prefix over the candidates sorted by rank when there are at most 64 of them (the CPU
-// sorts such a window outright). The one place the GPU cannot follow the CPU: top-p over more
+// sorts such a window outright). Such a sequential sum reads shared memory that all threads
+// filled first, and the running sums it produces may be searched in parallel afterwards (empty
+// bins, which the CPU skips, are left out of the list it adds); only its adds are serial. The one place the GPU cannot follow the CPU: top-p over more
 // than 64 top-k candidates whose sums are not exact. The CPU's nucleus_len sums each half-window
 // in the order std's select_nth_unstable leaves it; the GPU sums the same sets in rank order, so
 // the nucleus can differ only when its mass lies within ~1e-16 (relative) of the target.
@@ -68,7 +81,7 @@
 namespace calla_sample {
 
 constexpr int THREADS = 512;          // threads of sample_prep / _weights / _select
-constexpr int DRAW_THREADS = 256;     // threads of sample_draw (32 draw blocks x 8 lanes)
+constexpr int DRAW_THREADS = 256;     // threads of sample_draw (8 warps, one draw block each)
 constexpr int MAX_BLOCKS = 256;       // most blocks of the first three launches
 constexpr int KEY_SHIFT = 20;         // order-key histogram: top 12 bits
 constexpr int KEY_BINS = 1 << (32 - KEY_SHIFT);
@@ -77,9 +90,14 @@ constexpr int TOP_SHIFT = 22;
 constexpr int LOW_BITS = 11;          // its two refinements, 11 bits each
 constexpr int LOW_BINS = 1 << LOW_BITS;
 constexpr int DRAW_BLOCK = 1024;      // sampler.rs DRAW_BLOCK
+constexpr int DRAW_WARPS = DRAW_THREADS / 32;  // sample_draw: one draw block per warp
+constexpr int DRAW_SCAP = DRAW_WARPS * DRAW_BLOCK / 4;  // most block sums the last block stages (2 doubles each)
+static_assert(DRAW_THREADS % 32 == 0 && 2 * DRAW_SCAP * 8 == DRAW_WARPS * DRAW_BLOCK * 4, "sample_draw staging");
 constexpr int NUCLEUS_SORT_LEN = 64;  // sampler.rs NUCLEUS_SORT_LEN
 constexpr int TOPK_CAP = 1024;        // most top-k candidates above the k-th value (top_k <= 1024)
 constexpr int SCAP = 1 << 11;         // candidates kept in shared memory (more: read from global)
+constexpr int KCACHE = 1 << 12;         // keys of sample_weights' radix select kept in shared memory
+constexpr int WCAP = 1 << 12;           // dense_tp_finish: weight bits of the bucket's ids in shared memory
 constexpr int NONE = 0x7fffffff;
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -316,11 +334,48 @@ __device__ __forceinline__ T block_sum(T v) {
     return total;
 }
 
+// The bin of 256 counts h where the running count (bins in order) reaches m: the first b < 255
+// with h[0] + .. + h[b] >= m, else 255; `acc` gets h[0] + .. + h[b - 1]. Warp 0 calls it (all
+// 32 lanes): lane l owns bins 8l .. 8l + 7, the lane whose running count first reaches m (a
+// ballot over the integer prefixes) walks its 8 bins in order, as one thread over all 256 would.
+// True in that lane only, which alone gets out_b and out_acc.
+__device__ __forceinline__ bool select_bin(const unsigned* h, unsigned m, unsigned& out_b, unsigned& out_acc) {
+    const int lane = threadIdx.x & 31;
+    unsigned hv[8];
+    unsigned loc = 0u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        hv[k] = h[8 * lane + k];
+        loc += hv[k];
+    }
+    unsigned incl = loc;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned u = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += u;
+    }
+    const unsigned bal = __ballot_sync(FULL, incl >= m);
+    const int owner = bal ? __ffs((int)bal) - 1 : 31;  // none: bin 255, counted from lane 31
+    if (lane == owner) {
+        unsigned acc = incl - loc, b = 8u * (unsigned)lane;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (b == 255u || acc + hv[k] >= m) break;
+            acc += hv[k];
+            ++b;
+        }
+        out_b = b;
+        out_acc = acc;
+        return true;
+    }
+    return false;
+}
+
 // The key of rank m (1-based: the m-th smallest) among the valid keys of list entries
 // j in [0, len), where key_of(j, key) says whether entry j takes part. Radix select, 8 bits a
 // pass. Requires 1 <= m <= the number of valid entries. Every thread must call it.
 template <class KeyOf>
-__device__ unsigned block_select(unsigned len, unsigned m, KeyOf key_of) {
+__device__ unsigned radix_select(unsigned len, unsigned m, KeyOf key_of) {
     __shared__ unsigned s_h[256];
     __shared__ unsigned s_res[2];
     unsigned prefix = 0u, mask = 0u;
@@ -332,14 +387,12 @@ __device__ unsigned block_select(unsigned len, unsigned m, KeyOf key_of) {
             if (key_of(j, key) && (key & mask) == prefix) atomicAdd(&s_h[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned acc = 0u, b = 0u;
-            for (; b < 255u; ++b) {
-                if (acc + s_h[b] >= m) break;
-                acc += s_h[b];
+        if (threadIdx.x < 32) {
+            unsigned b, acc;
+            if (select_bin(s_h, m, b, acc)) {
+                s_res[0] = prefix | (b << shift);
+                s_res[1] = m - acc;
             }
-            s_res[0] = prefix | (b << shift);
-            s_res[1] = m - acc;
         }
         __syncthreads();
         prefix = s_res[0];
@@ -348,6 +401,35 @@ __device__ unsigned block_select(unsigned len, unsigned m, KeyOf key_of) {
     }
     __syncthreads();  // s_res is read before anyone may call again
     return prefix;
+}
+
+// radix_select, with the valid keys first copied into `cache` (shared, `cap` entries) when
+// len <= cap, so that the four passes read shared memory instead of calling key_of (global
+// loads) again. The histogram counts do not depend on the order of the copy.
+template <class KeyOf>
+__device__ unsigned block_select(unsigned len, unsigned m, KeyOf key_of, unsigned* cache, unsigned cap) {
+    if (len > cap) return radix_select(len, m, key_of);
+    __shared__ unsigned s_cnt;
+    if (threadIdx.x == 0) s_cnt = 0u;
+    __syncthreads();
+    for (unsigned b0 = 0; b0 < len; b0 += blockDim.x) {  // whole warps: warp-aggregated slots
+        const unsigned j = b0 + threadIdx.x;
+        unsigned key = 0u;
+        const bool v = j < len && key_of(j, key);
+        const unsigned bal = __ballot_sync(FULL, v);
+        if (bal == 0u) continue;
+        const int leader = __ffs((int)bal) - 1;
+        unsigned base = 0u;
+        if ((int)(threadIdx.x & 31) == leader) base = atomicAdd(&s_cnt, (unsigned)__popc(bal));
+        base = __shfl_sync(FULL, base, leader);
+        if (v) cache[base + __popc(bal & lanemask_lt())] = key;
+    }
+    __syncthreads();
+    const unsigned cnt = s_cnt;  // radix_select synchronises before anyone may reset s_cnt
+    return radix_select(cnt, m, [&](unsigned j, unsigned& key) {
+        key = cache[j];
+        return true;
+    });
 }
 
 // Appends `i` to list[ctl[C_LIST_LEN]++] when `hit` (order not kept). Whole warps call it.
@@ -462,6 +544,8 @@ struct SparseSmem {
 };
 struct DenseSmem {
     unsigned long long h[LOW_BINS];  // refinement histogram (integer significand sums)
+    unsigned short bin[LOW_BINS];    // its non-empty bins, heaviest first (compact_bins)
+    unsigned wb[WCAP];               // weight bits of list[j], when len <= WCAP
 };
 union FinSmem {
     SparseSmem s;
@@ -508,6 +592,56 @@ __device__ bool crossing(H h, int nbins, double target, double above, ScaleOf bu
     return last >= 0;
 }
 
+// The non-empty bins of the NB integer sums h (shared), heaviest (highest bin) first: their masses
+// __dmul_rn(__ull2double_rn(h[b]), bucket_scale(b)) (crossing()'s m) written over h[0 .. K) as
+// doubles, their bins into bin[0 .. K). Returns K in every thread. Every thread calls it.
+template <int NB, class ScaleOf>
+__device__ int compact_bins(unsigned long long* h, unsigned short* bin, ScaleOf bucket_scale) {
+    static_assert(NB % THREADS == 0, "whole bins per thread");
+    constexpr int PER = NB / THREADS;
+    unsigned long long u[PER];
+    int cnt = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        u[j] = h[NB - 1 - (PER * (int)threadIdx.x + j)];  // thread order = descending bins
+        cnt += u[j] != 0ull ? 1 : 0;
+    }
+    int total;
+    int pos = block_exclusive_scan<int>(cnt, total);  // synchronises: every h read before a write
+    double* m = reinterpret_cast<double*>(h);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        if (u[j] == 0ull) continue;
+        const int b = NB - 1 - (PER * (int)threadIdx.x + j);
+        m[pos] = __dmul_rn(__ull2double_rn(u[j]), bucket_scale(b));
+        bin[pos] = (unsigned short)b;
+        ++pos;
+    }
+    __syncthreads();
+    return total;
+}
+
+// crossing() over the K listed masses m (compact_bins), from `above`: one thread, reading
+// shared memory, adding in the same order (empty bins added nothing there either).
+__device__ __forceinline__ bool crossing_list(const double* m, const unsigned short* bin, int K, double target,
+                                              double above, int& out_b, double& out_above) {
+    double acc = above, prev = 0.0;
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+        const double nx = __dadd_rn(acc, m[k]);
+        if (nx >= target) {
+            out_b = bin[k];
+            out_above = acc;
+            return true;
+        }
+        prev = acc;
+        acc = nx;
+    }
+    out_b = K > 0 ? (int)bin[K - 1] : -1;
+    out_above = prev;
+    return K > 0;
+}
+
 // sample_select's last block, SPARSE: Sampler::plan_top_k after `thr`, then draw_sparse.
 __device__ void sparse_finish(unsigned* ctl, const float* logits, const float* weights, const unsigned* list,
                               unsigned* cand, int rows, const Params& P, SparseSmem& S) {
@@ -518,17 +652,19 @@ __device__ void sparse_finish(unsigned* ctl, const float* logits, const float* w
     __shared__ unsigned long long s_cut;
     __shared__ int s_has_cut;
     __shared__ double s_target;
-    if (tid == 0) {
-        unsigned acc = 0u;
-        for (int b = 0; b < G; ++b) {
-            S.off[b] = acc;
-            acc += __ldcg(ctl + C_PART_CNT + b);
+    {
+        // segment offsets: an exclusive scan of the per-block counts (G <= MAX_BLOCKS <= THREADS)
+        const unsigned cnt = tid < G ? __ldcg(ctl + C_PART_CNT + tid) : 0u;
+        unsigned total;
+        const unsigned ex = block_exclusive_scan<unsigned>(cnt, total);
+        if (tid < G) S.off[tid] = ex;
+        if (tid == 0) {
+            S.off[G] = total;
+            s_nA = s_nT = s_nB = 0u;
+            s_emin = 0xffffffffu;
+            s_wt = 0.0f;
+            s_has_cut = 0;
         }
-        S.off[G] = acc;
-        s_nA = s_nT = s_nB = 0u;
-        s_emin = 0xffffffffu;
-        s_wt = 0.0f;
-        s_has_cut = 0;
     }
     __syncthreads();
     const unsigned C = S.off[G];
@@ -541,18 +677,21 @@ __device__ void sparse_finish(unsigned* ctl, const float* logits, const float* w
         return;
     }
     const bool smem = C <= (unsigned)SCAP;
-    // the candidates in id order: segment b holds block b's, in id order
-    for (int b = 0; b < G; ++b) {
-        const unsigned o = S.off[b], c = S.off[b + 1] - o;
-        for (unsigned t = tid; t < c; t += THREADS) {
-            const unsigned idx = __ldcg(list + (size_t)b * ch + t);
-            if (smem) {
-                S.idx[o + t] = idx;
-                S.w[o + t] = weights[idx];
-                S.xk[o + t] = okey(clean(logits[idx]));
-            } else {
-                cand[o + t] = idx;
-            }
+    // the candidates in id order: segment b holds block b's, in id order. Candidate o (of all
+    // C) is entry o - off[b] of the segment b with off[b] <= o < off[b + 1] (binary search).
+    for (unsigned o = tid; o < C; o += THREADS) {
+        int lo = 0, hi = G - 1;  // the last b with off[b] <= o (off[0] = 0 <= o)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (S.off[mid] <= o) lo = mid; else hi = mid - 1;
+        }
+        const unsigned idx = __ldcg(list + (size_t)lo * ch + (o - S.off[lo]));
+        if (smem) {
+            S.idx[o] = idx;
+            S.w[o] = weights[idx];
+            S.xk[o] = okey(clean(logits[idx]));
+        } else {
+            cand[o] = idx;
         }
     }
     __syncthreads();
@@ -807,19 +946,25 @@ __device__ void dense_tp_finish(unsigned* ctl, const float* logits, float* weigh
     const double bscale = exp2i((e1 ? e1 : 1) - 150);  // every token of the bucket: significand * bscale
     unsigned prefix = 0u, mask = 0u;                    // fixed low bits so far
     bool ok = true;
+    const bool staged = len <= (unsigned)WCAP;
+    if (staged) {  // one pass of dependent loads; the histogram passes read shared memory
+        for (unsigned j = tid; j < len; j += THREADS) D.wb[j] = __float_as_uint(weights[__ldcg(list + j)]);
+        __syncthreads();
+    }
     for (int level = 0; level < 2; ++level) {
         const int shift = level == 0 ? LOW_BITS : 0;
         for (int b = tid; b < LOW_BINS; b += THREADS) D.h[b] = 0ull;
         __syncthreads();
         for (unsigned j = tid; j < len; j += THREADS) {
-            const unsigned bits = __float_as_uint(weights[__ldcg(list + j)]);
+            const unsigned bits = staged ? D.wb[j] : __float_as_uint(weights[__ldcg(list + j)]);
             if ((bits & mask) == prefix) atomicAdd(&D.h[(bits >> shift) & (LOW_BINS - 1)], (unsigned long long)sig_of(bits));
         }
         __syncthreads();
+        const int K = compact_bins<LOW_BINS>(D.h, D.bin, [&](int) { return bscale; });
         if (tid == 0) {
             int b;
             double a;
-            s_ok = crossing([&](int i) { return D.h[i]; }, LOW_BINS, target, above, [&](int) { return bscale; }, b, a);
+            s_ok = crossing_list(reinterpret_cast<const double*>(D.h), D.bin, K, target, above, b, a);
             s_b = b;
             s_above = a;
         }
@@ -839,7 +984,8 @@ __device__ void dense_tp_finish(unsigned* ctl, const float* logits, float* weigh
         const float wstar = __uint_as_float(wbits);
         auto is_tie = [&](unsigned idx) { return __float_as_uint(weights[idx]) == wbits; };
         unsigned c = 0u;
-        for (unsigned j = tid; j < len; j += THREADS) c += is_tie(__ldcg(list + j)) ? 1u : 0u;
+        for (unsigned j = tid; j < len; j += THREADS)
+            c += (staged ? D.wb[j] == wbits : is_tie(__ldcg(list + j))) ? 1u : 0u;
         c = block_sum<unsigned>(c);
         // nucleus_len over c tokens of weight w*: j * w* is exact, so L is the smallest j >= 1
         // with j * w* >= target - above, or c
@@ -866,7 +1012,7 @@ __device__ void dense_tp_finish(unsigned* ctl, const float* logits, float* weigh
                 if (!is_tie(idx)) return false;
                 key = ~okey(clean(logits[idx]));
                 return true;
-            });
+            }, nullptr, 0u);
             unsigned na = 0u;
             for (unsigned j = tid; j < len; j += THREADS) {
                 const unsigned idx = __ldcg(list + j);
@@ -878,7 +1024,7 @@ __device__ void dense_tp_finish(unsigned* ctl, const float* logits, float* weigh
                 if (!is_tie(idx) || okey(clean(logits[idx])) != kx) return false;
                 key = idx;
                 return true;
-            });
+            }, nullptr, 0u);
             for (unsigned j = tid; j < len; j += THREADS) {
                 const unsigned idx = __ldcg(list + j);
                 if (!is_tie(idx)) continue;
@@ -984,11 +1130,7 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_prep(
                 mode = MODE_DONE;
                 ctl[C_TOKEN] = tok;
             } else {
-                // one next_u64 per non-greedy call, drawn before the plan (degenerate rows too)
-                unsigned long long* calls = reinterpret_cast<unsigned long long*>(ctl + C_CALLS);
-                const unsigned long long k = *calls;
-                st_f64(ctl + C_U, unit_f64(chacha_u64(ctl + C_KEY, k)));
-                *calls = k + 1ull;
+                // (the next_u64 of this call is drawn by thread 32, below)
                 const float maxc = fminf(bv, CS_FLT_MAX);  // max_non_nan(..).min(f32::MAX)
                 if (maxc == CS_NEG_INF) {                  // Plan::Degenerate
                     mode = MODE_DONE;
@@ -1001,6 +1143,14 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_prep(
             ctl[C_MODE] = mode;
             s_mode = mode;
         }
+    } else if (tid == 32 && n > 0 && !greedy) {
+        // one next_u64 per non-greedy call with n > 0 (exactly the calls thread 0 does not
+        // settle as empty or greedy), drawn before the plan (degenerate rows too); in another
+        // warp, alongside the argmax reduction
+        unsigned long long* calls = reinterpret_cast<unsigned long long*>(ctl + C_CALLS);
+        const unsigned long long k = *calls;
+        st_f64(ctl + C_U, unit_f64(chacha_u64(ctl + C_KEY, k)));
+        *calls = k + 1ull;
     }
     __syncthreads();
     if (sparse) {
@@ -1038,6 +1188,8 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_weigh
     const unsigned mode = ctl[C_MODE];
     if (mode != MODE_DENSE && mode != MODE_SPARSE) return;
     __shared__ unsigned long long s_h[TOP_BINS];
+    __shared__ unsigned short s_bin[TOP_BINS];
+    __shared__ unsigned s_keys[KCACHE];
     const int tid = threadIdx.x;
     const Params P = load_params(ctl);
     const float maxc = __uint_as_float(ctl[C_MAXC]);
@@ -1081,29 +1233,34 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_weigh
         const unsigned kinv = block_select(len, need, [&](unsigned j, unsigned& key) {
             key = ~okey(clean(logits[__ldcg(list + j)]));
             return true;
-        });
+        }, s_keys, (unsigned)KCACHE);
         if (tid == 0) {
             ctl[C_KTHR] = ~kinv;
             ctl[C_LIST_LEN] = 0u;
         }
     } else if (tp) {
-        // dense_top_p: total over the buckets (heaviest first), target, first crossing
+        // dense_top_p: total over the buckets (heaviest first), target, first crossing. The
+        // histogram is staged in shared memory (and zeroed for the next step), the non-empty
+        // buckets listed heaviest first with their masses; one thread adds them in that order.
         unsigned long long* gh = reinterpret_cast<unsigned long long*>(ctl + C_WHIST);
+        for (int b = tid; b < TOP_BINS; b += THREADS) {
+            s_h[b] = __ldcg(gh + b);
+            gh[b] = 0ull;
+        }
+        __syncthreads();
+        const int K = compact_bins<TOP_BINS>(s_h, s_bin, [](int b) {
+            const int e = b >> 1;
+            return exp2i((e ? e : 1) - 150);
+        });
         if (tid == 0) {
-            auto bscale = [](int b) {
-                const int e = b >> 1;
-                return exp2i((e ? e : 1) - 150);
-            };
-            auto h = [&](int b) { return __ldcg(gh + b); };
+            const double* m = reinterpret_cast<const double*>(s_h);
             double total = 0.0;
-            for (int b = TOP_BINS - 1; b >= 0; --b) {
-                const unsigned long long v = h(b);
-                if (v != 0ull) total = __dadd_rn(total, __dmul_rn(__ull2double_rn(v), bscale(b)));
-            }
+#pragma unroll 8
+            for (int k = 0; k < K; ++k) total = __dadd_rn(total, m[k]);
             const double target = __dmul_rn(__dsub_rn((double)P.top_p, 1e-6), total);
             int b1;
             double above;
-            if (crossing(h, TOP_BINS, target, 0.0, bscale, b1, above)) {
+            if (crossing_list(m, s_bin, K, target, 0.0, b1, above)) {
                 ctl[C_TP_ON] = 1u;
                 ctl[C_TP_B1] = (unsigned)b1;
                 st_f64(ctl + C_TP_ABOVE, above);
@@ -1113,8 +1270,6 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_weigh
                 ctl[C_WMIN] = __float_as_uint(P.min_p > 0.0f ? P.min_p : 0.0f);
             }
         }
-        __syncthreads();
-        for (int b = tid; b < TOP_BINS; b += THREADS) gh[b] = 0ull;
     } else if (tid == 0) {
         ctl[C_TP_ON] = 0u;
         ctl[C_WMIN] = __float_as_uint(P.min_p > 0.0f ? P.min_p : 0.0f);
@@ -1177,31 +1332,87 @@ extern "C" __global__ void __launch_bounds__(calla_sample::DRAW_THREADS) sample_
         return;
     }
     __shared__ float s_w[DRAW_BLOCK];
+    __shared__ double s_buf[2 * DRAW_SCAP];  // block sums: DRAW_WARPS x 1024 floats; last block: bsum, prefixes
     __shared__ int s_db, s_tok, s_tok_last;
     __shared__ double s_acc, s_r;
     const float w_min = __uint_as_float(ctl[C_WMIN]);
     auto eff = [&](float w) { return w >= w_min ? w : 0.0f; };  // sampler.rs eff
     const int ndb = (n + DRAW_BLOCK - 1) / DRAW_BLOCK;
-    // block_sum of draw block db: lane j sums ids start + j, start + j + 8, ... in order
-    const int gt = blockIdx.x * DRAW_THREADS + tid, db = gt >> 3, lane8 = gt & 7;
-    const int start = db * DRAW_BLOCK;
-    const int len = db < ndb ? min(DRAW_BLOCK, n - start) : 0;
-    const int nfull = len >> 3;
-    double acc = 0.0;
-    for (int c = 0; c < nfull; ++c) acc = __dadd_rn(acc, (double)eff(weights[start + 8 * c + lane8]));
-    double s = 0.0;
+    {
+        // block_sum of draw block db (one per warp): its 1024 weights staged in shared memory
+        // (coalesced), then lane j < 8 sums ids start + j, start + j + 8, ... in order, the
+        // lanes' sums are added 0..7, then the remainder in id order
+        const int warp = tid >> 5, lane = tid & 31;
+        const int db = blockIdx.x * DRAW_WARPS + warp;
+        float* sw = reinterpret_cast<float*>(s_buf) + warp * DRAW_BLOCK;
+        if (db < ndb) {
+            const int start = db * DRAW_BLOCK;
+            const int len = min(DRAW_BLOCK, n - start);
+#pragma unroll 8
+            for (int j = lane; j < len; j += 32) sw[j] = eff(weights[start + j]);
+            __syncwarp();
+            const int nfull = len >> 3;
+            double acc = 0.0;
+            if (lane < 8) {
+#pragma unroll 8
+                for (int c = 0; c < nfull; ++c) acc = __dadd_rn(acc, (double)sw[8 * c + lane]);
+            }
+            double s = 0.0;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s = __dadd_rn(s, __shfl_sync(FULL, acc, k, 8));
-    if (lane8 == 0 && db < ndb) {
-        for (int t = start + 8 * nfull; t < start + len; ++t) s = __dadd_rn(s, (double)eff(weights[t]));
-        bsum[db] = s;
+            for (int k = 0; k < 8; ++k) s = __dadd_rn(s, __shfl_sync(FULL, acc, k));
+            if (lane == 0) {
+                for (int t = 8 * nfull; t < len; ++t) s = __dadd_rn(s, (double)sw[t]);
+                bsum[db] = s;
+            }
+        }
     }
     calla_pdl_launch_dependents();
     if (!last_block(ctl, 3)) return;
 
     // draw_dense: the block whose running sum passes r, then the walk inside it
     const unsigned argmax_tok = ctl[C_ARGMAX];
-    if (tid == 0) {
+    if (ndb <= DRAW_SCAP) {
+        // the block sums staged in shared memory; one thread adds them in order (total), keeping
+        // each running sum: they are the sums the CPU's crossing walk compares (same adds, same
+        // order, from 0), so the crossing block is found by all threads from the stored values
+        double* sb = s_buf;
+        double* pre = s_buf + DRAW_SCAP;  // pre[b] = bsum[0] + .. + bsum[b], added in order
+        for (int b = tid; b < ndb; b += DRAW_THREADS) sb[b] = __ldcg(bsum + b);
+        if (tid == 0) s_db = 0x7fffffff;
+        __syncthreads();
+        if (tid == 0) {
+            double total = 0.0;
+#pragma unroll 8
+            for (int b = 0; b < ndb; ++b) {
+                total = __dadd_rn(total, sb[b]);
+                pre[b] = total;
+            }
+            s_r = total;  // the total, until r replaces it
+        }
+        __syncthreads();
+        const double total = s_r;
+        const bool valid = total == total && total > 0.0;
+        const double r = valid ? __dmul_rn(ld_f64(ctl + C_U), total) : 0.0;
+        if (valid) {
+            int first = 0x7fffffff;
+            for (int b = tid; b < ndb; b += DRAW_THREADS)
+                if (sb[b] > 0.0 && r < pre[b]) first = min(first, b);
+            if (first != 0x7fffffff) atomicMin(&s_db, first);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            if (!valid) {
+                s_db = -2;
+            } else if (s_db == 0x7fffffff) {
+                s_db = -1;
+            } else {
+                s_acc = s_db > 0 ? pre[s_db - 1] : 0.0;
+            }
+            s_r = r;
+            s_tok = (int)argmax_tok;
+            s_tok_last = -1;
+        }
+    } else if (tid == 0) {
         double total = 0.0;
         for (int b = 0; b < ndb; ++b) total = __dadd_rn(total, __ldcg(bsum + b));
         s_db = -2;

@@ -28,7 +28,7 @@ const THREADS: usize = 512;
 const MAX_BLOCKS: usize = 256;
 /// Rows per block the three launches aim for (4 per thread: 122 blocks for 248,320 rows).
 const ROWS_PER_BLOCK: usize = 4 * THREADS;
-/// Threads per block of `sample_draw` (32 draw blocks of 8 lanes).
+/// Threads per block of `sample_draw` (8 warps, one draw block each).
 const DRAW_THREADS: usize = 256;
 /// Ids per block of the dense inverse-CDF draw (`DRAW_BLOCK` in `crates/sampler`).
 const DRAW_BLOCK: usize = 1024;
@@ -210,9 +210,9 @@ fn main_blocks(rows: usize) -> usize {
     rows.div_ceil(ROWS_PER_BLOCK).clamp(1, MAX_BLOCKS)
 }
 
-/// Blocks of `sample_draw` for `vocab_limit` ids: 32 draw blocks of 1,024 ids per block.
+/// Blocks of `sample_draw` for `vocab_limit` ids: one draw block of 1,024 ids per warp.
 fn draw_blocks(vocab_limit: usize) -> usize {
-    vocab_limit.div_ceil(DRAW_BLOCK).div_ceil(DRAW_THREADS / 8).max(1)
+    vocab_limit.div_ceil(DRAW_BLOCK).div_ceil(DRAW_THREADS / 32).max(1)
 }
 
 impl CudaContext {
@@ -365,8 +365,148 @@ impl CudaContext {
 #[path = "sample_emu.rs"]
 mod emu;
 
+/// Test data shared by the unit tests here (against the host emulation) and the GPU self-test
+/// section `sample`: seeded rows of logits of twelve kinds and the parameter sets they run with.
+#[doc(hidden)]
+pub mod testing {
+    use sampler::SamplingParams;
+
+    /// SplitMix64 stream for the test rows.
+    pub struct Rng(pub u64);
+    impl Rng {
+        pub fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        pub fn f(&mut self) -> f32 {
+            (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+        }
+        /// Roughly normal (sum of four uniforms), standard deviation ~`sd`.
+        pub fn normal(&mut self, sd: f32) -> f32 {
+            (self.f() + self.f() + self.f() + self.f() - 2.0) * 1.73 * sd
+        }
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next_u64() % n as u64) as usize
+        }
+    }
+
+    /// A row of `kind` (the kinds of the match below; self-test `sample` lists them) for call `call`: `rows` logits, ids `< n` the sampled range.
+    pub fn test_row(kind: usize, rows: usize, n: usize, call: usize, seed: u64) -> Vec<f32> {
+        let mut r = Rng(seed ^ (call as u64).wrapping_mul(0x1234_5678_9ABC_DEF1) ^ ((kind as u64) << 56));
+        let mut row: Vec<f32> = (0..rows).map(|_| r.normal(2.0)).collect();
+        let n = n.max(1);
+        // a few likely tokens, the same ids in every call, so that the penalties see repeats
+        for j in 0..8 {
+            row[(j * 7919 + 3) % n] = 8.0 + r.f() * 2.0 + j as f32 * 0.1;
+        }
+        match kind % 12 {
+            0 | 1 => {}
+            2 => {
+                for j in 0..15 {
+                    row[(j * 131 + 17) % n] = 12.0 - j as f32 * 0.25;
+                }
+                for j in 0..30 {
+                    row[(j * 577 + 5) % n] = 8.25;
+                }
+            }
+            3 => {
+                for j in 0..200 {
+                    row[(j * 97 + 11) % n] = 14.0;
+                }
+            }
+            4 => {
+                for x in row.iter_mut().step_by(7) {
+                    *x = f32::NAN;
+                }
+            }
+            5 => {
+                row[r.below(n)] = f32::INFINITY;
+                row[r.below(n)] = f32::INFINITY;
+            }
+            6 => row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+            7 => row.iter_mut().for_each(|x| *x = f32::NAN),
+            8 => {
+                row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+                row[..5].iter_mut().for_each(|x| *x = f32::NAN);
+            }
+            9 => row.iter_mut().for_each(|x| *x = 0.5),
+            10 => {
+                for x in row[n.min(rows)..].iter_mut() {
+                    *x = 1e30;
+                }
+                for x in row.iter_mut().take(n).step_by(3) {
+                    *x *= 12.0;
+                }
+            }
+            _ => {
+                for x in row.iter_mut() {
+                    *x = -1.0 - x.abs();
+                }
+                for j in 0..40 {
+                    row[(j * 613 + 1) % n] = if j % 2 == 0 { 0.0 } else { -0.0 };
+                }
+                for j in 0..10 {
+                    row[(j * 211 + 2) % n] = (j + 1) as f32 * 1e-3;
+                }
+            }
+        }
+        row
+    }
+
+    pub fn param_sets() -> Vec<(&'static str, SamplingParams)> {
+        let d = SamplingParams::default;
+        let t = |temperature| SamplingParams { temperature, ..d() };
+        vec![
+            ("greedy", SamplingParams::greedy()),
+            (
+                "greedy + penalties",
+                SamplingParams { repetition_penalty: 1.3, presence_penalty: 0.5, frequency_penalty: 0.7, ..SamplingParams::greedy() },
+            ),
+            ("t 0.6", t(0.6)),
+            ("t 1.0", t(1.0)),
+            ("t 1.5", t(1.5)),
+            ("t 1e-40", t(1e-40)),
+            ("top_k 1", SamplingParams { top_k: 1, ..d() }),
+            ("top_k 20", SamplingParams { top_k: 20, ..d() }),
+            ("top_k 50", SamplingParams { top_k: 50, ..d() }),
+            ("top_p 0.8", SamplingParams { top_p: 0.8, ..d() }),
+            ("top_p 0.95", SamplingParams { top_p: 0.95, ..d() }),
+            ("min_p 0.05", SamplingParams { min_p: 0.05, ..d() }),
+            ("qwen t0.6 k20 p0.95", SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..d() }),
+            ("qwen t0.7 k20 p0.8", SamplingParams { temperature: 0.7, top_k: 20, top_p: 0.8, ..d() }),
+            ("qwen t1.0 k20 p0.95", SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, ..d() }),
+            ("t0.7 p0.8 min_p 0.1", SamplingParams { temperature: 0.7, top_p: 0.8, min_p: 0.1, ..d() }),
+            ("k50 p0.9 min_p 0.02", SamplingParams { top_k: 50, top_p: 0.9, min_p: 0.02, ..d() }),
+            (
+                "penalties t0.8 k40 p0.9",
+                SamplingParams {
+                    temperature: 0.8,
+                    top_k: 40,
+                    top_p: 0.9,
+                    repetition_penalty: 1.2,
+                    presence_penalty: 0.4,
+                    frequency_penalty: 0.3,
+                    ..d()
+                },
+            ),
+            (
+                "penalties t1 p0.9",
+                SamplingParams { repetition_penalty: 0.8, presence_penalty: -0.5, frequency_penalty: 1.5, top_p: 0.9, ..d() },
+            ),
+            ("k200 t3 p0.9", SamplingParams { top_k: 200, top_p: 0.9, temperature: 3.0, ..d() }),
+            ("k1024 t2", SamplingParams { top_k: 1024, temperature: 2.0, ..d() }),
+            ("k60 t0.25 p0.999", SamplingParams { top_k: 60, temperature: 0.25, top_p: 0.999, ..d() }),
+            ("k500 t0.3 p0.99", SamplingParams { top_k: 500, temperature: 0.3, top_p: 0.99, ..d() }),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testing::{param_sets, test_row};
     use super::*;
     use rand_chacha::rand_core::{RngCore, SeedableRng};
     use rand_chacha::ChaCha20Rng;
@@ -474,7 +614,7 @@ mod tests {
         // the kernels' partition (chunk_len) covers every row, each block a multiple of THREADS
         let per = rows.div_ceil(g).div_ceil(THREADS) * THREADS;
         assert!(per * g >= rows && per * (g - 1) < rows);
-        assert_eq!(draw_blocks(spec::production::VOCAB_REAL), 8); // 243 draw blocks
+        assert_eq!(draw_blocks(spec::production::VOCAB_REAL), 31); // 243 draw blocks, 8 a block
         assert_eq!(main_blocks(1), 1);
         assert_eq!(draw_blocks(0), 1);
         assert_eq!(main_blocks(usize::MAX / 2), MAX_BLOCKS);
@@ -495,128 +635,6 @@ mod tests {
         assert_eq!(img[C_TOP_K], 1024);
         assert_eq!(f32::from_bits(img[C_TEMP]), 1.0);
         assert_eq!(&img[C_KEY..C_KEY + 8], &chacha_key(5));
-    }
-
-    /// SplitMix64 stream for test rows.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        /// Uniform in [0, 1).
-        fn f(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32
-        }
-        /// Roughly normal (sum of four uniforms), mean 0, standard deviation ~`sd`.
-        fn normal(&mut self, sd: f32) -> f32 {
-            (self.f() + self.f() + self.f() + self.f() - 2.0) * 1.73 * sd
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
-
-    /// A test row of kind `kind` (see the match) for call `call`.
-    fn test_row(kind: usize, rows: usize, n: usize, call: usize, seed: u64) -> Vec<f32> {
-        let mut r = Rng(seed ^ (call as u64).wrapping_mul(0x1234_5678_9ABC_DEF1) ^ (kind as u64) << 56);
-        let mut row: Vec<f32> = (0..rows).map(|_| r.normal(2.0)).collect();
-        // a few likely tokens, reused across calls so that the penalties see repeats
-        for j in 0..8 {
-            row[(j * 7919 + 3) % n] = 8.0 + r.f() * 2.0 + j as f32 * 0.1;
-        }
-        match kind % 12 {
-            0 | 1 => {}
-            2 => {
-                // ties at the top-k / top-p boundaries: 30 ids share the 16th-largest level
-                for j in 0..15 {
-                    row[(j * 131 + 17) % n] = 12.0 - j as f32 * 0.25;
-                }
-                for j in 0..30 {
-                    row[(j * 577 + 5) % n] = 8.25;
-                }
-            }
-            3 => {
-                // a tier of 200 equal logits on top: the nucleus boundary falls inside it
-                for j in 0..200 {
-                    row[(j * 97 + 11) % n] = 14.0;
-                }
-            }
-            4 => {
-                for x in row.iter_mut().step_by(7) {
-                    *x = f32::NAN;
-                }
-            }
-            5 => {
-                row[r.below(n)] = f32::INFINITY;
-                row[r.below(n)] = f32::INFINITY;
-            }
-            6 => row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
-            7 => row.iter_mut().for_each(|x| *x = f32::NAN),
-            8 => {
-                row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-                row[..5].iter_mut().for_each(|x| *x = f32::NAN);
-            }
-            9 => row.iter_mut().for_each(|x| *x = 0.5), // all equal
-            10 => {
-                // the largest values beyond vocab_limit, and a spread that leaves many tiny weights
-                for x in row[n..].iter_mut() {
-                    *x = 1e30;
-                }
-                for x in row.iter_mut().take(n).step_by(3) {
-                    *x *= 12.0;
-                }
-            }
-            _ => {
-                // signed zeros at the top-k boundary
-                for x in row.iter_mut() {
-                    *x = -1.0 - x.abs();
-                }
-                for j in 0..40 {
-                    row[(j * 613 + 1) % n] = if j % 2 == 0 { 0.0 } else { -0.0 };
-                }
-                for j in 0..10 {
-                    row[(j * 211 + 2) % n] = (j + 1) as f32 * 1e-3;
-                }
-            }
-        }
-        row
-    }
-
-    fn param_sets() -> Vec<(&'static str, SamplingParams)> {
-        let d = SamplingParams::default;
-        let t = |temperature| SamplingParams { temperature, ..d() };
-        vec![
-            ("greedy", SamplingParams::greedy()),
-            ("greedy + penalties", SamplingParams { repetition_penalty: 1.3, presence_penalty: 0.5, frequency_penalty: 0.7, ..SamplingParams::greedy() }),
-            ("t 0.6", t(0.6)),
-            ("t 1.0", t(1.0)),
-            ("t 1.5", t(1.5)),
-            ("t 1e-40", t(1e-40)),
-            ("top_k 1", SamplingParams { top_k: 1, ..d() }),
-            ("top_k 20", SamplingParams { top_k: 20, ..d() }),
-            ("top_k 50", SamplingParams { top_k: 50, ..d() }),
-            ("top_p 0.8", SamplingParams { top_p: 0.8, ..d() }),
-            ("top_p 0.95", SamplingParams { top_p: 0.95, ..d() }),
-            ("min_p 0.05", SamplingParams { min_p: 0.05, ..d() }),
-            ("qwen t0.6 k20 p0.95", SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..d() }),
-            ("qwen t0.7 k20 p0.8", SamplingParams { temperature: 0.7, top_k: 20, top_p: 0.8, ..d() }),
-            ("qwen t1.0 k20 p0.95", SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, ..d() }),
-            ("t0.7 p0.8 min_p 0.1", SamplingParams { temperature: 0.7, top_p: 0.8, min_p: 0.1, ..d() }),
-            ("k50 p0.9 min_p 0.02", SamplingParams { top_k: 50, top_p: 0.9, min_p: 0.02, ..d() }),
-            (
-                "penalties t0.8 k40 p0.9",
-                SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, presence_penalty: 0.4, frequency_penalty: 0.3, ..d() },
-            ),
-            ("penalties dense", SamplingParams { repetition_penalty: 0.8, presence_penalty: -0.5, frequency_penalty: 1.5, top_p: 0.9, ..d() }),
-            ("k200 p0.9 (more than 64 candidates)", SamplingParams { top_k: 200, top_p: 0.9, temperature: 3.0, ..d() }),
-            ("k1024 t2", SamplingParams { top_k: 1024, temperature: 2.0, ..d() }),
-            ("k60 t0.25 p0.999 (tiny weights: inexact sums)", SamplingParams { top_k: 60, temperature: 0.25, top_p: 0.999, ..d() }),
-            ("k500 t0.3 p0.99", SamplingParams { top_k: 500, temperature: 0.3, top_p: 0.99, ..d() }),
-        ]
     }
 
     /// The emulation of the kernels against `sampler::Sampler`: 64 consecutive calls per

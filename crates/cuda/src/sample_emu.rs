@@ -506,29 +506,44 @@ fn dense_pick(p: &SamplingParams, logits: &[f32], mut w: Vec<f32>, u: f64) -> Op
             s
         })
         .collect();
-    let total = bsum.iter().fold(0.0f64, |a, &s| a + s);
+    // the kernel: one sequential total keeping each running sum, then the crossing block found
+    // from the stored running sums (asserted against the CPU's second walk)
+    let mut pre = Vec::with_capacity(ndb);
+    let mut total = 0.0f64;
+    for &s in &bsum {
+        total += s;
+        pre.push(total);
+    }
     if total.is_nan() || total <= 0.0 {
         return None;
     }
     let r = u * total;
-    let mut acc = 0.0f64;
-    for (b, &s) in bsum.iter().enumerate() {
-        if s > 0.0 && r < acc + s {
-            let st = b * DRAW_BLOCK;
-            let mut last = None;
-            for j in 0..DRAW_BLOCK.min(n - st) {
-                let x = eff(w[st + j]);
-                if x > 0.0 {
-                    acc += x as f64;
-                    last = Some(j);
-                    if r < acc {
-                        break;
-                    }
+    let found = (0..ndb).find(|&b| bsum[b] > 0.0 && r < pre[b]);
+    let mut walk = 0.0f64;
+    let cpu = bsum.iter().position(|&s| {
+        let hit = s > 0.0 && r < walk + s;
+        if !hit {
+            walk += s;
+        }
+        hit
+    });
+    assert_eq!(found, cpu, "crossing block from the running sums");
+    if let Some(b) = found {
+        let mut acc = if b > 0 { pre[b - 1] } else { 0.0 };
+        assert_eq!(acc.to_bits(), walk.to_bits(), "sum before the crossing block");
+        let st = b * DRAW_BLOCK;
+        let mut last = None;
+        for j in 0..DRAW_BLOCK.min(n - st) {
+            let x = eff(w[st + j]);
+            if x > 0.0 {
+                acc += x as f64;
+                last = Some(j);
+                if r < acc {
+                    break;
                 }
             }
-            return last.map(|j| (st + j) as u32);
         }
-        acc += s;
+        return last.map(|j| (st + j) as u32);
     }
     (0..n).rev().find(|&i| eff(w[i]) > 0.0).map(|i| i as u32)
 }

@@ -26,6 +26,7 @@
 
 use cuda::cudarc::driver::CudaSlice;
 use cuda::graph::StepGraph;
+use cuda::sample::testing::{param_sets, test_row};
 use cuda::sample::SampleState;
 use cuda::CudaContext;
 use sampler::{Sampler, SamplingParams};
@@ -41,138 +42,6 @@ const CALLS: usize = 64;
 
 fn exact(ok: bool, msg: String) -> Cmp {
     Cmp { rel: if ok { 0.0 } else { f64::NAN }, max_over_rms: if ok { 0.0 } else { f64::NAN }, ok, msg }
-}
-
-/// SplitMix64 stream for the test rows.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Roughly normal (sum of four uniforms), standard deviation ~`sd`.
-    fn normal(&mut self, sd: f32) -> f32 {
-        (self.f() + self.f() + self.f() + self.f() - 2.0) * 1.73 * sd
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// A row of `kind` (module docs) for call `call`: `rows` logits, ids `< n` the sampled range.
-fn test_row(kind: usize, rows: usize, n: usize, call: usize, seed: u64) -> Vec<f32> {
-    let mut r = Rng(seed ^ (call as u64).wrapping_mul(0x1234_5678_9ABC_DEF1) ^ ((kind as u64) << 56));
-    let mut row: Vec<f32> = (0..rows).map(|_| r.normal(2.0)).collect();
-    let n = n.max(1);
-    // a few likely tokens, the same ids in every call, so that the penalties see repeats
-    for j in 0..8 {
-        row[(j * 7919 + 3) % n] = 8.0 + r.f() * 2.0 + j as f32 * 0.1;
-    }
-    match kind % 12 {
-        0 | 1 => {}
-        2 => {
-            for j in 0..15 {
-                row[(j * 131 + 17) % n] = 12.0 - j as f32 * 0.25;
-            }
-            for j in 0..30 {
-                row[(j * 577 + 5) % n] = 8.25;
-            }
-        }
-        3 => {
-            for j in 0..200 {
-                row[(j * 97 + 11) % n] = 14.0;
-            }
-        }
-        4 => {
-            for x in row.iter_mut().step_by(7) {
-                *x = f32::NAN;
-            }
-        }
-        5 => {
-            row[r.below(n)] = f32::INFINITY;
-            row[r.below(n)] = f32::INFINITY;
-        }
-        6 => row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
-        7 => row.iter_mut().for_each(|x| *x = f32::NAN),
-        8 => {
-            row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-            row[..5].iter_mut().for_each(|x| *x = f32::NAN);
-        }
-        9 => row.iter_mut().for_each(|x| *x = 0.5),
-        10 => {
-            for x in row[n.min(rows)..].iter_mut() {
-                *x = 1e30;
-            }
-            for x in row.iter_mut().take(n).step_by(3) {
-                *x *= 12.0;
-            }
-        }
-        _ => {
-            for x in row.iter_mut() {
-                *x = -1.0 - x.abs();
-            }
-            for j in 0..40 {
-                row[(j * 613 + 1) % n] = if j % 2 == 0 { 0.0 } else { -0.0 };
-            }
-            for j in 0..10 {
-                row[(j * 211 + 2) % n] = (j + 1) as f32 * 1e-3;
-            }
-        }
-    }
-    row
-}
-
-fn param_sets() -> Vec<(&'static str, SamplingParams)> {
-    let d = SamplingParams::default;
-    let t = |temperature| SamplingParams { temperature, ..d() };
-    vec![
-        ("greedy", SamplingParams::greedy()),
-        (
-            "greedy + penalties",
-            SamplingParams { repetition_penalty: 1.3, presence_penalty: 0.5, frequency_penalty: 0.7, ..SamplingParams::greedy() },
-        ),
-        ("t 0.6", t(0.6)),
-        ("t 1.0", t(1.0)),
-        ("t 1.5", t(1.5)),
-        ("t 1e-40", t(1e-40)),
-        ("top_k 1", SamplingParams { top_k: 1, ..d() }),
-        ("top_k 20", SamplingParams { top_k: 20, ..d() }),
-        ("top_k 50", SamplingParams { top_k: 50, ..d() }),
-        ("top_p 0.8", SamplingParams { top_p: 0.8, ..d() }),
-        ("top_p 0.95", SamplingParams { top_p: 0.95, ..d() }),
-        ("min_p 0.05", SamplingParams { min_p: 0.05, ..d() }),
-        ("qwen t0.6 k20 p0.95", SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..d() }),
-        ("qwen t0.7 k20 p0.8", SamplingParams { temperature: 0.7, top_k: 20, top_p: 0.8, ..d() }),
-        ("qwen t1.0 k20 p0.95", SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, ..d() }),
-        ("t0.7 p0.8 min_p 0.1", SamplingParams { temperature: 0.7, top_p: 0.8, min_p: 0.1, ..d() }),
-        ("k50 p0.9 min_p 0.02", SamplingParams { top_k: 50, top_p: 0.9, min_p: 0.02, ..d() }),
-        (
-            "penalties t0.8 k40 p0.9",
-            SamplingParams {
-                temperature: 0.8,
-                top_k: 40,
-                top_p: 0.9,
-                repetition_penalty: 1.2,
-                presence_penalty: 0.4,
-                frequency_penalty: 0.3,
-                ..d()
-            },
-        ),
-        (
-            "penalties t1 p0.9",
-            SamplingParams { repetition_penalty: 0.8, presence_penalty: -0.5, frequency_penalty: 1.5, top_p: 0.9, ..d() },
-        ),
-        ("k200 t3 p0.9", SamplingParams { top_k: 200, top_p: 0.9, temperature: 3.0, ..d() }),
-        ("k1024 t2", SamplingParams { top_k: 1024, temperature: 2.0, ..d() }),
-        ("k60 t0.25 p0.999", SamplingParams { top_k: 60, temperature: 0.25, top_p: 0.999, ..d() }),
-        ("k500 t0.3 p0.99", SamplingParams { top_k: 500, temperature: 0.3, top_p: 0.99, ..d() }),
-    ]
 }
 
 /// How the steps are launched.
