@@ -29,7 +29,7 @@ for a in "$@"; do
     --quick) quick="$quick --quick" ;;
     --only=*) quick="$quick --only ${a#--only=}" ;;
     --ablate) ablate="--ablate --compare" ;;
-    --compare) ablate="--compare" ;;
+    --compare) [ -n "$ablate" ] || ablate="--compare" ;;  # --ablate already includes it
     --mlx) mlx=1 ;;
     --only-mlx) mlx=1; bench=0; check=0 ;;
     --no-check) check=0 ;;

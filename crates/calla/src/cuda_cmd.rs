@@ -123,7 +123,7 @@ fn copy_bandwidth(cx: &CudaContext) -> Result<f64> {
     Ok(2.0 * n as f64 / ts[ts.len() / 2])
 }
 
-fn open(model: &PathBuf, device: usize) -> Result<(Model, CudaContext, CudaModel, f64)> {
+fn open(model: &std::path::Path, device: usize) -> Result<(Model, CudaContext, CudaModel, f64)> {
     let m = Model::open(model).with_context(|| format!("cannot load {}", model.display()))?;
     let t = Instant::now();
     let cx = CudaContext::new(device).context("cannot open the CUDA device")?;
@@ -218,8 +218,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
         let d = MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT };
-        let gate_up_topk = MoeFlags { topk_in_router: false, ..MoeFlags::DEFAULT };
-        let down_r48 = MoeFlags { down_reg_cap: true, ..MoeFlags::DEFAULT };
+        let gate_up_topk = MoeFlags { topk_in_router: false, ..d };
+        let down_r48 = MoeFlags { down_reg_cap: true, ..d };
         let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
         // (name, fused norms, L2 prefetch, MoE variant, max carve-out for every kernel, fused
         // GEMV at 56 registers (the default))

@@ -45,9 +45,10 @@
 // flush-to-zero is requested, so subnormal weights are kept). Sums whose order the GPU cannot
 // follow are sums the CPU computes exactly in f64, so any order gives the same value:
 //   * a histogram bucket of the top 9 bits of w (or a refinement bucket inside one) holds values
-//     with one exponent, all multiples of that exponent's f32 ulp, fewer than 2^18 of them: the
-//     sum fits 42 bits of a double. The GPU adds the integer significands (u64) and scales once.
-//   * the tokens of weight exactly w*: j * w* is exact for every j (24 + 18 bits).
+//     with one exponent, all multiples of that exponent's f32 ulp, at most one per row entry
+//     (the host refuses rows > 2^24, SAMPLE_MAX_ROWS): the sum fits 24 + 24 = 48 bits of a
+//     double. The GPU adds the integer significands (u64) and scales once.
+//   * the tokens of weight exactly w*: j * w* is exact for every j (24 + 24 bits).
 //   * top-k candidates whose weights are all multiples of g = 2^emin with count * 2^-emin <= 2^53
 //     (for instance when every candidate has the same weight, as in a row of equal logits): every
 //     partial sum is exact, so the GPU uses parallel integer prefix sums there.

@@ -375,8 +375,9 @@ pub struct CudaSession {
     pub(crate) l2_prefetch: bool,
     /// MoE launch variant ([`crate::moe::MoeFlags::DEFAULT`] unless measuring).
     pub(crate) moe_flags: crate::moe::MoeFlags,
-    /// On-device sampling ([`Self::set_sampling`]); `None`: the greedy pick (`argmax_step`).
-    pub(crate) sampling: Option<crate::sample::SampleState>,
+    /// On-device sampling ([`Self::set_sampling`]): the device state and the parameters the
+    /// next sequence starts with; `None`: the greedy pick (`argmax_step`).
+    pub(crate) sampling: Option<(crate::sample::SampleState, sampler::SamplingParams)>,
     /// [`CudaModel`] id the graphs were captured with.
     pub(crate) graph_model: Option<u64>,
     /// [`CudaContext::launch_generation`] when the graphs were captured.
@@ -603,6 +604,7 @@ impl CudaSession {
     }
 
 
+
     /// Runs the MoE with another launch variant (for measurement); graphs are captured again
     /// on the next [`Self::start`] when it changes.
     #[doc(hidden)]
@@ -663,18 +665,19 @@ impl CudaSession {
         let ids = &mut self.ids.slice_mut(..self.max_ctx);
         match &mut self.sampling {
             None => cx.argmax_step(&self.logits.slice(..), m.vocab_limit, ids, &self.n_fixed.slice(..), &mut self.pos.slice_mut(..)),
-            Some(state) => cx.sample_step(&mut self.logits.slice_mut(..), ids, &self.n_fixed.slice(..), &mut self.pos.slice_mut(..), state),
+            Some((state, _)) => cx.sample_step(&mut self.logits.slice_mut(..), ids, &self.n_fixed.slice(..), &mut self.pos.slice_mut(..), state),
         }
     }
 
     /// Samples the generated tokens on the device with `params` (`sampler::Sampler::sample`'s
     /// arithmetic and random stream, token for token: see [`crate::sample`]), or picks greedily
     /// with `None` (the default; `argmax_step`, which equals sampling at temperature 0 without
-    /// penalties). Each sequence ([`Self::start`], [`Self::start_batched`]) restarts the
-    /// sampler: counts for the penalties zeroed, the random stream from `params.seed` (a fresh
-    /// OS-entropy seed per sequence when it is `None`; [`Self::sampling_seed`] reads it). The
-    /// step graphs are captured again when sampling is switched on or off, not when only the
-    /// parameters change.
+    /// penalties). Takes effect at the next [`Self::start`] / [`Self::start_batched`]: each
+    /// sequence starts the sampler afresh (counts for the penalties zeroed, the random stream
+    /// from `params.seed`, or from a fresh OS-entropy seed per sequence when it is `None`;
+    /// [`Self::sampling_seed`] reads it). A sequence in progress keeps its sampler state;
+    /// switching sampling on or off drops the step graphs, so [`Self::decode`] refuses to go on
+    /// until the next start (which captures them again).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] naming the parameter that [`sampler::SamplingParams::validate`]
@@ -687,21 +690,22 @@ impl CudaSession {
                 self.sampling = None;
                 self.drop_graphs();
             }
-            (Some(p), Some(state)) if state.rows() == m.lm_head.rows && state.vocab_limit() == m.vocab_limit => {
-                cx.sample_reset(state, p)?;
+            (Some(p), Some((state, next))) if state.rows() == m.lm_head.rows && state.vocab_limit() == m.vocab_limit => {
+                crate::sample::check_params(p, m.vocab_limit)?;
+                *next = p.clone();
             }
             (Some(p), _) => {
-                self.sampling = Some(cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?);
+                self.sampling = Some((cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?, p.clone()));
                 self.drop_graphs();
             }
         }
         Ok(())
     }
 
-    /// The seed of the device sampler's random stream for the current sequence (`None` when
-    /// picking greedily).
+    /// The seed of the device sampler's random stream for the sequence started last (`None`
+    /// when picking greedily).
     pub fn sampling_seed(&self) -> Option<u64> {
-        self.sampling.as_ref().map(|s| s.seed())
+        self.sampling.as_ref().map(|(s, _)| s.seed())
     }
 
     /// Captures the two step graphs (once per session). Called by [`Self::start`].
@@ -755,9 +759,8 @@ impl CudaSession {
                 DeviceLayerState::Attn { .. } => {}
             }
         }
-        if let Some(state) = &mut self.sampling {
-            let params = state.params().clone();
-            cx.sample_reset(state, &params)?;
+        if let Some((state, params)) = &mut self.sampling {
+            cx.sample_reset(state, params)?;
         }
         let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
         st.memcpy_htod(&ids, &mut self.ids.slice_mut(..ids.len()))?;
@@ -796,7 +799,11 @@ impl CudaSession {
         if self.graph_model != Some(m.id) {
             return Err(CudaError::Unsupported("decode before start, or with another model than the sequence was started with".into()));
         }
-        let g = self.graph_full.as_ref().expect("captured with graph_model");
+        let Some(g) = self.graph_full.as_ref() else {
+            return Err(CudaError::Unsupported(
+                "a setting changed since start (sampling on/off, PDL, MoE variant, fused norms, ablation, L2 prefetch) and the step graphs were dropped: start the sequence again".into(),
+            ));
+        };
         // the step at host_pos writes ids[host_pos + 1]
         let n = n.min(self.max_ctx.saturating_sub(self.host_pos + 1));
         for i in 0..n {
@@ -820,7 +827,9 @@ impl CudaSession {
         Ok(v.get(self.host_fixed..).unwrap_or(&[]).iter().map(|&t| t as u32).collect())
     }
 
-    /// Waits and returns the logits of the last step that ran the LM head [vocab rows].
+    /// Waits and returns the logits of the last step that ran the LM head [vocab rows]. With
+    /// sampling on, the row as the sampler left it, like the CPU sampler: penalties applied,
+    /// ids `>= vocab_limit` set to `-inf`.
     ///
     /// # Errors
     /// Driver errors.

@@ -495,7 +495,9 @@ impl CudaContext {
             act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
             counter: s.alloc_zeros::<u32>(1)?,
             bar: s.alloc_zeros::<u32>(2)?,
-            fused_grid: self.fused_grids()?,
+            // the fused kernel is a measured variant: if its shared-memory size or occupancy
+            // cannot be set up here, it is off (grid 0), never an error of the default path
+            fused_grid: self.fused_grids().unwrap_or([0, 0]),
             l2_prefetch: crate::L2Prefetch::default(),
         })
     }
@@ -763,8 +765,9 @@ impl CudaContext {
         let mut b = self.stream().launch_builder(self.func("moe_grid_barrier_probe")?);
         b.arg(&mut scratch.bar).arg(&n);
         // SAFETY: bar is the 2-word barrier state; the grid fits at once (fused_grids, with less
-        // shared memory here than the fused kernel's).
-        unsafe { b.launch(cfg) }?;
+        // shared memory here than the fused kernel's); a cooperative launch, so the driver
+        // refuses a grid that cannot be resident instead of letting the barrier spin.
+        unsafe { b.launch_cooperative(cfg) }?;
         Ok(())
     }
 
@@ -825,9 +828,11 @@ impl CudaContext {
             b.arg(&null).arg(&null);
         }
         // SAFETY: arguments match `moe_fused_*` in kernels/moe.cu; lengths fixed by
-        // upload_moe_refs and moe_scratch (norm_w: D_MODEL f32, 16-byte aligned, or null); the
-        // grid fits on the GPU at once (fused_grids), which the kernel's barriers need.
-        unsafe { b.launch(cfg) }?;
+        // upload_moe_refs and moe_scratch (norm_w: D_MODEL f32, 16-byte aligned, or null). The
+        // barriers need every block resident at once: fused_grids sized the grid by occupancy,
+        // and the launch is cooperative, so the driver refuses a grid that cannot be resident
+        // (fewer SMs under MPS or green contexts) instead of letting the barriers spin.
+        unsafe { b.launch_cooperative(cfg) }?;
         Ok(())
     }
 }

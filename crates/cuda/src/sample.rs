@@ -38,6 +38,11 @@ const DRAW_BLOCK: usize = 1024;
 /// memory (`TOPK_CAP` in `kernels/sample.cu`).
 pub const SAMPLE_MAX_TOP_K: usize = 1024;
 
+/// Most logits per row of the device sampler (2^24): its bucket sums of weight significands
+/// (24 bits each) stay exact in a double (`kernels/sample.cu`, "Bit-exactness"), and every
+/// index fits an `i32` with room for the grid arithmetic. The vocabulary is 248,320.
+pub const SAMPLE_MAX_ROWS: usize = 1 << 24;
+
 /// Words of a state's control block (`CTL_WORDS` in `kernels/sample.cu`): parameters, key, RNG
 /// position, the values passed between the launches, tickets, per-block partials, histograms.
 pub const SAMPLE_CTL_WORDS: usize = 5952;
@@ -174,7 +179,7 @@ fn i32_of(what: &str, n: usize) -> Result<i32, CudaError> {
 
 /// Checks `params` for the device sampler: [`SamplingParams::validate`], and `top_k` either off
 /// (0 or `>= vocab_limit`) or at most [`SAMPLE_MAX_TOP_K`]. Returns the effective seed.
-fn check_params(params: &SamplingParams, vocab_limit: usize) -> Result<u64, CudaError> {
+pub(crate) fn check_params(params: &SamplingParams, vocab_limit: usize) -> Result<u64, CudaError> {
     // Sampler::new validates and draws the seed from OS entropy when `params.seed` is None.
     let seed = Sampler::new(params.clone())
         .map_err(|e| CudaError::Unsupported(format!("sampling parameters: {e}")))?
@@ -221,13 +226,18 @@ impl CudaContext {
     /// (see [`Self::sample_reset`]).
     ///
     /// # Errors
-    /// [`CudaError::Unsupported`] when `rows` is 0, `vocab_limit > rows`, a length does not fit
-    /// an `i32`, or `params` is rejected (see [`Self::sample_reset`]); driver errors from the
+    /// [`CudaError::Unsupported`] when `rows` is 0 or above [`SAMPLE_MAX_ROWS`], `vocab_limit >
+    /// rows`, or `params` is rejected (see [`Self::sample_reset`]); driver errors from the
     /// allocations.
     pub fn sample_state(&self, rows: usize, vocab_limit: usize, params: &SamplingParams) -> Result<SampleState, CudaError> {
         if rows == 0 || vocab_limit > rows {
             return Err(CudaError::Unsupported(format!(
                 "sample_state: vocab_limit {vocab_limit} of {rows} rows"
+            )));
+        }
+        if rows > SAMPLE_MAX_ROWS {
+            return Err(CudaError::Unsupported(format!(
+                "sample_state: {rows} rows; the device sampler's exact integer sums hold up to {SAMPLE_MAX_ROWS}"
             )));
         }
         i32_of("sample_state rows", rows)?;
@@ -374,6 +384,7 @@ pub mod testing {
     /// SplitMix64 stream for the test rows.
     pub struct Rng(pub u64);
     impl Rng {
+        /// The next 64 bits.
         pub fn next_u64(&mut self) -> u64 {
             self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
             let mut z = self.0;
@@ -381,6 +392,7 @@ pub mod testing {
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             z ^ (z >> 31)
         }
+        /// Uniform in [0, 1) (24 bits).
         pub fn f(&mut self) -> f32 {
             (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
         }
@@ -388,12 +400,14 @@ pub mod testing {
         pub fn normal(&mut self, sd: f32) -> f32 {
             (self.f() + self.f() + self.f() + self.f() - 2.0) * 1.73 * sd
         }
+        /// Uniform in `0..n` (`n > 0`).
         pub fn below(&mut self, n: usize) -> usize {
             (self.next_u64() % n as u64) as usize
         }
     }
 
-    /// A row of `kind` (the kinds of the match below; self-test `sample` lists them) for call `call`: `rows` logits, ids `< n` the sampled range.
+    /// A row of `kind` (the kinds of the match below; the self-test section `sample` lists
+    /// them) for call `call`: `rows` logits, ids `< n` the sampled range.
     pub fn test_row(kind: usize, rows: usize, n: usize, call: usize, seed: u64) -> Vec<f32> {
         let mut r = Rng(seed ^ (call as u64).wrapping_mul(0x1234_5678_9ABC_DEF1) ^ ((kind as u64) << 56));
         let mut row: Vec<f32> = (0..rows).map(|_| r.normal(2.0)).collect();
@@ -456,6 +470,7 @@ pub mod testing {
         row
     }
 
+    /// The parameter sets of the self-test and the emulation tests, with their labels.
     pub fn param_sets() -> Vec<(&'static str, SamplingParams)> {
         let d = SamplingParams::default;
         let t = |temperature| SamplingParams { temperature, ..d() };
