@@ -120,3 +120,42 @@ __device__ __forceinline__ void calla_l2_prefetch_share(const CallaL2Prefetch& p
         }
     }
 }
+
+// Argmax reductions (sampler::argmax's rules): (bv, bi) <- (v, i) when v is larger, or equal
+// with a lower id; NaN never wins (every comparison with NaN is false). Start from (-inf,
+// 0x7fffffff). Used by argmax_step (step.cu) and the sampler (sample.cu).
+__device__ __forceinline__ void calla_take_better(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+__device__ __forceinline__ void calla_warp_best(float& bv, int& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int i = __shfl_xor_sync(0xffffffffu, bi, o);
+        calla_take_better(bv, bi, v, i);
+    }
+}
+// Best (value, id) of the whole block (blockDim.x a multiple of 32), valid in every thread of
+// warp 0. Every thread of the block must call it (two barriers; the second frees the shared
+// slots for the next call).
+__device__ __forceinline__ void calla_block_best(float& bv, int& bi) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    calla_warp_best(bv, bi);
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        bv = lane < nw ? sv[lane] : __uint_as_float(0xff800000u);
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+        calla_warp_best(bv, bi);
+    }
+    __syncthreads();
+}

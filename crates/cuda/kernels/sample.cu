@@ -457,39 +457,6 @@ __device__ __forceinline__ bool last_block(unsigned* ctl, int which) {
 }
 
 // argmax_step's reduction (step.cu): larger value, or equal with a lower id; NaN never wins.
-__device__ __forceinline__ void take_better(float& bv, int& bi, float v, int i) {
-    if (v > bv || (v == bv && i < bi)) {
-        bv = v;
-        bi = i;
-    }
-}
-__device__ __forceinline__ void warp_best(float& bv, int& bi) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(FULL, bv, o);
-        const int i = __shfl_xor_sync(FULL, bi, o);
-        take_better(bv, bi, v, i);
-    }
-}
-// Best (value, id) of the block, valid in thread 0.
-__device__ __forceinline__ void block_best(float& bv, int& bi) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    warp_best(bv, bi);
-    if (lane == 0) {
-        sv[warp] = bv;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        bv = lane < nw ? sv[lane] : CS_NEG_INF;
-        bi = lane < nw ? si[lane] : NONE;
-        warp_best(bv, bi);
-    }
-    __syncthreads();
-}
 
 // ---------------------------------------------------------------------------------------------
 // The top-k candidates (sample_select, SPARSE) as seen by its last block: in id order, in
@@ -1106,7 +1073,7 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_prep(
         for (int b = tid; b < KEY_BINS; b += THREADS)
             if (s_hist[b] != 0u) atomicAdd(ctl + C_KHIST + b, s_hist[b]);
     }
-    block_best(bv, bi);
+    calla_block_best(bv, bi);
     if (tid == 0) {
         ctl[C_PART_MAX + blockIdx.x] = __float_as_uint(bv);
         ctl[C_PART_IDX + blockIdx.x] = (unsigned)bi;
@@ -1117,8 +1084,8 @@ extern "C" __global__ void __launch_bounds__(calla_sample::THREADS) sample_prep(
         bv = CS_NEG_INF;
         bi = NONE;
         for (int b = tid; b < (int)gridDim.x; b += 32)
-            take_better(bv, bi, __uint_as_float(__ldcg(ctl + C_PART_MAX + b)), (int)__ldcg(ctl + C_PART_IDX + b));
-        warp_best(bv, bi);
+            calla_take_better(bv, bi, __uint_as_float(__ldcg(ctl + C_PART_MAX + b)), (int)__ldcg(ctl + C_PART_IDX + b));
+        calla_warp_best(bv, bi);
         if (tid == 0) {
             const unsigned tok = bi == NONE ? 0u : (unsigned)bi;  // sampler::argmax
             unsigned mode;

@@ -29,41 +29,6 @@ constexpr int NONE = 0x7fffffff;       // "no candidate yet" (loses every tie)
 constexpr int SCRATCH_IDS = ARGMAX_MAX_BLOCKS;
 constexpr int SCRATCH_TICKET = 2 * ARGMAX_MAX_BLOCKS;
 
-// (bv, bi) <- (v, i) when v is larger, or equal with a lower id. NaN compares false.
-__device__ __forceinline__ void take_better(float& bv, int& bi, float v, int i) {
-    if (v > bv || (v == bv && i < bi)) {
-        bv = v;
-        bi = i;
-    }
-}
-
-__device__ __forceinline__ void warp_best(float& bv, int& bi) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int i = __shfl_xor_sync(0xffffffffu, bi, o);
-        take_better(bv, bi, v, i);
-    }
-}
-
-// Best (value, id) of the whole block, valid in every thread of warp 0.
-__device__ __forceinline__ void block_best(float& bv, int& bi) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    warp_best(bv, bi);
-    if (lane == 0) {
-        sv[warp] = bv;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        bv = lane < nw ? sv[lane] : CALLA_NEG_INF;
-        bi = lane < nw ? si[lane] : NONE;
-        warp_best(bv, bi);
-    }
-}
 
 template <int BITS>
 __device__ __forceinline__ void embed_body(float* __restrict__ x, const unsigned* __restrict__ packed,
@@ -119,7 +84,7 @@ argmax_step(const float* __restrict__ logits, int vocab_limit, int* __restrict__
         }
     }
     calla_pdl_launch_dependents();
-    block_best(bv, bi);
+    calla_block_best(bv, bi);
     __shared__ bool last;
     if (threadIdx.x == 0) {
         scratch[blockIdx.x] = __float_as_uint(bv);
@@ -134,8 +99,8 @@ argmax_step(const float* __restrict__ logits, int vocab_limit, int* __restrict__
         bv = CALLA_NEG_INF;
         bi = NONE;
         for (int b = threadIdx.x; b < (int)gridDim.x; b += 32)
-            take_better(bv, bi, __uint_as_float(__ldcg(scratch + b)), (int)__ldcg(scratch + SCRATCH_IDS + b));
-        warp_best(bv, bi);
+            calla_take_better(bv, bi, __uint_as_float(__ldcg(scratch + b)), (int)__ldcg(scratch + SCRATCH_IDS + b));
+        calla_warp_best(bv, bi);
         if (threadIdx.x == 0) {
             const int tok = bi == NONE ? 0 : bi;
             const int next = __ldcg(pos) + 1;

@@ -62,22 +62,11 @@ const C_CALLS: usize = 16;
 /// The kernel entry points, in launch order.
 pub const SAMPLE_ENTRIES: [&str; 4] = ["sample_prep", "sample_weights", "sample_select", "sample_draw"];
 
-/// SplitMix64 seed expansion into a 32-byte ChaCha key, the same as `sampler`'s (`math.rs`,
-/// `expand_seed`: four outputs, little-endian), as the eight little-endian key words ChaCha20
-/// reads.
+/// The ChaCha20 key of `seed` as the eight little-endian words ChaCha20 reads: the bytes of
+/// [`sampler::expand_seed`] (SplitMix64, the CPU sampler's key).
 pub fn chacha_key(seed: u64) -> [u32; 8] {
-    let mut state = seed;
-    let mut key = [0u32; 8];
-    for pair in key.chunks_exact_mut(2) {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        pair[0] = z as u32;
-        pair[1] = (z >> 32) as u32;
-    }
-    key
+    let bytes = sampler::expand_seed(seed);
+    std::array::from_fn(|i| u32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]))
 }
 
 /// One ChaCha20 block (Bernstein 2008; the 64-bit counter / 64-bit stream layout of

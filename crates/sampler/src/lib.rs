@@ -45,6 +45,6 @@ mod math;
 mod params;
 mod sampler;
 
-pub use math::argmax;
+pub use math::{argmax, expand_seed};
 pub use params::{SamplerError, SamplingParams};
 pub use sampler::Sampler;

@@ -117,8 +117,9 @@ pub(crate) fn unit_f64(bits: u64) -> f64 {
 /// SplitMix64 (Steele, Lea & Flood 2014): expands a `u64` seed into a 32-byte
 /// ChaCha key, so that nearby seeds give unrelated keys. Fixed here rather than
 /// taken from `rand_core::SeedableRng::seed_from_u64`, so the token stream of a
-/// seed cannot change with a dependency update.
-pub(crate) fn expand_seed(seed: u64) -> [u8; 32] {
+/// seed cannot change with a dependency update. Public so that other implementations of the
+/// same stream (the CUDA sampler) derive the same key.
+pub fn expand_seed(seed: u64) -> [u8; 32] {
     let mut state = seed;
     let mut out = [0u8; 32];
     for chunk in out.chunks_exact_mut(8) {
