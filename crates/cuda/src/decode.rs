@@ -603,8 +603,6 @@ impl CudaSession {
         self.graph_prompt = None;
     }
 
-
-
     /// Runs the MoE with another launch variant (for measurement); graphs are captured again
     /// on the next [`Self::start`] when it changes.
     #[doc(hidden)]
