@@ -544,5 +544,25 @@ fn barrier_probe(s: &mut Suite) {
     let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok, msg: format!("arrivals left {}", bar[0]) };
     s.record(SEC, "grid barrier probe: every block released, counter back to 0", &c, "");
     println!("{SEC:<10} grid barrier: {:.2} us each ({n} in one launch {:.2} us, empty launch {:.2} us)", per * 1e6, t[1] * 1e6, t[0] * 1e6);
-    s.json.push((SEC.into(), format!("{{\"grid_barrier_us\":{:.3},\"launch_us\":{:.3}}}", per * 1e6, t[0] * 1e6)));
+    // what a barrier would replace: the boundary between two dependent kernels of the same grid,
+    // from a graph of 64 empty launches, with plain and with programmatic (PDL) edges
+    let mut edge = [0f64; 2];
+    for (i, pdl) in [false, true].into_iter().enumerate() {
+        edge[i] = time_graph_pdl(s, pdl, 20, || {
+            for _ in 0..n {
+                cx.moe_grid_barrier_probe(&mut scratch, 0).expect("empty probe");
+            }
+        }) / f64::from(n);
+    }
+    println!("{SEC:<10} kernel boundary on the same grid: {:.2} us per launch in a graph ({:.2} us with PDL edges)", edge[0] * 1e6, edge[1] * 1e6);
+    s.json.push((
+        SEC.into(),
+        format!(
+            "{{\"grid_barrier_us\":{:.3},\"launch_us\":{:.3},\"graph_kernel_us\":{:.3},\"graph_kernel_pdl_us\":{:.3}}}",
+            per * 1e6,
+            t[0] * 1e6,
+            edge[0] * 1e6,
+            edge[1] * 1e6
+        ),
+    ));
 }
