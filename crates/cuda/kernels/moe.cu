@@ -177,6 +177,45 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v;
 }
 
+// One warp's dot products of its N tiles with N groups of activation digits, in group order:
+// bq holds each group's B fragments (16 uint4, read by lanes 0-15), meta its {2^(E-30), Σx}.
+// Returns the sums of rows g (r0) and g+8 (r1) of the tile, reduced over the quad (valid in
+// lanes with t == 0).
+template <int BITS, int N>
+__device__ __forceinline__ void tiles_dot(const Tile<BITS> (&tl)[N], const uint4* bq, const float2* meta, int lane,
+                                          float& r0, float& r1) {
+    const int t = lane & 3;
+    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
+    float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const uint4 b = lane < 16 ? bq[i * 16 + lane] : make_uint4(0u, 0u, 0u, 0u);
+        tile_dot<BITS>(tl[i], b, meta[i], tmul, xmask, acc0, acc1);
+    }
+    r0 = quad_sum(acc0);
+    r1 = quad_sum(acc1);
+}
+
+// Lanes t == 0 store a tile's two row sums (r0: row g, r1: row g+8) into row16[16].
+__device__ __forceinline__ void store_rows(float* row16, float r0, float r1, int lane) {
+    if ((lane & 3) == 0) {
+        row16[lane >> 2] = r0;
+        row16[8 + (lane >> 2)] = r1;
+    }
+}
+
+// act of output i of a gate/up tile from its K-split warps' row sums red[w][16] (gate rows
+// 0-7, up rows 8-15), summed in warp order: silu(gate) * up.
+__device__ __forceinline__ float swiglu_row(const float (*red)[16], int i) {
+    float g = 0.f, up = 0.f;
+#pragma unroll
+    for (int w = 0; w < GU_KS; ++w) {
+        g += red[w][i];
+        up += red[w][8 + i];
+    }
+    return g * sigmoid_ref(g) * up;
+}
+
 // Half a warp (16 lanes, q = lane & 15) writes one group of 64 values xg[0..63] as digits (see
 // the header): lane q = 8h + 4r + t converts x[32h + 16r + 4t + 0..3]. words: the group's 64
 // words; meta: {2^(E-30), Σ x}. Must be called by all 32 lanes (shuffles).
@@ -511,30 +550,11 @@ __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, c
     if (lane < GU_GPW) s_meta[warp][lane] = umeta[g0 + lane];
     __syncwarp();
 
-    const int t = lane & 3;
-    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
-    float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-    for (int i = 0; i < GU_GPW; ++i) {
-        const uint4 bq = lane < 16 ? s_bq[warp][i][lane] : make_uint4(0u, 0u, 0u, 0u);
-        tile_dot<BITS>(tl[i], bq, s_meta[warp][i], tmul, xmask, acc0, acc1);
-    }
-    acc0 = quad_sum(acc0);
-    acc1 = quad_sum(acc1);
-    if (t == 0) {
-        s_red[warp][lane >> 2] = acc0;        // gate row 8rt + g
-        s_red[warp][8 + (lane >> 2)] = acc1;  // up row 8rt + g
-    }
+    float r0, r1;  // gate row 8rt + g, up row 8rt + g
+    tiles_dot<BITS>(tl, &s_bq[warp][0][0], s_meta[warp], lane, r0, r1);
+    store_rows(s_red[warp], r0, r1, lane);
     __syncthreads();
-    if (threadIdx.x < 8) {
-        float g = 0.f, up = 0.f;
-#pragma unroll
-        for (int w = 0; w < GU_KS; ++w) {
-            g += s_red[w][threadIdx.x];
-            up += s_red[w][8 + threadIdx.x];
-        }
-        act[slot * DE + rt * 8 + threadIdx.x] = g * sigmoid_ref(g) * up;
-    }
+    if (threadIdx.x < 8) act[slot * DE + rt * 8 + threadIdx.x] = swiglu_row(s_red, threadIdx.x);
 }
 
 template <int EB, int SB>
@@ -589,16 +609,7 @@ __device__ __forceinline__ void down_warp(const uint4* __restrict__ codes, const
 #pragma unroll
     for (int i = lane >> 4; i < DN_GPW; i += 2) quantize_group(a + i * GROUP, lane & 15, s_words + i * 64, s_meta + i);
     __syncwarp();
-    const int t = lane & 3;
-    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
-    float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-    for (int i = 0; i < DN_GPW; ++i) {
-        const uint4 bq = lane < 16 ? reinterpret_cast<const uint4*>(s_words + i * 64)[lane] : make_uint4(0u, 0u, 0u, 0u);
-        tile_dot<BITS>(tl[i], bq, s_meta[i], tmul, xmask, acc0, acc1);
-    }
-    r0 = quad_sum(acc0);
-    r1 = quad_sum(acc1);
+    tiles_dot<BITS>(tl, reinterpret_cast<const uint4*>(s_words), s_meta, lane, r0, r1);
 }
 
 // out[r] = resid[r] + Σ_k w_k (Σ_h red[h][k][i]): row i of a 16-row tile from the K halves'
@@ -635,10 +646,7 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
         down_warp<SB>(codes_s, sb_s, sel_ids, slot, false, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
     else
         down_warp<EB>(codes_e, sb_e, sel_ids, slot, true, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
-    if ((lane & 3) == 0) {
-        s_red[kh][slot][lane >> 2] = r0;
-        s_red[kh][slot][8 + (lane >> 2)] = r1;
-    }
+    store_rows(s_red[kh][slot], r0, r1, lane);
     __syncthreads();
     if (threadIdx.x < 16) combine_row(s_red, sel_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
 }
@@ -868,33 +876,15 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
         if (unit < FU_UNITS) {
             if (slot < TOPK) gu_load(gu_e, gu_sb_e, s_ids[slot], rt);
             else if (round > 0) gu_load(gu_s, gu_sb_s, 0, rt);
-            float acc0 = 0.f, acc1 = 0.f;
-            const uint4* bq4 = reinterpret_cast<const uint4*>(s_uq);
-#pragma unroll
-            for (int i = 0; i < GU_GPW; ++i) {
-                const uint4 bq = lane < 16 ? bq4[(g0 + i) * 16 + lane] : make_uint4(0u, 0u, 0u, 0u);
-                tile_dot<EB>(tl[i], bq, s_um[g0 + i], tmul, xmask, acc0, acc1);
-            }
-            acc0 = quad_sum(acc0);
-            acc1 = quad_sum(acc1);
-            if (t == 0) {
-                s_gu[gj][kq][lane >> 2] = acc0;
-                s_gu[gj][kq][8 + (lane >> 2)] = acc1;
-            }
+            float r0, r1;
+            tiles_dot<EB>(tl, reinterpret_cast<const uint4*>(s_uq) + g0 * 16, s_um + g0, lane, r0, r1);
+            store_rows(s_gu[gj][kq], r0, r1, lane);
         }
         __syncthreads();
         if (threadIdx.x < FU_UPB * 8) {
             const int j = threadIdx.x / 8, r = threadIdx.x % 8;
             const int un = b + G * (j + FU_UPB * round);
-            if (un < FU_UNITS) {
-                float g = 0.f, up = 0.f;
-#pragma unroll
-                for (int w = 0; w < GU_KS; ++w) {
-                    g += s_gu[j][w][r];
-                    up += s_gu[j][w][8 + r];
-                }
-                act[(un / GU_RT) * DE + (un % GU_RT) * 8 + r] = g * sigmoid_ref(g) * up;
-            }
+            if (un < FU_UNITS) act[(un / GU_RT) * DE + (un % GU_RT) * 8 + r] = swiglu_row(s_gu[j], r);
         }
         __syncthreads();  // s_gu free for the next round
     }
@@ -930,12 +920,7 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
                 const uint4 bq = lane < 16 ? reinterpret_cast<const uint4*>(words + i * 64)[lane] : make_uint4(0u, 0u, 0u, 0u);
                 tile_dot<EB>(dt, bq, s_dmeta[warp][i], tmul, xmask, acc0, acc1);
             }
-            acc0 = quad_sum(acc0);
-            acc1 = quad_sum(acc1);
-            if (t == 0) {
-                s_dn[dkh][dslot][lane >> 2] = acc0;
-                s_dn[dkh][dslot][8 + (lane >> 2)] = acc1;
-            }
+            store_rows(s_dn[dkh][dslot], quad_sum(acc0), quad_sum(acc1), lane);
         }
         __syncthreads();
         if (rt < DN_RT && threadIdx.x < 16) combine_row(s_dn, s_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
