@@ -15,14 +15,19 @@
 # to OUTDIR (default: ./gpu-out). Exit status: non-zero if any step failed (3: MLX wheel parts
 # still missing).
 #
-#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--mlx | --only-mlx] [--no-check]
+# With --timeline, step 3 also lays out the decode step as a kernel timeline (cuda-bench
+# --timeline, kernels compiled with the probe) in OUTDIR/timeline.txt; with --timeline-only, that
+# alone (no plain cuda-bench). $CALLA_BENCH_FLAGS (e.g. --carveout-before-gemv) go to every
+# cuda-bench run.
+#
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--timeline | --timeline-only] [--mlx | --only-mlx] [--no-check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   --*|"") out=gpu-out ;;
   *) out=$1; shift ;;
 esac
-bench=1; quick=""; ablate=""; mlx=0; check=1
+bench=1; quick=""; ablate=""; mlx=0; check=1; timeline=0
 for a in "$@"; do
   case "$a" in
     --no-bench) bench=0 ;;
@@ -33,6 +38,8 @@ for a in "$@"; do
     --mlx) mlx=1 ;;
     --only-mlx) mlx=1; bench=0; check=0 ;;
     --no-check) check=0 ;;
+    --timeline) timeline=1 ;;
+    --timeline-only) timeline=2 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -80,9 +87,17 @@ if [ "$bench" = 1 ]; then
   step "synth full size, 4-bit"
   [ -f "$work/full-q4/config.json" ] || $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1 || status=1
   tail -1 "$out/synth-full.txt"
-  step "cuda-bench"
-  $to $b/calla cuda-bench --model "$work/full-q4" --pdl $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
-  cat "$out/cuda-bench.txt" | grep -v '^JSON'
+  if [ "$timeline" != 2 ]; then
+    step "cuda-bench"
+    $to $b/calla cuda-bench --model "$work/full-q4" --pdl ${CALLA_BENCH_FLAGS:-} $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
+    cat "$out/cuda-bench.txt" | grep -v '^JSON'
+  fi
+  if [ "$timeline" != 0 ]; then
+    step "cuda-bench --timeline (kernels with the probe)"
+    $to $b/calla cuda-bench --model "$work/full-q4" --pdl ${CALLA_BENCH_FLAGS:-} --timeline --timeline-raw "$out/timeline.bin" --prompt-tokens 512 --decode-contexts 128 --json "$out/timeline.json" > "$out/timeline.txt" 2>&1 || status=1
+    grep -v '^JSON' "$out/timeline.txt"
+    for f in "$out"/timeline.*.bin; do [ -f "$f" ] && xz -T0 -f "$f"; done
+  fi
 fi
 
 if [ "$mlx" = 1 ]; then

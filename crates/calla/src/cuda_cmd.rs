@@ -51,6 +51,14 @@ pub struct CudaBenchArgs {
     /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
     #[arg(long)]
     moe_fused: bool,
+    /// Ask for the largest shared-memory carve-out on the kernels that run right before a
+    /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
+    #[arg(long)]
+    carveout_before_gemv: bool,
+    /// Let every decode GEMV trigger the next kernel's launch right after its PDL wait
+    /// (`CudaContext::set_gemv_early_trigger`).
+    #[arg(long)]
+    gemv_early_trigger: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -60,6 +68,18 @@ pub struct CudaBenchArgs {
     /// with the class's launches per step.
     #[arg(long)]
     ablate: bool,
+    /// Also lay out the decode step (first decode context) as a kernel timeline, once per
+    /// shared-memory carve-out setting: the kernels are compiled with a probe that logs, per
+    /// block, when it became resident, was released by the previous kernel and triggered the
+    /// next (`cuda::timeline`); prints per entry point what each launch adds to the step. The probe slows every kernel slightly, so the other
+    /// figures of such a run are not the plain ones.
+    #[arg(long)]
+    timeline: bool,
+    /// With `--timeline`: also write the raw records (little-endian u64, 8 words per block
+    /// record: `cuda::timeline::Record` in field order; the JSON lists the kernels) to this path
+    /// with the extension replaced by `<carve-out setting>.bin`.
+    #[arg(long)]
+    timeline_raw: Option<PathBuf>,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -147,9 +167,126 @@ fn step_bytes(gm: &CudaModel, ctx: usize) -> usize {
         + n_attn * 2 * ctx * p::N_KV_HEADS * p::HEAD_DIM * 2
 }
 
+/// Carve-out settings `cuda-bench --compare` and `--timeline` compare: 0 the driver's default
+/// (GEMVs ask for the largest), 1 the largest on every kernel, 2 the largest on the GEMVs and
+/// the kernels right before them (`CudaContext::BEFORE_GEMV`).
+const CARVEOUTS: [&str; 3] = ["driver default", "every kernel", "before GEMVs"];
+
+fn set_carveout(cx: &CudaContext, c: u8) -> Result<()> {
+    cx.set_step_carveout(if c == 1 { 100 } else { -1 })?;
+    if c == 2 {
+        cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
+    }
+    Ok(())
+}
+
+/// Decode steps laid out by `cuda-bench --timeline`.
+const TIMELINE_STEPS: usize = 4;
+
+/// `cuda-bench --timeline`: decodes [`TIMELINE_STEPS`] steps after `prompt` with the probe on,
+/// prints per entry point what each launch adds to the step and the first two layers' launches
+/// one by one, and returns both as JSON.
+fn step_timeline(
+    cx: &CudaContext,
+    gm: &CudaModel,
+    sess: &mut CudaSession,
+    start: &mut dyn FnMut(&mut CudaSession, &[u32]) -> Result<()>,
+    prompt: &[u32],
+    ctx: usize,
+    raw: Option<&std::path::Path>,
+    label: &str,
+) -> Result<serde_json::Value> {
+    start(sess, prompt)?;
+    sess.decode(gm, 8)?;
+    cx.synchronize()?;
+    cx.timeline_reset()?;
+    let t = Instant::now();
+    let n = sess.decode(gm, TIMELINE_STEPS)?;
+    cx.synchronize()?;
+    let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
+    let (records, lost) = cx.timeline_records()?;
+    anyhow::ensure!(lost == 0, "the timeline log overflowed by {lost} records");
+    let kernels = sess.step_kernel_launches()?;
+    if let Some(path) = raw {
+        let mut b = Vec::with_capacity(records.len() * 64);
+        for r in &records {
+            for w in [r.grid, (r.sm as u64) << 32 | r.block as u64, r.clk_pre, r.clk_post, r.ns_trigger, r.ns_pre, r.ns_post, r.blocks] {
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        std::fs::write(path, b).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let steps = cuda::timeline::layout(&records, &kernels)?;
+    let sum = cuda::timeline::summarize(&steps);
+    let step_us: Vec<f64> = steps.iter().map(|s| s.last().map(|l| l.release).unwrap_or(0.0) / 1e3).collect();
+    println!(
+        "timeline @ {ctx}, carve-out {label}: {} steps of {} kernels, {:.1} us/token with the probe; first to last release {:.1} us per step",
+        steps.len(),
+        kernels.len(),
+        us,
+        step_us.iter().sum::<f64>() / step_us.len().max(1) as f64
+    );
+    println!(
+        "{:<28} {:>7} {:>7} {:>9} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8}",
+        "kernel", "per step", "blocks", "span us", "us/step", "lead us", "resident %", "late us", "trigger us", "drain us"
+    );
+    for k in &sum {
+        println!(
+            "{:<28} {:>7.0} {:>7.0} {:>9.2} {:>10.1} {:>8.2} {:>10.1} {:>8.2} {:>10} {:>8}",
+            k.name,
+            k.launches_per_step,
+            k.blocks,
+            k.span_us,
+            k.total_us,
+            k.lead_us,
+            100.0 * k.resident_at_release,
+            k.late_us,
+            k.trigger_us.map(|d| format!("{d:.2}")).unwrap_or_else(|| "-".into()),
+            k.drain_us.map(|d| format!("{d:.2}")).unwrap_or_else(|| "-".into())
+        );
+    }
+    let first = steps.first().map(|s| &s[..s.len().min(16)]).unwrap_or(&[]);
+    println!("first launches of step 1 (us from its first release): resident first..last, release, all triggered");
+    for l in first {
+        println!(
+            "  {:<28} {:>5} blocks  {:>8.2} .. {:>8.2}  release {:>8.2}  triggered {}",
+            l.name,
+            l.blocks,
+            l.first_resident / 1e3,
+            l.last_resident / 1e3,
+            l.release / 1e3,
+            l.all_triggered.map(|t| format!("{:.2}", t / 1e3)).unwrap_or_else(|| "-".into())
+        );
+    }
+    Ok(serde_json::json!({
+        "context": ctx,
+        "steps": steps.len(),
+        "us_per_token_probed": us,
+        "kernels": kernels.iter().map(|(k, b)| serde_json::json!([k, b])).collect::<Vec<_>>(),
+        "summary": sum.iter().map(|k| serde_json::json!({
+            "kernel": k.name, "launches_per_step": k.launches_per_step, "blocks": k.blocks,
+            "span_us": k.span_us, "us_per_step": k.total_us, "lead_us": k.lead_us,
+            "resident_at_release": k.resident_at_release, "late_us": k.late_us, "trigger_us": k.trigger_us, "drain_us": k.drain_us,
+        })).collect::<Vec<_>>(),
+        "first_step": steps.first().map(|s| s.iter().map(|l| serde_json::json!({
+            "kernel": l.name, "blocks": l.blocks, "first_resident_us": l.first_resident / 1e3,
+            "last_resident_us": l.last_resident / 1e3, "release_us": l.release / 1e3,
+            "resident_at_release": l.resident_at_release,
+            "all_triggered_us": l.all_triggered.map(|t| t / 1e3),
+        })).collect::<Vec<_>>()),
+    }))
+}
+
 /// `calla cuda-bench`.
 pub fn bench(a: CudaBenchArgs) -> Result<()> {
+    if a.timeline {
+        cuda::timeline::enable();
+    }
     let (m, cx, gm, upload_s) = open(&a.model, a.device)?;
+    if a.carveout_before_gemv {
+        cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
+    }
+    cx.set_gemv_early_trigger(a.gemv_early_trigger);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -235,32 +372,44 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
             Ok((us, sess.graph_stats().map(|(k, _)| k).unwrap_or(0)))
         };
-        for (name, fuse, pf, flags, carve, cap) in [
-            ("as configured", fuse0, pf0, d, false, true),
-            ("GEMV+norm, registers unbounded", fuse0, pf0, d, false, false),
-            ("norms as launches", false, pf0, d, false, true),
-            ("L2 prefetch on", fuse0, true, d, false, true),
-            ("top-k in gate/up", fuse0, pf0, gate_up_topk, false, true),
-            ("max carve-out everywhere", fuse0, pf0, d, true, true),
-            ("MoE down at 48 registers", fuse0, pf0, down_r48, false, true),
-            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, false, true),
-            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, false, true),
+        // carve-out: 0 as configured, 1 the largest on every kernel, 2 the largest before GEMVs
+        let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
+        let early0 = a.gemv_early_trigger;
+        let set_carve = |c: u8| set_carveout(&cx, c);
+        for (name, fuse, pf, flags, carve, cap, early) in [
+            ("as configured", fuse0, pf0, d, carve0, true, early0),
+            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0),
+            ("norms as launches", false, pf0, d, carve0, true, early0),
+            ("L2 prefetch on", fuse0, true, d, carve0, true, early0),
+            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0),
+            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0),
+            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
+            ("default carve-out", fuse0, pf0, d, 0, true, early0),
+            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0),
+            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
+            ("GEMV late trigger", fuse0, pf0, d, carve0, true, false),
+            ("early trigger, MoE down r48", fuse0, pf0, down_r48, carve0, true, true),
+            ("early trigger, down r48, carve-out", fuse0, pf0, down_r48, 2, true, true),
+            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
+            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
         ] {
+            cx.set_gemv_early_trigger(early);
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
             sess.set_moe_flags(flags);
-            cx.set_step_carveout(if carve { 100 } else { -1 })?;
+            set_carve(carve)?;
             cx.set_gemv_reg_cap(cap);
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": carve, "gemv_reg_cap": cap, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);
         sess.set_moe_flags(d);
-        cx.set_step_carveout(-1)?;
+        set_carve(carve0)?;
         cx.set_gemv_reg_cap(true);
+        cx.set_gemv_early_trigger(early0);
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -272,8 +421,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);
         sess.set_moe_flags(MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT });
-        cx.set_step_carveout(-1)?;
+        set_carve(carve0)?;
         cx.set_gemv_reg_cap(true);
+        cx.set_gemv_early_trigger(early0);
     }
     let mut ablation = Vec::new();
     if a.ablate {
@@ -307,6 +457,22 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         sess.set_ablation(0);
         ablation.insert(0, serde_json::json!({"class": "full", "us_without": full_us, "launches": full_k, "context": ctx}));
         ablation.push(serde_json::json!({"class": "all left out", "us_without": floor_us, "launches": floor_k}));
+    }
+    let mut timeline = serde_json::Value::Null;
+    if a.timeline {
+        // one layout per carve-out setting, then back to the configured one
+        let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
+        let prompt = random_prompt(ctx, vocab, 100);
+        let mut runs = Vec::new();
+        for (c, label) in CARVEOUTS.iter().enumerate() {
+            set_carveout(&cx, c as u8)?;
+            let raw = a.timeline_raw.as_ref().map(|p| p.with_extension(format!("{c}.bin")));
+            let mut run = step_timeline(&cx, &gm, &mut sess, &mut start, &prompt, ctx, raw.as_deref(), label)?;
+            run["carveout"] = serde_json::json!(label);
+            runs.push(run);
+        }
+        set_carveout(&cx, if a.carveout_before_gemv { 2 } else { 0 })?;
+        timeline = serde_json::json!(runs);
     }
     println!(
         "calla cuda-bench · {} · {name} · {} layers · upload {upload_s:.1} s · copy roofline {:.0} GB/s · weights/token {:.3} GB",
@@ -365,11 +531,14 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
         "moe_fused": a.moe_fused,
+        "carveout_before_gemv": a.carveout_before_gemv,
+        "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "decode": decode,
         "ablation": ablation,
         "variants": variants,
+        "timeline": timeline,
         "kernel_resources": if a.ablate || a.compare { cx.kernel_resources() } else { Vec::new() }.into_iter()
             .map(|(name, regs, smem, threads)| serde_json::json!({"kernel": name, "registers": regs, "static_smem": smem, "max_threads": threads}))
             .collect::<Vec<_>>(),

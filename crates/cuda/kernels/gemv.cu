@@ -44,6 +44,10 @@ constexpr int GROUP = CALLA_QUANT_GROUP;
 static_assert(GROUP == 64, "the super-step layout assumes 64-column groups");
 constexpr int NW = 16;               // warps per block (one block per SM)
 constexpr int THREADS = NW * 32;
+// `flags` bits: trigger the dependent launch right after the PDL wait instead of once every
+// weight copy is queued (the next kernel's launch takes ~2-3 us after the trigger on the H200:
+// cuda::timeline).
+constexpr int GEMV_EARLY_TRIGGER = 1;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
 template <int BITS, int K>
@@ -236,7 +240,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
-                                          float eps, int rows, int ks_log2) {
+                                          float eps, int rows, int ks_log2, int flags) {
     using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
@@ -311,6 +315,8 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
     calla_pdl_wait();
+    const bool early = flags & GEMV_EARLY_TRIGGER;
+    if (early) calla_pdl_launch_dependents();
     build_x_table<BITS, K, NORM>(smem, x, nw, eps, ss_red);
     __syncthreads();
 
@@ -322,14 +328,14 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     const int cell0 = sb_cell(4 * g) * 8, cell1 = sb_cell(4 * g + 1) * 8;
     const int cell2 = sb_cell(4 * g + 2) * 8, cell3 = sb_cell(4 * g + 3) * 8;
     const int last_issue = total - (STAGES - 1) > 0 ? total - (STAGES - 1) : 0;
-    if (total == 0) calla_pdl_launch_dependents();
+    if (total == 0 && !early) calla_pdl_launch_dependents();
     float acc0 = 0.f, acc1 = 0.f;
     int c_stage = 0, c_ss = 0, c_it = 0;
 #pragma unroll 1
     for (int j = 0; j < total; ++j) {
         __syncwarp();
         CALLA_GEMV_ISSUE();
-        if (j == last_issue) calla_pdl_launch_dependents(); // every weight copy is queued
+        if (j == last_issue && !early) calla_pdl_launch_dependents(); // every weight copy is queued
         cp_async_wait<STAGES - 1>();
         __syncwarp();
         const unsigned char* st = ring + c_stage * C::STAGE_BYTES;
@@ -405,21 +411,22 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 // One pair of entry points per (bits, K) the model uses. K values come from the dims header.
 // Launch: THREADS threads, calla_gemv::Cfg<BITS, K>::SMEM bytes of dynamic shared memory (the
 // host computes the same number, see crates/cuda/src/lib.rs `gemv_smem_bytes`), at most one
-// block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)).
+// block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)); flags: calla_gemv::GEMV_* bits.
 #define CALLA_GEMV_ENTRY(NAME, RNAME, BITS, K)                                                              \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, int rows, int ks_log2) {                                         \
+             const float* __restrict__ x, int rows, int ks_log2, int flags) {                              \
         calla_gemv::gemv_body<BITS, K, false, false>(out, packed, scales, biases, x, nullptr, nullptr, 0.f, \
-                                                     rows, ks_log2);                                       \
+                                                     rows, ks_log2, flags);                                \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         RNAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                           \
               const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,        \
-              const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2) {       \
+              const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2,         \
+              int flags) {                                                                                  \
         calla_gemv::gemv_body<BITS, K, true, false>(out, packed, scales, biases, x, resid, nullptr, 0.f,  \
-                                                    rows, ks_log2);                                        \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // RMSNorm of x (weights norm_w f32 [K], eps) fused in front: the projections out of the residual
@@ -437,9 +444,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
-             int ks_log2) {                                                                                \
+             int ks_log2, int flags) {                                                                     \
         calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
-                                                    rows, ks_log2);                                        \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // K = D_EXPERT (expert / shared-expert down projection)

@@ -8,8 +8,93 @@
 // before calla_pdl_wait() must not read what the previous kernel writes (weights may be
 // prefetched there) and must not write any buffer. Without the attribute both are no-ops.
 // Every thread calls calla_pdl_wait() before it exits, so completion stays transitive.
-__device__ __forceinline__ void calla_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void calla_pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+//
+// With CALLA_TIMELINE defined (cuda::timeline, `calla cuda-bench --timeline`), thread 0 of every
+// block also appends one record to a device log around the wait and stamps the trigger, so the
+// host can lay out when each kernel's blocks became resident, were released and triggered.
+#ifdef CALLA_TIMELINE
+// Set by the host in every module (cuda::timeline): the log of CALLA_TL_WORDS-word records and
+// its append cursor; rec == nullptr: off.
+struct CallaTimeline {
+    unsigned long long* rec;
+    unsigned* cursor;
+    unsigned cap;
+};
+__device__ CallaTimeline calla_tl;
+// this block's record (thread 0 only) and a tag that tells it from what an earlier block left in
+// the same shared memory
+__shared__ unsigned calla_tl_slot, calla_tl_tag;
+#define CALLA_TL_WORDS 8
+__device__ __forceinline__ unsigned long long calla_globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned long long calla_gridid() {
+    unsigned long long g;
+    asm("mov.u64 %0, %%gridid;" : "=l"(g));
+    return g;
+}
+__device__ __forceinline__ bool calla_tl_lead() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
+__device__ __forceinline__ unsigned calla_tl_block() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+__device__ __forceinline__ unsigned calla_tl_tag_of(unsigned slot) {
+    return slot ^ (calla_tl_block() * 0x9E3779B9u) ^ (unsigned)calla_gridid() ^ 0xA5A5A5A5u;
+}
+#endif
+
+// With the probe, thread 0 takes its log slot (one atomic) BEFORE the wait, where a block that
+// is resident early has time to spare, and only stores after it; the trigger stamp reads
+// nothing from global memory. So the probe adds no memory round trip after the release except
+// for blocks that land after it.
+__device__ __forceinline__ void calla_pdl_wait() {
+#ifdef CALLA_TIMELINE
+    // record: gridid, smid << 32 | block, clock64 before / after the wait, globaltimer at the
+    // trigger (0: none), globaltimer before / after the wait, blocks in the grid
+    const bool lead = calla_tl_lead() && calla_tl.rec != nullptr;
+    unsigned long long c0 = 0, g0 = 0;
+    unsigned slot = 0xffffffffu;
+    if (lead) {
+        g0 = calla_globaltimer();
+        c0 = clock64();
+        slot = atomicAdd(calla_tl.cursor, 1u);
+    }
+#endif
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifdef CALLA_TIMELINE
+    if (lead) {
+        const unsigned long long c1 = clock64(), g1 = calla_globaltimer();
+        calla_tl_slot = slot;
+        calla_tl_tag = calla_tl_tag_of(slot);
+        if (slot < calla_tl.cap) {
+            unsigned smid;
+            asm("mov.u32 %0, %%smid;" : "=r"(smid));
+            unsigned long long* r = calla_tl.rec + (size_t)slot * CALLA_TL_WORDS;
+            r[0] = calla_gridid();
+            r[1] = ((unsigned long long)smid << 32) | calla_tl_block();
+            r[2] = c0;
+            r[3] = c1;
+            r[4] = 0;
+            r[5] = g0;
+            r[6] = g1;
+            r[7] = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+        }
+    }
+#endif
+}
+__device__ __forceinline__ void calla_pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#ifdef CALLA_TIMELINE
+    if (calla_tl_lead() && calla_tl.rec != nullptr) {
+        // the slot is this block's only if its wait ran first (the tag says so); the first
+        // trigger after the wait wins (r[4] was zeroed by the same thread)
+        const unsigned slot = calla_tl_slot;
+        if (slot < calla_tl.cap && calla_tl_tag == calla_tl_tag_of(slot)) {
+            calla_tl.rec[(size_t)slot * CALLA_TL_WORDS + 4] = calla_globaltimer();
+            calla_tl_tag = ~calla_tl_tag;
+        }
+    }
+#endif
+}
 
 // bf16 stored as raw 16-bit patterns (no cuda_bf16.h needed under NVRTC).
 __device__ __forceinline__ float calla_bf16_to_f32(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }

@@ -656,6 +656,18 @@ impl CudaSession {
         self.graph_full.as_ref().map(|g| (g.kernels, g.programmatic_edges))
     }
 
+    /// The kernels of the full decode step graph in launch order, `(entry point, blocks)`
+    /// (after the first [`Self::start`]); for [`crate::timeline::layout`].
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] before the graphs are captured; driver errors.
+    pub fn step_kernel_launches(&self) -> Result<Vec<(String, u64)>, CudaError> {
+        self.graph_full
+            .as_ref()
+            .ok_or_else(|| CudaError::Unsupported("no step graph captured yet: start a sequence first".into()))?
+            .kernel_launches()
+    }
+
     /// The last kernel(s) of a step that ran the LM head: the greedy pick (`argmax_step`) or,
     /// with [`Self::set_sampling`], the device sampler (`sample_step`); either writes the token
     /// to `ids[pos + 1]` past the prompt and advances `pos`.

@@ -159,6 +159,62 @@ impl StepGraph {
         }
     }
 
+    /// The kernel nodes in launch order (a topological order of the graph, ties broken by
+    /// creation order; a captured single-stream step is a chain): entry point name and blocks
+    /// per grid. For [`crate::timeline::layout`].
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn kernel_launches(&self) -> Result<Vec<(String, u64)>, CudaError> {
+        let nodes = self.nodes()?;
+        let index: std::collections::HashMap<usize, usize> = nodes.iter().enumerate().map(|(i, n)| (*n as usize, i)).collect();
+        let mut n = 0usize;
+        // SAFETY: size query, then buffers of that size, on a live graph.
+        let (from, to) = unsafe {
+            check(sys::cuGraphGetEdges_v2(self.graph, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), &mut n))?;
+            let mut from = vec![std::ptr::null_mut(); n];
+            let mut to = vec![std::ptr::null_mut(); n];
+            let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+            check(sys::cuGraphGetEdges_v2(self.graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut n))?;
+            from.truncate(n);
+            to.truncate(n);
+            (from, to)
+        };
+        let mut indeg = vec![0usize; nodes.len()];
+        let mut out: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+        for (f, t) in from.iter().zip(&to) {
+            let (f, t) = (index[&(*f as usize)], index[&(*t as usize)]);
+            out[f].push(t);
+            indeg[t] += 1;
+        }
+        let mut ready: std::collections::BTreeSet<usize> = (0..nodes.len()).filter(|&i| indeg[i] == 0).collect();
+        let mut launches = Vec::new();
+        while let Some(i) = ready.pop_first() {
+            for &t in &out[i] {
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    ready.insert(t);
+                }
+            }
+            if !Self::is_kernel(nodes[i])? {
+                continue;
+            }
+            // SAFETY: a kernel node of a live graph; the name is a static string of its module.
+            unsafe {
+                let mut p: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+                check(sys::cuGraphKernelNodeGetParams_v2(nodes[i], &mut p))?;
+                let mut name: *const std::ffi::c_char = std::ptr::null();
+                let name = if !p.func.is_null() && sys::cuFuncGetName(&mut name, p.func) == sys::CUresult::CUDA_SUCCESS && !name.is_null() {
+                    std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned()
+                } else {
+                    "?".to_string()
+                };
+                launches.push((name, p.gridDimX as u64 * p.gridDimY as u64 * p.gridDimZ as u64));
+            }
+        }
+        Ok(launches)
+    }
+
     /// Queues one replay on the capture stream.
     ///
     /// # Errors

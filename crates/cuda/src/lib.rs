@@ -23,6 +23,7 @@ pub mod nvrtc;
 pub mod prefill;
 pub mod sample;
 pub mod step;
+pub mod timeline;
 
 use std::sync::Arc;
 
@@ -229,9 +230,15 @@ pub const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
 
 /// Full NVRTC source of a kernel file: the dims header, the prelude, then the file.
 pub fn full_source(k: &KernelSource) -> String {
+    full_source_with(k, timeline::enabled())
+}
+
+/// [`full_source`] with or without the timeline probe (`CALLA_TIMELINE`, see [`timeline`]).
+pub fn full_source_with(k: &KernelSource, timeline: bool) -> String {
     format!(
-        "{}#line 1 \"prelude.cuh\"\n{}\n#line 1 \"{}.cu\"\n{}",
+        "{}{}#line 1 \"prelude.cuh\"\n{}\n#line 1 \"{}.cu\"\n{}",
         dims_header(),
+        if timeline { "#define CALLA_TIMELINE 1\n" } else { "" },
         PRELUDE,
         k.name,
         k.src
@@ -342,6 +349,9 @@ pub struct CudaContext {
     /// Use `gemv_norm_r56` (see `kernels/gemv.cu`; the default, measured faster in the decode
     /// step); set by [`Self::set_gemv_reg_cap`].
     gemv_reg_cap: std::sync::atomic::AtomicBool,
+    /// Every GEMV triggers its dependents right after its PDL wait (`GEMV_EARLY_TRIGGER` in
+    /// `kernels/gemv.cu`); set by [`Self::set_gemv_early_trigger`].
+    gemv_early_trigger: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -351,6 +361,8 @@ pub struct CudaContext {
     /// Every entry point of every file in [`KERNELS`], by name.
     funcs: std::collections::HashMap<&'static str, CudaFunction>,
     sm_count: u32,
+    /// The device log of the timeline probe, when [`timeline::enable`] was called first.
+    pub(crate) timeline: Option<std::sync::Mutex<timeline::DeviceLog>>,
 }
 
 impl CudaContext {
@@ -416,13 +428,16 @@ impl CudaContext {
             }
         }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
+        let timeline = if timeline::enabled() { Some(std::sync::Mutex::new(timeline::DeviceLog::new(&stream, &modules)?)) } else { None };
         Ok(CudaContext {
+            timeline,
             rms_norm_d_model: f("rms_norm", "rms_norm_d_model")?,
             gemv,
             gemv_resid,
             gemv_norm,
             gemv_norm_r56,
             gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
+            gemv_early_trigger: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -607,6 +622,7 @@ impl CudaContext {
         .as_ref()
         .expect("loaded");
         let eps = p::RMS_EPS;
+        let flags = self.gemv_flags();
         let mut b = self.stream.launch_builder(f);
         b.arg(out)
             .arg(&mat.packed)
@@ -616,7 +632,8 @@ impl CudaContext {
             .arg(norm_w)
             .arg(&eps)
             .arg(&rows)
-            .arg(&ks_log2);
+            .arg(&ks_log2)
+            .arg(&flags);
         // SAFETY: argument types and lengths match `gemv_norm_*` (checked above and in
         // gemv_prepare); the grid never exceeds the blocks with work.
         unsafe { b.launch(cfg) }?;
@@ -654,7 +671,8 @@ impl CudaContext {
         if let Some(r) = resid {
             b.arg(r);
         }
-        b.arg(&rows).arg(&ks_log2);
+        let flags = self.gemv_flags();
+        b.arg(&rows).arg(&ks_log2).arg(&flags);
         // SAFETY: argument types and lengths match the kernel's signature (checked in
         // gemv_prepare); the grid never exceeds the blocks with work.
         unsafe { b.launch(cfg) }?;
@@ -745,6 +763,22 @@ impl CudaContext {
         }
     }
 
+    /// Lets every GEMV trigger the launch of the next kernel right after its PDL wait
+    /// (`true`) instead of once all its weight copies are queued (`false`, the default): the
+    /// next kernel's launch takes 2-3 µs after the trigger on the H200 (`cuda::timeline`). The
+    /// same bits either way. For measurement (`calla cuda-bench --compare`); graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_gemv_early_trigger(&self, on: bool) {
+        if self.gemv_early_trigger.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn gemv_flags(&self) -> i32 {
+        i32::from(self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Generation of the context-wide launch options ([`Self::set_gemv_reg_cap`],
     /// [`Self::set_step_carveout`]): a graph captured under another generation is captured
     /// again before its next use (`CudaSession` checks this).
@@ -764,12 +798,31 @@ impl CudaContext {
     /// Driver errors from setting the attribute.
     #[doc(hidden)]
     pub fn set_step_carveout(&self, pct: i32) -> Result<(), CudaError> {
+        self.set_carveout_where(|name| !name.starts_with("gemv_"), pct)
+    }
+
+    /// Kernels that run right before a decode-step GEMV (K = 2,048 or 4,096; ~200 KB of shared
+    /// memory): the MoE down projection (before the next layer's input projection and the LM
+    /// head), the GDN step and the attention combine (before the output projection).
+    pub const BEFORE_GEMV: &'static [&'static str] = &["moe_down_", "gdn_decode_step", "attn_decode_combine"];
+
+    /// [`Self::set_step_carveout`] for the entry points whose name starts with one of
+    /// `prefixes` only (e.g. [`Self::BEFORE_GEMV`]): an SM configured for a kernel with a
+    /// small carve-out cannot take a GEMV block beside it until it drains.
+    ///
+    /// # Errors
+    /// Driver errors from setting the attribute.
+    #[doc(hidden)]
+    pub fn set_carveout_of(&self, prefixes: &[&str], pct: i32) -> Result<(), CudaError> {
+        self.set_carveout_where(|name| prefixes.iter().any(|p| name.starts_with(p)), pct)
+    }
+
+    fn set_carveout_where(&self, pick: impl Fn(&str) -> bool, pct: i32) -> Result<(), CudaError> {
         use cudarc::driver::sys::CUfunction_attribute_enum as A;
         for (name, f) in &self.funcs {
-            if name.starts_with("gemv_") {
-                continue;
+            if pick(name) {
+                f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
             }
-            f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
         }
         self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())

@@ -29,6 +29,19 @@ fn every_kernel_compiles_for_sm_90a() {
     }
 }
 
+/// The timeline probe (`CALLA_TIMELINE`, `cuda::timeline`) compiles into every kernel file and
+/// defines the symbol the host writes.
+#[test]
+fn every_kernel_compiles_with_the_timeline_probe() {
+    cuda::nvrtc::ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
+    for k in cuda::KERNELS {
+        let src = cuda::full_source_with(k, true);
+        assert!(src.contains("#define CALLA_TIMELINE 1"));
+        let cubin = cuda::nvrtc::compile_cubin(k.name, &src, cuda::ARCH).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin.windows(8).any(|w| w == b"calla_tl"), "{}: no calla_tl symbol in the probed cubin", k.name);
+    }
+}
+
 #[test]
 fn dims_header_comes_from_spec() {
     let h = cuda::dims_header();
