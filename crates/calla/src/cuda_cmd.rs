@@ -59,6 +59,10 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_gemv_early_trigger`).
     #[arg(long)]
     gemv_early_trigger: bool,
+    /// Run the MoE down projection at most 48 registers per thread (`MoeFlags::down_reg_cap`),
+    /// so an input-projection GEMV block fits beside it in every SM sub-partition.
+    #[arg(long)]
+    moe_down_r48: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -293,7 +297,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     sess.set_fuse_norm(!a.no_fuse_norm);
-    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
+    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..cuda::moe::MoeFlags::DEFAULT });
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -354,7 +358,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
-        let d = MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT };
+        let d = MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..MoeFlags::DEFAULT };
         let gate_up_topk = MoeFlags { topk_in_router: false, ..d };
         let down_r48 = MoeFlags { down_reg_cap: true, ..d };
         let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
@@ -386,10 +390,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
             ("default carve-out", fuse0, pf0, d, 0, true, early0),
             ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0),
+            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0),
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
-            ("GEMV late trigger", fuse0, pf0, d, carve0, true, false),
-            ("early trigger, MoE down r48", fuse0, pf0, down_r48, carve0, true, true),
-            ("early trigger, down r48, carve-out", fuse0, pf0, down_r48, 2, true, true),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
         ] {
@@ -420,7 +422,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         }
         sess.set_fuse_norm(fuse0);
         sess.set_l2_prefetch(pf0);
-        sess.set_moe_flags(MoeFlags { fused: a.moe_fused, ..MoeFlags::DEFAULT });
+        sess.set_moe_flags(d);
         set_carve(carve0)?;
         cx.set_gemv_reg_cap(true);
         cx.set_gemv_early_trigger(early0);
@@ -531,6 +533,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
         "moe_fused": a.moe_fused,
+        "moe_down_r48": a.moe_down_r48,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
