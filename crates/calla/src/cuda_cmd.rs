@@ -231,17 +231,18 @@ fn step_timeline(
         step_us.iter().sum::<f64>() / step_us.len().max(1) as f64
     );
     println!(
-        "{:<28} {:>7} {:>7} {:>9} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8}",
-        "kernel", "per step", "blocks", "span us", "us/step", "lead us", "resident %", "late us", "trigger us", "drain us"
+        "{:<28} {:>7} {:>7} {:>9} {:>10} {:>9} {:>8} {:>10} {:>8} {:>10} {:>8}",
+        "kernel", "per step", "blocks", "span us", "us/step", "launch us", "lead us", "resident %", "late us", "trigger us", "drain us"
     );
     for k in &sum {
         println!(
-            "{:<28} {:>7.0} {:>7.0} {:>9.2} {:>10.1} {:>8.2} {:>10.1} {:>8.2} {:>10} {:>8}",
+            "{:<28} {:>7.0} {:>7.0} {:>9.2} {:>10.1} {:>9} {:>8.2} {:>10.1} {:>8.2} {:>10} {:>8}",
             k.name,
             k.launches_per_step,
             k.blocks,
             k.span_us,
             k.total_us,
+            k.launch_us.map(|d| format!("{d:.2}")).unwrap_or_else(|| "-".into()),
             k.lead_us,
             100.0 * k.resident_at_release,
             k.late_us,
@@ -270,7 +271,7 @@ fn step_timeline(
         "summary": sum.iter().map(|k| serde_json::json!({
             "kernel": k.name, "launches_per_step": k.launches_per_step, "blocks": k.blocks,
             "span_us": k.span_us, "us_per_step": k.total_us, "lead_us": k.lead_us,
-            "resident_at_release": k.resident_at_release, "late_us": k.late_us, "trigger_us": k.trigger_us, "drain_us": k.drain_us,
+            "resident_at_release": k.resident_at_release, "late_us": k.late_us, "trigger_us": k.trigger_us, "drain_us": k.drain_us, "launch_us": k.launch_us,
         })).collect::<Vec<_>>(),
         "first_step": steps.first().map(|s| s.iter().map(|l| serde_json::json!({
             "kernel": l.name, "blocks": l.blocks, "first_resident_us": l.first_resident / 1e3,

@@ -258,7 +258,8 @@ pub fn layout(records: &[Record], kernels: &[(String, u64)]) -> Result<Vec<Vec<L
 /// `span` = next kernel's release − this kernel's release (what it adds to the chain);
 /// `lead` = release − first block resident; `late` = last block resident − release (0 when
 /// every block was resident in time); `drain` = next release − last trigger (how long the
-/// kernel ran on after every block had let its dependents launch).
+/// kernel ran on after every block had let its dependents launch); `launch` = first block
+/// resident − the previous kernel's last trigger (median).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelSummary {
     /// Entry point.
@@ -280,6 +281,9 @@ pub struct KernelSummary {
     pub trigger_us: Option<f64>,
     /// Mean µs from its last trigger to the next release (launches that triggered in every block).
     pub drain_us: Option<f64>,
+    /// Median µs from the previous kernel's last trigger to this kernel's first block resident:
+    /// the dependent-launch latency (launches whose predecessor triggered in every block).
+    pub launch_us: Option<f64>,
     /// Sum of `span_us` over a replay.
     pub total_us: f64,
 }
@@ -298,6 +302,7 @@ pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
         drain: f64,
         trig: f64,
         drain_n: usize,
+        launch: Vec<f64>,
     }
     let mut order: Vec<String> = Vec::new();
     let mut acc: HashMap<String, Acc> = HashMap::new();
@@ -305,13 +310,16 @@ pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
         for (i, l) in step.iter().enumerate() {
             let a = acc.entry(l.name.clone()).or_insert_with(|| {
                 order.push(l.name.clone());
-                Acc { n: 0, blocks: 0.0, span: 0.0, span_n: 0, lead: 0.0, res: 0.0, late: 0.0, drain: 0.0, trig: 0.0, drain_n: 0 }
+                Acc { n: 0, blocks: 0.0, span: 0.0, span_n: 0, lead: 0.0, res: 0.0, late: 0.0, drain: 0.0, trig: 0.0, drain_n: 0, launch: Vec::new() }
             });
             a.n += 1;
             a.blocks += l.blocks as f64;
             a.lead += l.release - l.first_resident;
             a.res += l.resident_at_release;
             a.late += (l.last_resident - l.release).max(0.0);
+            if let Some(t) = i.checked_sub(1).and_then(|p| step[p].all_triggered) {
+                a.launch.push(l.first_resident - t);
+            }
             if let Some(next) = step.get(i + 1) {
                 a.span += next.release - l.release;
                 a.span_n += 1;
@@ -338,11 +346,22 @@ pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
                 late_us: a.late / n / 1e3,
                 trigger_us: (a.drain_n > 0).then(|| a.trig / a.drain_n as f64 / 1e3),
                 drain_us: (a.drain_n > 0).then(|| a.drain / a.drain_n as f64 / 1e3),
+                launch_us: median(&a.launch).map(|m| m / 1e3),
                 total_us: a.span / steps_n / 1e3,
                 name,
             }
         })
         .collect()
+}
+
+fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(v[n / 2]),
+        n => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
 }
 
 #[cfg(test)]
@@ -403,6 +422,10 @@ mod tests {
         assert!((sum[0].total_us - 2.0).abs() < 1e-9);
         assert!((sum[0].drain_us.unwrap() - 0.9).abs() < 1e-9);
         assert!((sum[0].trigger_us.unwrap() - 1.1).abs() < 1e-9);
+        // b's first block is resident 0.6 us before a's last trigger; c's 2.9 us after b's
+        assert_eq!(sum[0].launch_us, None);
+        assert!((sum[1].launch_us.unwrap() - (-0.6)).abs() < 1e-9);
+        assert!((sum[2].launch_us.unwrap() - 1.1).abs() < 1e-9);
         assert!((sum[1].late_us - 0.2).abs() < 1e-9);
         assert!((sum[1].lead_us - 1.5).abs() < 1e-9);
     }
