@@ -43,6 +43,7 @@ for a in "$@"; do
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
+[ "$bench" = 0 ] && [ "$timeline" != 0 ] && echo "note: --timeline runs with the benchmark step; --no-bench / --only-mlx skip it" >&2
 mkdir -p "$out"
 b=/tmp/calla-gpu-bin
 mkdir -p $b

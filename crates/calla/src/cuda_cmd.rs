@@ -63,6 +63,10 @@ pub struct CudaBenchArgs {
     /// so an input-projection GEMV block fits beside it in every SM sub-partition.
     #[arg(long)]
     moe_down_r48: bool,
+    /// Run the decode step's input projections and LM head on the slim GEMV (at most 48
+    /// registers, a shallow ring: `CudaContext::set_gemv_slim`).
+    #[arg(long)]
+    gemv_slim: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -188,8 +192,8 @@ fn set_carveout(cx: &CudaContext, c: u8) -> Result<()> {
 const TIMELINE_STEPS: usize = 4;
 
 /// `cuda-bench --timeline`: decodes [`TIMELINE_STEPS`] steps after `prompt` with the probe on,
-/// prints per entry point what each launch adds to the step and the first two layers' launches
-/// one by one, and returns both as JSON.
+/// prints per entry point what each launch adds to the step and the first 16 launches of the
+/// first replay one by one, and returns both as JSON (all launches of the first replay).
 fn step_timeline(
     cx: &CudaContext,
     gm: &CudaModel,
@@ -292,6 +296,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
     cx.set_gemv_early_trigger(a.gemv_early_trigger);
+    cx.set_gemv_slim(a.gemv_slim);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -363,8 +368,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let gate_up_topk = MoeFlags { topk_in_router: false, ..d };
         let down_r48 = MoeFlags { down_reg_cap: true, ..d };
         let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
-        // (name, fused norms, L2 prefetch, MoE variant, max carve-out for every kernel, fused
-        // GEMV at 56 registers (the default))
+        // (name, fused norms, L2 prefetch, MoE variant, carve-out setting (CARVEOUTS), fused
+        // GEMV at 56 registers (the default), GEMV early trigger, slim input projection)
         let (fuse0, pf0) = (!a.no_fuse_norm, a.l2_prefetch);
         // µs per decoded token (after 8 warm-up steps) and kernels per step
         let mut time_decode = |sess: &mut CudaSession| -> Result<(f64, usize)> {
@@ -380,23 +385,27 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // carve-out: 0 as configured, 1 the largest on every kernel, 2 the largest before GEMVs
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
+        let slim0 = a.gemv_slim;
         let set_carve = |c: u8| set_carveout(&cx, c);
-        for (name, fuse, pf, flags, carve, cap, early) in [
-            ("as configured", fuse0, pf0, d, carve0, true, early0),
-            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0),
-            ("norms as launches", false, pf0, d, carve0, true, early0),
-            ("L2 prefetch on", fuse0, true, d, carve0, true, early0),
-            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0),
-            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0),
-            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
-            ("default carve-out", fuse0, pf0, d, 0, true, early0),
-            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0),
-            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0),
-            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
-            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
-            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
+        for (name, fuse, pf, flags, carve, cap, early, slim) in [
+            ("as configured", fuse0, pf0, d, carve0, true, early0, slim0),
+            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0, slim0),
+            ("norms as launches", false, pf0, d, carve0, true, early0, slim0),
+            ("L2 prefetch on", fuse0, true, d, carve0, true, early0, slim0),
+            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0, slim0),
+            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0, slim0),
+            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, slim0),
+            ("default carve-out", fuse0, pf0, d, 0, true, early0, slim0),
+            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0, slim0),
+            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0, slim0),
+            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, slim0),
+            ("input projection slim (48 regs, 3 stages)", fuse0, pf0, d, carve0, true, early0, true),
+            ("slim input projection, carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, true),
+            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, slim0),
+            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, slim0),
         ] {
             cx.set_gemv_early_trigger(early);
+            cx.set_gemv_slim(slim);
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
             sess.set_moe_flags(flags);
@@ -404,7 +413,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_gemv_reg_cap(cap);
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gemv_slim": slim, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured
         sess.set_fuse_norm(fuse0);
@@ -413,6 +422,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         set_carve(carve0)?;
         cx.set_gemv_reg_cap(true);
         cx.set_gemv_early_trigger(early0);
+        cx.set_gemv_slim(slim0);
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -427,6 +437,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         set_carve(carve0)?;
         cx.set_gemv_reg_cap(true);
         cx.set_gemv_early_trigger(early0);
+        cx.set_gemv_slim(slim0);
     }
     let mut ablation = Vec::new();
     if a.ablate {
@@ -537,6 +548,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "moe_down_r48": a.moe_down_r48,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
+        "gemv_slim": a.gemv_slim,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "decode": decode,

@@ -13,12 +13,14 @@
 // block also appends one record to a device log around the wait and stamps the trigger, so the
 // host can lay out when each kernel's blocks became resident, were released and triggered.
 #ifdef CALLA_TIMELINE
-// Set by the host in every module (cuda::timeline): the log of CALLA_TL_WORDS-word records and
-// its append cursor; rec == nullptr: off.
+// Set by the host in every module (cuda::timeline): the log of CALLA_TL_WORDS-word records, its
+// append cursor, its capacity in records and an epoch the host bumps at every reset;
+// rec == nullptr: off.
 struct CallaTimeline {
     unsigned long long* rec;
     unsigned* cursor;
     unsigned cap;
+    unsigned epoch;
 };
 __device__ CallaTimeline calla_tl;
 // this block's record (thread 0 only) and a tag that tells it from what an earlier block left in
@@ -37,38 +39,43 @@ __device__ __forceinline__ unsigned long long calla_gridid() {
 }
 __device__ __forceinline__ bool calla_tl_lead() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
 __device__ __forceinline__ unsigned calla_tl_block() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
-__device__ __forceinline__ unsigned calla_tl_tag_of(unsigned slot) {
-    return slot ^ (calla_tl_block() * 0x9E3779B9u) ^ (unsigned)calla_gridid() ^ 0xA5A5A5A5u;
+// The grid id is the same in every replay of a graph node; the epoch tells the log's resets apart.
+__device__ __forceinline__ unsigned calla_tl_tag_of(unsigned slot, unsigned epoch) {
+    return slot ^ (calla_tl_block() * 0x9E3779B9u) ^ (unsigned)calla_gridid() ^ (epoch * 0x85EBCA6Bu) ^ 0xA5A5A5A5u;
 }
 #endif
 
-// With the probe, thread 0 takes its log slot (one atomic) BEFORE the wait, where a block that
-// is resident early has time to spare, and only stores after it; the trigger stamp reads
-// nothing from global memory. So the probe adds no memory round trip after the release except
-// for blocks that land after it.
+// With the probe, thread 0 copies the log's descriptor and takes its slot (one atomic) BEFORE
+// the wait, where a block that is resident early has time to spare, and after the wait only
+// reads the timer and stores; the trigger reads the timer right after the trigger instruction.
+// Kernels trigger only after their wait (the tag check skips a trigger stamp otherwise).
 __device__ __forceinline__ void calla_pdl_wait() {
 #ifdef CALLA_TIMELINE
     // record: gridid, smid << 32 | block, clock64 before / after the wait, globaltimer at the
     // trigger (0: none), globaltimer before / after the wait, blocks in the grid
-    const bool lead = calla_tl_lead() && calla_tl.rec != nullptr;
+    const bool lead = calla_tl_lead();
+    CallaTimeline tl = {nullptr, nullptr, 0u, 0u};
     unsigned long long c0 = 0, g0 = 0;
     unsigned slot = 0xffffffffu;
     if (lead) {
-        g0 = calla_globaltimer();
-        c0 = clock64();
-        slot = atomicAdd(calla_tl.cursor, 1u);
+        tl = calla_tl;
+        if (tl.rec != nullptr) {
+            g0 = calla_globaltimer();
+            c0 = clock64();
+            slot = atomicAdd(tl.cursor, 1u);
+        }
     }
 #endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #ifdef CALLA_TIMELINE
-    if (lead) {
+    if (lead && tl.rec != nullptr) {
         const unsigned long long c1 = clock64(), g1 = calla_globaltimer();
         calla_tl_slot = slot;
-        calla_tl_tag = calla_tl_tag_of(slot);
-        if (slot < calla_tl.cap) {
+        calla_tl_tag = calla_tl_tag_of(slot, tl.epoch);
+        if (slot < tl.cap) {
             unsigned smid;
             asm("mov.u32 %0, %%smid;" : "=r"(smid));
-            unsigned long long* r = calla_tl.rec + (size_t)slot * CALLA_TL_WORDS;
+            unsigned long long* r = tl.rec + (size_t)slot * CALLA_TL_WORDS;
             r[0] = calla_gridid();
             r[1] = ((unsigned long long)smid << 32) | calla_tl_block();
             r[2] = c0;
@@ -84,12 +91,14 @@ __device__ __forceinline__ void calla_pdl_wait() {
 __device__ __forceinline__ void calla_pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #ifdef CALLA_TIMELINE
-    if (calla_tl_lead() && calla_tl.rec != nullptr) {
-        // the slot is this block's only if its wait ran first (the tag says so); the first
-        // trigger after the wait wins (r[4] was zeroed by the same thread)
+    if (calla_tl_lead()) {
+        const unsigned long long t = calla_globaltimer();
+        const CallaTimeline tl = calla_tl;
+        // the slot is this block's only if its wait ran first in this epoch (the tag says so);
+        // the first trigger after the wait wins (r[4] was zeroed by the same thread)
         const unsigned slot = calla_tl_slot;
-        if (slot < calla_tl.cap && calla_tl_tag == calla_tl_tag_of(slot)) {
-            calla_tl.rec[(size_t)slot * CALLA_TL_WORDS + 4] = calla_globaltimer();
+        if (tl.rec != nullptr && slot < tl.cap && calla_tl_tag == calla_tl_tag_of(slot, tl.epoch)) {
+            tl.rec[(size_t)slot * CALLA_TL_WORDS + 4] = t;
             calla_tl_tag = ~calla_tl_tag;
         }
     }

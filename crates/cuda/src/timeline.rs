@@ -11,10 +11,12 @@
 //! defined (`kernels/prelude.cuh`): thread 0 of every block then reads `%globaltimer` (and
 //! `clock64`) on both sides of `calla_pdl_wait()`, appends a [`Record`] to a device log (one
 //! atomic per block), and stamps `%globaltimer` when it calls `calla_pdl_launch_dependents()`.
-//! Times are `%globaltimer` (ns, one clock for the whole GPU; it ticks every 32 ns on the
-//! H200). The SM clocks are not used: they start from different origins, and on the H200 they
-//! drift from a straight line against `%globaltimer` by up to 6 µs within a few steps
-//! (measured), as the clock frequency moves. The host groups the records by grid id (one per
+//! Times are `%globaltimer` (ns, one clock for the whole GPU). On the H200 its values are
+//! multiples of 32 ns but it advances in steps of about 256 ns (the blocks of one launch read
+//! the same few values), so a single launch's times are good to ±0.26 µs and the per-entry-point
+//! averages over many launches to better. The SM clocks are not used: they start from
+//! different origins, and on the H200 they drift from a straight line against `%globaltimer`
+//! by up to 6 µs within a few steps (measured), as the clock frequency moves. The host groups the records by grid id (one per
 //! kernel node, numbered in launch order and reused by every replay of the graph), splits each
 //! group into replays by time, and matches the grids to the step graph's kernel nodes
 //! ([`crate::graph::StepGraph::kernel_launches`]).
@@ -93,10 +95,14 @@ impl Record {
     }
 }
 
-/// The device side of the probe: the log and its cursor.
+/// The device side of the probe: the log, its cursor, and the modules whose `calla_tl` points
+/// at them.
 pub(crate) struct DeviceLog {
     rec: CudaSlice<u64>,
     cursor: CudaSlice<u32>,
+    modules: Vec<(&'static str, std::sync::Arc<cudarc::driver::CudaModule>)>,
+    /// Bumped at every reset: a block's tag includes it (`calla_tl_tag_of`).
+    epoch: u32,
 }
 
 impl DeviceLog {
@@ -105,17 +111,27 @@ impl DeviceLog {
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
         modules: &HashMap<&'static str, std::sync::Arc<cudarc::driver::CudaModule>>,
     ) -> Result<DeviceLog, CudaError> {
-        let rec = stream.alloc_zeros::<u64>(CAPACITY * WORDS)?;
-        let cursor = stream.alloc_zeros::<u32>(1)?;
-        let rp = rec.device_ptr(stream).0;
-        let cp = cursor.device_ptr(stream).0;
-        // struct CallaTimeline { unsigned long long* rec; unsigned* cursor; unsigned cap; }
+        let mut log = DeviceLog {
+            rec: stream.alloc_zeros::<u64>(CAPACITY * WORDS)?,
+            cursor: stream.alloc_zeros::<u32>(1)?,
+            modules: modules.iter().map(|(n, m)| (*n, m.clone())).collect(),
+            epoch: 0,
+        };
+        log.write_descriptor(stream)?;
+        Ok(log)
+    }
+
+    /// Writes `struct CallaTimeline { unsigned long long* rec; unsigned* cursor; unsigned cap;
+    /// unsigned epoch; }` (24 bytes) into every module.
+    fn write_descriptor(&mut self, stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<(), CudaError> {
+        let rp = self.rec.device_ptr(stream).0;
+        let cp = self.cursor.device_ptr(stream).0;
         let mut bytes = Vec::with_capacity(24);
         bytes.extend_from_slice(&rp.to_le_bytes());
         bytes.extend_from_slice(&cp.to_le_bytes());
         bytes.extend_from_slice(&(CAPACITY as u32).to_le_bytes());
-        bytes.extend_from_slice(&[0u8; 4]);
-        for (name, m) in modules {
+        bytes.extend_from_slice(&self.epoch.to_le_bytes());
+        for (name, m) in &self.modules {
             let mut g = m.get_global("calla_tl", stream)?;
             if g.len() != bytes.len() {
                 return Err(CudaError::Unsupported(format!(
@@ -126,18 +142,21 @@ impl DeviceLog {
             }
             stream.memcpy_htod(&bytes, &mut g)?;
         }
-        Ok(DeviceLog { rec, cursor })
+        Ok(())
     }
 }
 
 impl CudaContext {
-    /// Empties the timeline log (queued; launches after it are recorded).
+    /// Empties the timeline log and starts a new epoch (queued; launches after it are
+    /// recorded).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] when the context was created without [`enable`]; driver errors.
     pub fn timeline_reset(&self) -> Result<(), CudaError> {
         let mut log = self.timeline.as_ref().ok_or_else(not_enabled)?.lock().unwrap_or_else(|e| e.into_inner());
         self.stream.memset_zeros(&mut log.cursor)?;
+        log.epoch = log.epoch.wrapping_add(1);
+        log.write_descriptor(&self.stream)?;
         Ok(())
     }
 
@@ -166,7 +185,8 @@ pub struct Launch {
     pub name: String,
     /// Blocks in the grid.
     pub blocks: u64,
-    /// Blocks that logged a record (all of them unless the log overflowed).
+    /// Blocks that logged a record in this replay (equal to `blocks`: [`layout`] refuses logs
+    /// where it is not).
     pub recorded: usize,
     /// First block resident (its wait began).
     pub first_resident: f64,

@@ -38,7 +38,7 @@ fn every_kernel_compiles_with_the_timeline_probe() {
         let src = cuda::full_source_with(k, true);
         assert!(src.contains("#define CALLA_TIMELINE 1"));
         let cubin = cuda::nvrtc::compile_cubin(k.name, &src, cuda::ARCH).unwrap_or_else(|e| panic!("{e}"));
-        assert!(cubin.windows(8).any(|w| w == b"calla_tl"), "{}: no calla_tl symbol in the probed cubin", k.name);
+        assert!(cubin.windows(9).any(|w| w == b"calla_tl\0"), "{}: no calla_tl symbol in the probed cubin", k.name);
     }
 }
 

@@ -504,6 +504,17 @@ fn fused_norm(s: &mut Suite) -> bool {
                 c.ok = false;
                 c.msg.push_str(&format!("entry points differ in {differ} words; "));
             }
+            // the slim entry point (cx.set_gemv_slim: 48 registers, shallow ring): the same bits
+            let mut slim = guarded(cx, rows);
+            cx.set_gemv_slim(true);
+            cx.gemv_norm(&mut slim.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm (slim)");
+            cx.set_gemv_slim(false);
+            let slim_h = cx.download_f32(&slim).unwrap();
+            let differ = slim_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            if differ > 0 {
+                c.ok = false;
+                c.msg.push_str(&format!("the slim entry point differs in {differ} words (guards included); "));
+            }
             let mut extra = String::new();
             if timed {
                 let bytes = m.stored_bytes();
@@ -513,7 +524,8 @@ fn fused_norm(s: &mut Suite) -> bool {
                     mats.push(cx.upload_qmat(m).expect("upload"));
                 }
                 let launches = copies.max(if s.quick { 64 } else { 256 }).div_ceil(copies) * copies;
-                let mut time = |fuse: bool| -> f64 {
+                let mut time = |fuse: bool, slim: bool| -> f64 {
+                    cx.set_gemv_slim(slim);
                     let stream = cx.stream().clone();
                     let graph = StepGraph::capture(&stream, true, || {
                         for i in 0..launches {
@@ -528,11 +540,13 @@ fn fused_norm(s: &mut Suite) -> bool {
                     })
                     .expect("PDL graph");
                     graph.launch().unwrap();
-                    s.median_timed(if s.quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6
+                    let us = s.median_timed(if s.quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6;
+                    cx.set_gemv_slim(false);
+                    us
                 };
-                let (us_pair, us_fused) = (time(false), time(true));
-                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us (PDL graph, {copies} copies)");
-                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3}");
+                let (us_pair, us_fused, us_slim) = (time(false, false), time(true, false), time(true, true));
+                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us, fused slim {us_slim:.2} us (PDL graph, {copies} copies)");
+                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3},\"us_slim\":{us_slim:.3}");
             }
             ok_all &= c.ok;
             s.record("gemv_norm", &format!("q{bits} [{rows}x{d}] fused = rms_norm + gemv, vs CPU"), &c, &extra);
