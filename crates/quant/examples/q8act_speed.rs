@@ -11,13 +11,7 @@ use quant::{Bits, QMat, QuantSpec};
 use std::time::Instant;
 
 fn random_qmat(seed: &mut u64, rows: usize, cols: usize, spec: QuantSpec) -> QMat {
-    let mut next = || {
-        *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut next = || sampler::splitmix64(seed);
     let words = rows * spec.words_per_row(cols);
     let groups = rows * spec.groups_per_row(cols);
     QMat {

@@ -45,6 +45,6 @@ mod math;
 mod params;
 mod sampler;
 
-pub use math::{argmax, expand_seed};
+pub use math::{argmax, expand_seed, splitmix64};
 pub use params::{SamplerError, SamplingParams};
 pub use sampler::Sampler;

@@ -114,7 +114,20 @@ pub(crate) fn unit_f64(bits: u64) -> f64 {
     (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// SplitMix64 (Steele, Lea & Flood 2014): expands a `u64` seed into a 32-byte
+/// One step of SplitMix64 (Steele, Lea & Flood 2014, "Fast splittable pseudorandom number
+/// generators"): advances `state` by the golden gamma `0x9E3779B97F4A7C15` and returns the
+/// mixed 64 bits. The workspace's one copy: [`expand_seed`] and the seeded test data of the
+/// other crates use it.
+#[inline]
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// SplitMix64 ([`splitmix64`]): expands a `u64` seed into a 32-byte
 /// ChaCha key, so that nearby seeds give unrelated keys. Fixed here rather than
 /// taken from `rand_core::SeedableRng::seed_from_u64`, so the token stream of a
 /// seed cannot change with a dependency update. Public so that other implementations of the
@@ -123,12 +136,7 @@ pub fn expand_seed(seed: u64) -> [u8; 32] {
     let mut state = seed;
     let mut out = [0u8; 32];
     for chunk in out.chunks_exact_mut(8) {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        chunk.copy_from_slice(&z.to_le_bytes());
+        chunk.copy_from_slice(&splitmix64(&mut state).to_le_bytes());
     }
     out
 }

@@ -17,16 +17,13 @@ fn seeded(p: SamplingParams, seed: u64) -> Sampler {
     .expect("valid params")
 }
 
-/// SplitMix64, to build test rows without depending on the sampler's RNG.
+/// SplitMix64 (`sampler::splitmix64`), to build test rows without depending on the sampler's
+/// ChaCha stream.
 struct TestRng(u64);
 
 impl TestRng {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        sampler::splitmix64(&mut self.0)
     }
     /// Uniform in [0, 1).
     fn unit(&mut self) -> f32 {

@@ -4,7 +4,7 @@
 use half::bf16;
 use quant::{Bits, QMat, QuantSpec};
 
-/// SplitMix64: small, seeded, good enough for test data.
+/// SplitMix64 (`sampler::splitmix64`): small, seeded, good enough for test data.
 pub struct Rng(u64);
 
 impl Rng {
@@ -12,11 +12,7 @@ impl Rng {
         Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        sampler::splitmix64(&mut self.0)
     }
     pub fn next_u32(&mut self) -> u32 {
         (self.next_u64() >> 32) as u32

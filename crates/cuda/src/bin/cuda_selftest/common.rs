@@ -10,12 +10,9 @@ pub const GUARD: usize = 64;
 /// A NaN bit pattern written around (and into) outputs: an unwritten output cannot pass.
 pub const SENTINEL: u32 = 0x7FA5_A5A5;
 
-/// SplitMix64 step.
+/// SplitMix64 step as a function of the state (`sampler::splitmix64`).
 pub fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    sampler::splitmix64(&mut z)
 }
 
 /// `n` seeded random words (parallel, deterministic).
