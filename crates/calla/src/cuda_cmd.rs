@@ -59,7 +59,7 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_gemv_early_trigger`).
     #[arg(long)]
     gemv_early_trigger: bool,
-    /// Run the MoE down projection at most 48 registers per thread (`MoeFlags::down_reg_cap`),
+    /// Run the MoE down projection with at most 48 registers per thread (`MoeFlags::down_reg_cap`),
     /// so an input-projection GEMV block fits beside it in every SM sub-partition.
     #[arg(long)]
     moe_down_r48: bool,
@@ -79,8 +79,9 @@ pub struct CudaBenchArgs {
     /// Also lay out the decode step (first decode context) as a kernel timeline, once per
     /// shared-memory carve-out setting: the kernels are compiled with a probe that logs, per
     /// block, when it became resident, was released by the previous kernel and triggered the
-    /// next (`cuda::timeline`); prints per entry point what each launch adds to the step. The probe slows every kernel slightly, so the other
-    /// figures of such a run are not the plain ones.
+    /// next (`cuda::timeline`); prints per entry point what each launch adds to the step. The
+    /// probe slows every kernel (~14% per step on the H200), so the other figures of such a run
+    /// are not the plain ones.
     #[arg(long)]
     timeline: bool,
     /// With `--timeline`: also write the raw records (little-endian u64, 8 words per block

@@ -45,14 +45,14 @@ static_assert(GROUP == 64, "the super-step layout assumes 64-column groups");
 constexpr int NW = 16;               // warps per block (one block per SM)
 constexpr int THREADS = NW * 32;
 // `flags` bits: trigger the dependent launch right after the PDL wait instead of once every
-// weight copy is queued (the next kernel's launch takes ~2-3 us after the trigger on the H200:
-// cuda::timeline).
+// weight copy is queued (the next kernel's launch takes 0.5-3.3 us after the trigger on the
+// H200: cuda::timeline). Measured slower in the decode step; off by default.
 constexpr int GEMV_EARLY_TRIGGER = 1;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
 // SLIM: a shallower ring (3 stages at 4 bits, 2 at 8: 127 / 156 KB of shared memory at K =
-// 2,048 instead of 199 / 226 KB) for the variant that must fit beside moe_down (see the
-// CALLA_GEMV_SLIM entry points).
+// 2,048 instead of 199 / 226 KB) for the variant that must fit beside moe_down (the
+// gemv_norm_slim_* entry points, CALLA_GEMV_48_REGS below).
 template <int BITS, int K, bool SLIM = false>
 struct Cfg {
     static constexpr int NSS = K / 128;                     // super-steps per row
@@ -412,7 +412,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 }  // namespace calla_gemv
 
 // One pair of entry points per (bits, K) the model uses. K values come from the dims header.
-// Launch: THREADS threads, calla_gemv::Cfg<BITS, K>::SMEM bytes of dynamic shared memory (the
+// Launch: THREADS threads, calla_gemv::Cfg<BITS, K, SLIM>::SMEM bytes of dynamic shared memory (the
 // host computes the same number, see crates/cuda/src/lib.rs `gemv_smem_bytes`), at most one
 // block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)); flags: calla_gemv::GEMV_* bits.
 #define CALLA_GEMV_ENTRY(NAME, RNAME, BITS, K)                                                              \
@@ -436,15 +436,17 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 // stream (input_layernorm -> in_proj / q|gate|k|v, final norm -> LM head). QUALS is one of:
 //   CALLA_GEMV_ONE_PER_SM: __launch_bounds__(THREADS, 1), as the other entry points;
 //   CALLA_GEMV_56_REGS: at most 56 registers per thread (__maxnreg__, which excludes
-//     __launch_bounds__): 16 warps x 56 = 28,672 registers, so a block fits on an SM beside a
-//     4-bit moe_down block (576 threads x 64 = 36,864 of the 65,536) and starts its weight
-//     prefetch while the previous layer's MoE is still finishing (the default; the host's
-//     CudaContext::set_gemv_reg_cap picks).
+//     __launch_bounds__): 16 warps x 56 = 28,672 registers, meant to fit on an SM beside a 4-bit
+//     moe_down block (576 threads x 64 = 36,864 of the 65,536). Measured faster (the default;
+//     the host's CudaContext::set_gemv_reg_cap picks), but not for that reason: the kernel
+//     timeline shows the blocks do not land beside moe_down (per sub-partition the registers do
+//     not fit, see CALLA_GEMV_48_REGS; nor does the shared memory below the largest carve-out);
 //   CALLA_GEMV_48_REGS (with SLIM = true): at most 48 registers per thread and the shallow ring:
 //     the variant sized to sit beside moe_down in every SM sub-partition (registers are
 //     allocated per sub-partition of 16,384: moe_down's 18 warps of 64 registers put 5 in two
-//     of them, 10,240 registers, which leaves 6,144 = 4 warps x 48) and beside its 20 KB of
-//     shared memory without the largest carve-out (docs/CUDA.md, the kernel timeline).
+//     of them, 10,240 registers, which leaves 6,144 = 4 warps x 48) and, with moe_down's 20 KB,
+//     in a 164 KB carve-out instead of the largest (docs/CUDA.md, the kernel timeline). A
+//     measured variant (CudaContext::set_gemv_slim).
 #define CALLA_GEMV_ONE_PER_SM __launch_bounds__(calla_gemv::THREADS, 1)
 #define CALLA_GEMV_56_REGS __maxnreg__(56)
 #define CALLA_GEMV_48_REGS __maxnreg__(48)

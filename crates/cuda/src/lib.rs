@@ -421,7 +421,7 @@ impl CudaContext {
                 }
             }
         }
-            let mut gemv_norm: [Option<CudaFunction>; 2] = Default::default();
+        let mut gemv_norm: [Option<CudaFunction>; 2] = Default::default();
         let mut gemv_norm_r56: [Option<CudaFunction>; 2] = Default::default();
         let mut gemv_norm_slim: [Option<CudaFunction>; 2] = Default::default();
         for (bi, b) in [4, 8].iter().enumerate() {
@@ -785,7 +785,7 @@ impl CudaContext {
 
     /// Lets every GEMV trigger the launch of the next kernel right after its PDL wait
     /// (`true`) instead of once all its weight copies are queued (`false`, the default): the
-    /// next kernel's launch takes 2-3 µs after the trigger on the H200 (`cuda::timeline`). The
+    /// next kernel's launch takes 0.5-3.3 µs after the trigger on the H200 (`cuda::timeline`). The
     /// same bits either way. For measurement (`calla cuda-bench --compare`); graphs captured
     /// earlier are captured again ([`Self::launch_generation`]).
     #[doc(hidden)]
@@ -799,8 +799,8 @@ impl CudaContext {
     /// the slim entry points (`true`): at most 48 registers per thread and a 3-stage ring at 4
     /// bits (2 at 8 bits), 127 KB of shared memory instead of 199 KB, sized so that a block fits
     /// beside a 4-bit `moe_down` block in every SM sub-partition, and with its 20 KB of shared
-    /// memory in a 164 KB carve-out instead of the largest (228 KB) (`kernels/gemv.cu`, docs/CUDA.md "What each kernel does
-    /// in the chain"). It spills a little (28-36 bytes per thread at 4 bits, ptxas). The same
+    /// memory in a 164 KB carve-out instead of the largest (228 KB) (`kernels/gemv.cu`,
+    /// docs/CUDA.md "What each kernel does in the chain"). It spills a little (28-36 bytes per thread at 4 bits, ptxas). The same
     /// bits either way; takes precedence over [`Self::set_gemv_reg_cap`]. For measurement
     /// (`calla cuda-bench --compare`, `--gemv-slim`); graphs captured earlier are captured again
     /// ([`Self::launch_generation`]).
