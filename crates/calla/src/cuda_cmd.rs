@@ -387,7 +387,17 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
         let slim0 = a.gemv_slim;
-        let set_carve = |c: u8| set_carveout(&cx, c);
+        // one step variant: every option the rows below vary, set together
+        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, slim: bool| -> Result<()> {
+            sess.set_fuse_norm(fuse);
+            sess.set_l2_prefetch(pf);
+            sess.set_moe_flags(flags);
+            set_carveout(&cx, carve)?;
+            cx.set_gemv_reg_cap(cap);
+            cx.set_gemv_early_trigger(early);
+            cx.set_gemv_slim(slim);
+            Ok(())
+        };
         for (name, fuse, pf, flags, carve, cap, early, slim) in [
             ("as configured", fuse0, pf0, d, carve0, true, early0, slim0),
             ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0, slim0),
@@ -405,25 +415,14 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, slim0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, slim0),
         ] {
-            cx.set_gemv_early_trigger(early);
-            cx.set_gemv_slim(slim);
-            sess.set_fuse_norm(fuse);
-            sess.set_l2_prefetch(pf);
-            sess.set_moe_flags(flags);
-            set_carve(carve)?;
-            cx.set_gemv_reg_cap(cap);
+            apply(&mut sess, fuse, pf, flags, carve, cap, early, slim)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
             variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gemv_slim": slim, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
-        // the device sampler in place of the greedy pick, with the step as configured
-        sess.set_fuse_norm(fuse0);
-        sess.set_l2_prefetch(pf0);
-        sess.set_moe_flags(d);
-        set_carve(carve0)?;
-        cx.set_gemv_reg_cap(true);
-        cx.set_gemv_early_trigger(early0);
-        cx.set_gemv_slim(slim0);
+        // the device sampler in place of the greedy pick, with the step as configured (which it
+        // stays in afterwards: the sampling cases change nothing else)
+        apply(&mut sess, fuse0, pf0, d, carve0, true, early0, slim0)?;
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -432,13 +431,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             variants.push(serde_json::json!({"variant": name, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             sess.set_sampling(&cx, &gm, None)?;
         }
-        sess.set_fuse_norm(fuse0);
-        sess.set_l2_prefetch(pf0);
-        sess.set_moe_flags(d);
-        set_carve(carve0)?;
-        cx.set_gemv_reg_cap(true);
-        cx.set_gemv_early_trigger(early0);
-        cx.set_gemv_slim(slim0);
     }
     let mut ablation = Vec::new();
     if a.ablate {

@@ -493,27 +493,22 @@ fn fused_norm(s: &mut Suite) -> bool {
                 c.ok = false;
                 c.msg.push_str(&format!("{differ} of {rows} outputs differ from rms_norm + gemv; "));
             }
-            // the other entry point (cx.set_gemv_reg_cap; 56 registers is the default): the same bits
-            let mut unbounded = guarded(cx, rows);
-            cx.set_gemv_reg_cap(false);
-            cx.gemv_norm(&mut unbounded.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm (unbounded registers)");
-            cx.set_gemv_reg_cap(true);
-            let unbounded_h = cx.download_f32(&unbounded).unwrap();
-            let differ = unbounded_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            if differ > 0 {
-                c.ok = false;
-                c.msg.push_str(&format!("entry points differ in {differ} words; "));
-            }
-            // the slim entry point (cx.set_gemv_slim: 48 registers, shallow ring): the same bits
-            let mut slim = guarded(cx, rows);
-            cx.set_gemv_slim(true);
-            cx.gemv_norm(&mut slim.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..)).expect("gemv_norm (slim)");
-            cx.set_gemv_slim(false);
-            let slim_h = cx.download_f32(&slim).unwrap();
-            let differ = slim_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            if differ > 0 {
-                c.ok = false;
-                c.msg.push_str(&format!("the slim entry point differs in {differ} words (guards included); "));
+            // the other entry points give the same bits: unbounded registers (cx.set_gemv_reg_cap;
+            // 56 registers is the default) and slim (cx.set_gemv_slim: 48 registers, shallow ring)
+            let use_unbounded = |on: bool| cx.set_gemv_reg_cap(!on);
+            let use_slim = |on: bool| cx.set_gemv_slim(on);
+            for (what, select) in [("unbounded", &use_unbounded as &dyn Fn(bool)), ("slim", &use_slim)] {
+                let mut other = guarded(cx, rows);
+                select(true);
+                cx.gemv_norm(&mut other.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..))
+                    .unwrap_or_else(|e| panic!("gemv_norm ({what}): {e}"));
+                select(false);
+                let other_h = cx.download_f32(&other).unwrap();
+                let differ = other_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                if differ > 0 {
+                    c.ok = false;
+                    c.msg.push_str(&format!("the {what} entry point differs in {differ} words (guards included); "));
+                }
             }
             let mut extra = String::new();
             if timed {
