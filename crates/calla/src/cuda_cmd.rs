@@ -67,10 +67,6 @@ pub struct CudaBenchArgs {
     /// registers, a shallow ring: `CudaContext::set_gemv_slim`).
     #[arg(long)]
     gemv_slim: bool,
-    /// Fold each layer's MoE router into its output projection (`MoeFlags::router_in_out_proj`:
-    /// no router launch; gate/up and down blocks do the top-k themselves).
-    #[arg(long)]
-    router_in_out_proj: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -120,9 +116,6 @@ pub struct CudaCheckArgs {
     /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
     #[arg(long)]
     moe_fused: bool,
-    /// Fold each layer's MoE router into its output projection (`MoeFlags::router_in_out_proj`).
-    #[arg(long)]
-    router_in_out_proj: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -311,12 +304,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     sess.set_fuse_norm(!a.no_fuse_norm);
-    sess.set_moe_flags(cuda::moe::MoeFlags {
-        fused: a.moe_fused,
-        down_reg_cap: a.moe_down_r48,
-        router_in_out_proj: a.router_in_out_proj,
-        ..cuda::moe::MoeFlags::DEFAULT
-    });
+    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..cuda::moe::MoeFlags::DEFAULT });
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -377,8 +365,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
-        let d = MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, router_in_out_proj: a.router_in_out_proj, ..MoeFlags::DEFAULT };
-        let router_oproj = MoeFlags { router_in_out_proj: true, ..d };
+        let d = MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..MoeFlags::DEFAULT };
         let gate_up_topk = MoeFlags { topk_in_router: false, ..d };
         let down_r48 = MoeFlags { down_reg_cap: true, ..d };
         let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
@@ -425,14 +412,13 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, slim0),
             ("input projection slim (48 regs, 3 stages)", fuse0, pf0, d, carve0, true, early0, true),
             ("slim input projection, carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, true),
-            ("router in the output projection", fuse0, pf0, router_oproj, carve0, true, early0, slim0),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, slim0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, slim0),
         ] {
             apply(&mut sess, fuse, pf, flags, carve, cap, early, slim)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "router_in_out_proj": flags.router_in_out_proj, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gemv_slim": slim, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gemv_slim": slim, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
@@ -553,7 +539,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "l2_prefetch": a.l2_prefetch,
         "moe_fused": a.moe_fused,
         "moe_down_r48": a.moe_down_r48,
-        "router_in_out_proj": a.router_in_out_proj,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
         "gemv_slim": a.gemv_slim,
@@ -641,7 +626,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     let max_ctx = a.prompt_tokens.iter().max().copied().unwrap_or(1) + a.steps + 2;
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
-    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, router_in_out_proj: a.router_in_out_proj, ..cuda::moe::MoeFlags::DEFAULT });
+    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

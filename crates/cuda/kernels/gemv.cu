@@ -53,8 +53,7 @@ constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an int
 // SLIM: a shallower ring (3 stages at 4 bits, 2 at 8: 127 / 156 KB of shared memory at K =
 // 2,048 instead of 199 / 226 KB) for the variant that must fit beside moe_down (the
 // gemv_norm_slim_* entry points, CALLA_GEMV_48_REGS below).
-// ST: the ring's stages if not 0 (the router-fused output projection below: one step per warp).
-template <int BITS, int K, bool SLIM = false, int ST = 0>
+template <int BITS, int K, bool SLIM = false>
 struct Cfg {
     static constexpr int NSS = K / 128;                     // super-steps per row
     static constexpr int NSTEP = K / 256;                   // steps per row
@@ -66,13 +65,16 @@ struct Cfg {
     static constexpr int CPT = BITS / 2;                    // 16-byte chunks per thread per row per step
     static constexpr int CODE_BYTES = 2 * CPT * 32 * 16;    // codes of one step of one warp: [2 rows][CPT][32 lanes] x 16 B
     static constexpr int STAGE_BYTES = CODE_BYTES + 32 * 8; // + one 8-byte scale/bias cell per lane
-    static constexpr int STAGES = ST ? ST : SLIM ? (BITS == 4 ? 3 : 2) : (BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2)); // within the 227 KB of a block
+    static constexpr int STAGES = SLIM ? (BITS == 4 ? 3 : 2) : (BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2)); // within the 227 KB of a block
     static constexpr int BTAB = NSS * 2 * 32 * 16;          // B fragments [NSS][2][32 lanes] uint4
     static constexpr int CST = NSS * 4 * 16;                // per (super-step, t) float4 {u0, u1, xsum, 0}
     static constexpr int RING = BTAB + CST;                 // start of the per-warp rings
     static constexpr int SMEM = RING + NW * STAGES * STAGE_BYTES; // dynamic shared memory (lib.rs gemv_smem_bytes)
 };
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -236,15 +238,13 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
     }
 }
 
-// HOLD: the block's rows of out also go to hold[0..15] (shared memory; one 16-row tile per
-// block with ks_log2 > 0, as the router-fused output projection launches it).
-template <int BITS, int K, bool RESID, bool NORM, bool SLIM = false, int ST = 0, bool HOLD = false>
+template <int BITS, int K, bool RESID, bool NORM, bool SLIM = false>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
-                                          float eps, int rows, int ks_log2, int flags, float* hold = nullptr) {
-    using C = Cfg<BITS, K, SLIM, ST>;
+                                          float eps, int rows, int ks_log2, int flags) {
+    using C = Cfg<BITS, K, SLIM>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -265,7 +265,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     const int step0 = slice << spu_log2;           // first step of this warp's k-slice
 
     unsigned char* ring = smem + C::RING + warp * (STAGES * C::STAGE_BYTES);
-    const unsigned ring_s = calla_smem_u32(ring);
+    const unsigned ring_s = smem_u32(ring);
     const unsigned cp_dst = ring_s + lane * 16;                         // + stage + slot * 512
     const unsigned sb_dst = ring_s + C::CODE_BYTES + sb_cell(lane) * 8; // + stage
     const unsigned short* sb_src = (t & 2) ? biases : scales;
@@ -396,11 +396,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                     float v = 0.f;
                     for (int s = 0; s < (1 << ks_log2); ++s) v += red[c_it & 1][warp + s][lane];
                     const int r = tile * 16 + lane;
-                    if (r < rows) {
-                        const float o = RESID ? __ldcg(resid + r) + v : v;
-                        out[r] = o;
-                        if (HOLD) hold[lane] = o;
-                    }
+                    if (r < rows) out[r] = RESID ? __ldcg(resid + r) + v : v;
                 }
             }
             acc0 = 0.f;
@@ -411,121 +407,6 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     cp_async_wait<0>();
 #undef CALLA_GEMV_UNIT
 #undef CALLA_GEMV_ISSUE
-}
-
-// ---------------------------------------------------------------------------------------------
-// The MoE router folded into the output projection (MoeFlags::router_in_out_proj; the consumers
-// are moe_gate_up_* / moe_down_* with F_ROUTER_PARTS in kernels/moe.cu).
-//
-// The next kernel needs the router logits of u = rms_norm(h) = h * inv * (1 + w), h this GEMV's
-// output (D_MODEL rows = the router's columns). The norm's 1/rms is one scalar, so
-//   logit[r] = inv * sum_c W[r, c] (1 + w_c) h_c,
-// and block b, which computes h[16b .. 16b+15] (one 16-row tile, grid D_MODEL / 16), adds its
-// 16 columns' share of every router row (and of the shared-expert gate row) right away: it
-// loads those 16 codes and the group's scale/bias word of each row before the PDL wait (one
-// thread per row), and after the tile multiplies them with (1 + w_c) h_c. Clusters of RP_CLUSTER
-// blocks gather their shares in rank 0 (st.async into its shared memory, counted on its
-// mbarrier, as kernels/gdn.cu), which sums them in rank order and writes one row of
-//   rpart[cluster][RP_ROWS]              (not yet multiplied by inv),
-// and every block writes its two "leaves" of the norm, sum of squares of 8 consecutive h,
-//   rpart[RP_CLUSTERS * RP_ROWS + 2b + k] = h[16b+8k]^2 + ... + h[16b+8k+7]^2,
-// with the expression of kernels/rms_norm.cu's threads (leaf i = its thread i), so a consumer
-// that reduces the D_MODEL / 8 leaves in that kernel's order gets its 1/rms bit for bit.
-// Router layout (crates/cuda/src/moe.rs DeviceMoe): packed u32 rows in MLX order, the scale
-// and bias of each group in one u32 (bf16 scale in the low half, bias in the high half).
-constexpr int RP_ROWS = CALLA_N_EXPERTS + 1;  // router rows, then the shared-expert gate row
-constexpr int RP_CLUSTER = 8;                 // blocks per cluster
-constexpr int RP_CLUSTERS = CALLA_D_MODEL / 16 / RP_CLUSTER;
-static_assert(RP_ROWS <= THREADS, "one thread per router row");
-static_assert((CALLA_D_MODEL / 16) % RP_CLUSTER == 0, "whole clusters");
-
-// This block's 16 columns (16b ..) of row `row`: the codes (RB = 8: four words; 4: two) and the
-// group's {scale | bias} word.
-template <int RB>
-__device__ __forceinline__ void rp_load(unsigned (&c)[4], unsigned& sbw, const uint4* __restrict__ packed,
-                                        const unsigned* __restrict__ sb, int row, int b) {
-    constexpr int D = CALLA_D_MODEL;
-    if (RB == 8) {
-        const uint4 v = __ldg(packed + (size_t)row * (D / 16) + b);
-        c[0] = v.x;
-        c[1] = v.y;
-        c[2] = v.z;
-        c[3] = v.w;
-    } else {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(packed) + (size_t)row * (D / 16) + b);
-        c[0] = v.x;
-        c[1] = v.y;
-    }
-    sbw = __ldg(sb + (size_t)row * (D / GROUP) + (16 * b) / GROUP);
-}
-
-// sum_j (scale q_j + bias) hw_j over the 16 columns, as scale * sum q hw + bias * sum hw.
-template <int RB>
-__device__ __forceinline__ float rp_dot(const unsigned (&c)[4], unsigned sbw, const float* hw) {
-    float qx = 0.f, hs = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const unsigned q = RB == 8 ? (c[j >> 2] >> (8 * (j & 3))) & 0xFFu : (c[j >> 3] >> (4 * (j & 7))) & 0xFu;
-        qx = fmaf((float)q, hw[j], qx);
-        hs += hw[j];
-    }
-    return fmaf(__uint_as_float(sbw << 16), qx, __uint_as_float(sbw & 0xFFFF0000u) * hs);
-}
-
-// out = resid + W x (K columns, D_MODEL rows, one tile per block: grid D_MODEL / 16, clusters of
-// RP_CLUSTER, ks_log2 = log2 NW), then the router shares above. norm_w: the MoE's
-// post_attention_layernorm weights [D_MODEL].
-template <int BITS, int K, int RB, int GB>
-__device__ __forceinline__ void gemv_router_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
-                                                 const unsigned short* __restrict__ scales,
-                                                 const unsigned short* __restrict__ biases,
-                                                 const float* __restrict__ x, const float* __restrict__ resid,
-                                                 const uint4* __restrict__ r_packed, const unsigned* __restrict__ r_sb,
-                                                 const uint4* __restrict__ g_packed, const unsigned* __restrict__ g_sb,
-                                                 const float* __restrict__ norm_w, float* __restrict__ rpart, int flags) {
-    static_assert(K / 256 == NW, "one 16-row tile per block, one 256-column step per warp");
-    constexpr int NE = CALLA_N_EXPERTS;
-    __shared__ float hold[16], s_hw[16];
-    __shared__ float s_rp[RP_CLUSTER][RP_ROWS];  // rank 0: every block's shares, by rank
-    __shared__ __align__(8) unsigned long long mbar;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int b = blockIdx.x;
-    const unsigned rank = calla_cluster_ctarank();
-    if (tid == 0) calla_mbar_init_expect(&mbar, RP_CLUSTER * RP_ROWS * sizeof(float));
-    calla_cluster_arrive_relaxed();  // "started, mbarrier ready": waited for before the first send
-    unsigned c[4] = {0u, 0u, 0u, 0u};
-    unsigned sbw = 0u;
-    if (tid < NE)
-        rp_load<RB>(c, sbw, r_packed, r_sb, tid, b);
-    else if (tid == NE)
-        rp_load<GB>(c, sbw, g_packed, g_sb, 0, b);
-    float nw1 = 0.f;
-    if (warp == 0 && lane < 16) nw1 = 1.f + __ldg(norm_w + 16 * b + lane);
-    gemv_body<BITS, K, true, false, false, 2, true>(out, packed, scales, biases, x, resid, nullptr, 0.f,
-                                                    CALLA_D_MODEL, 31 - __clz(NW), flags, hold);
-    __syncthreads();  // hold[] complete
-    if (warp == 0 && lane < 16) s_hw[lane] = hold[lane] * nw1;
-    if (warp == 1 && lane < 2) {
-        const float* h = hold + 8 * lane;
-        const float4 a = make_float4(h[0], h[1], h[2], h[3]), e = make_float4(h[4], h[5], h[6], h[7]);
-        rpart[RP_CLUSTERS * RP_ROWS + 2 * b + lane] =
-            a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
-    }
-    __syncthreads();  // s_hw complete
-    calla_cluster_wait();  // every block of the cluster started and initialised its mbarrier
-    if (tid < RP_ROWS) {
-        const float share = tid < NE ? rp_dot<RB>(c, sbw, s_hw) : rp_dot<GB>(c, sbw, s_hw);
-        calla_st_async_f32(&s_rp[rank][tid], &mbar, 0, share);
-    }
-    if (rank == 0) {
-        calla_mbar_wait_phase0(&mbar);
-        if (tid < RP_ROWS) {
-            float sum = 0.f;
-#pragma unroll
-            for (int r = 0; r < RP_CLUSTER; ++r) sum += s_rp[r][tid];
-            rpart[calla_cluster_id_x() * RP_ROWS + tid] = sum;
-        }
-    }
 }
 
 }  // namespace calla_gemv
@@ -594,27 +475,3 @@ CALLA_GEMV_NORM_ENTRY(gemv_norm_slim_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_48_R
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)
-
-// The router-fused output projection (gemv_router_body): out-projection bits x router bits x
-// shared-gate bits, K = the attention / GDN output width. Launch: D_MODEL / 16 blocks (clusters
-// of RP_CLUSTER) of THREADS threads, Cfg<BITS, K, false, 2>::SMEM bytes of dynamic shared memory.
-#define CALLA_GEMV_ROUTER_ENTRY(NAME, BITS, RB, GB, K)                                                      \
-    extern "C" __global__ void __cluster_dims__(calla_gemv::RP_CLUSTER, 1, 1)                               \
-        __launch_bounds__(calla_gemv::THREADS, 1)                                                          \
-        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
-             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, const float* __restrict__ resid, const uint4* __restrict__ r_packed, \
-             const unsigned* __restrict__ r_sb, const uint4* __restrict__ g_packed,                        \
-             const unsigned* __restrict__ g_sb, const float* __restrict__ norm_w, float* __restrict__ rpart, \
-             int flags) {                                                                                  \
-        calla_gemv::gemv_router_body<BITS, K, RB, GB>(out, packed, scales, biases, x, resid, r_packed, r_sb, \
-                                                      g_packed, g_sb, norm_w, rpart, flags);                \
-    }
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q4_r4_g4_k4096, 4, 4, 4, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q4_r4_g8_k4096, 4, 4, 8, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q4_r8_g4_k4096, 4, 8, 4, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q4_r8_g8_k4096, 4, 8, 8, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q8_r4_g4_k4096, 8, 4, 4, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q8_r4_g8_k4096, 8, 4, 8, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q8_r8_g4_k4096, 8, 8, 4, CALLA_ATTN_OUT)
-CALLA_GEMV_ROUTER_ENTRY(gemv_resid_rp_q8_r8_g8_k4096, 8, 8, 8, CALLA_ATTN_OUT)

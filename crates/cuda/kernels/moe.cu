@@ -107,13 +107,6 @@ __device__ __forceinline__ int warp_max_s32(int v) {
 // Runtime options of a step (kernel argument `flags`, the same for the three launches):
 constexpr int F_TOPK_IN_ROUTER = 1;  // the router's last block does the top-k (else every gate/up block does)
 constexpr int F_PREFETCH_DOWN = 2;   // gate/up blocks prefetch the down kernel's tiles into L2
-// The router ran inside the output projection (kernels/gemv.cu gemv_router_body): no router
-// kernel; every gate/up and down block reduces its partial logits and the norm's leaves itself,
-// does the top-k, and gate/up writes u's digits from h itself.
-constexpr int F_ROUTER_PARTS = 4;
-constexpr int RP_ROWS = NE + 1;                 // as calla_gemv::RP_ROWS
-constexpr int RP_CLUSTERS = D / 16 / 8;         // as calla_gemv::RP_CLUSTERS
-constexpr int RP_LEAVES = D / 8;                // kernels/rms_norm.cu's threads
 
 // Hint: bring `bytes` (multiple of 16) at `p` (16-byte aligned, global) into L2.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
@@ -365,46 +358,6 @@ __device__ __forceinline__ void router_topk(const float* __restrict__ logits, in
     }
 }
 
-// F_ROUTER_PARTS: the router's logits (times 1/rms) into s_logits[RP_ROWS] and the norm's
-// 1/rms, from what the router-fused output projection left in rpart (kernels/gemv.cu,
-// gemv_router_body): logit[r] = inv * sum over clusters in order of rpart[c][r]; inv from the
-// D/8 leaves reduced as kernels/rms_norm.cu reduces its threads' sums (warps of 32 leaves with
-// the same shuffles, then the D/256 warp sums in order), so u = h * inv * (1 + w) equals the
-// separate norm bit for bit. Every thread of the block calls it (two barriers); s_part holds
-// D/256 floats.
-__device__ __forceinline__ float router_from_parts(const float* __restrict__ rpart, float* s_logits, float* s_part) {
-    const int nt = blockDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int wg = warp; wg < D / 256; wg += nt / 32) {
-        float ss = __ldcg(rpart + RP_CLUSTERS * RP_ROWS + wg * 32 + lane);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) s_part[wg] = ss;
-    }
-    float acc[(RP_ROWS + 127) / 128];
-#pragma unroll
-    for (int k = 0; k < (RP_ROWS + 127) / 128; ++k) {
-        const int r = threadIdx.x + k * nt;
-        float v = 0.f;
-        if (r < RP_ROWS) {
-#pragma unroll
-            for (int c = 0; c < RP_CLUSTERS; ++c) v += __ldcg(rpart + c * RP_ROWS + r);
-        }
-        acc[k] = v;
-    }
-    __syncthreads();  // s_part complete
-    float tot = 0.f;
-#pragma unroll
-    for (int i = 0; i < D / 256; ++i) tot += s_part[i];
-    const float inv = rsqrtf(tot / float(D) + CALLA_RMS_EPS);
-#pragma unroll
-    for (int k = 0; k < (RP_ROWS + 127) / 128; ++k) {
-        const int r = threadIdx.x + k * nt;
-        if (r < RP_ROWS) s_logits[r] = acc[k] * inv;
-    }
-    __syncthreads();  // s_logits complete
-    return inv;
-}
-
 // post_attention_layernorm fused in front: kernels/rms_norm.cu's arithmetic in its order (equal
 // bit for bit); every block normalizes its own copy of u (D values, from global memory through
 // L2: written by the previous kernel) into s_u. Threads 0 .. D/8-1 take 8 values each (nw0, nw1:
@@ -555,10 +508,8 @@ __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, c
                                               float* __restrict__ sel_w, const float* __restrict__ logits,
                                               int slot, bool routed, int rt, const unsigned* __restrict__ uq,
                                               const float2* __restrict__ umeta, float* __restrict__ act, int flags,
-                                              const float* __restrict__ rpart, const float* __restrict__ h,
-                                              const float* __restrict__ norm_w, uint4 (*s_bq)[GU_GPW][16],
-                                              float2 (*s_meta)[GU_GPW], float (*s_red)[16], int* s_ids, float* s_w,
-                                              float* s_logits, float* s_part) {
+                                              uint4 (*s_bq)[GU_GPW][16], float2 (*s_meta)[GU_GPW],
+                                              float (*s_red)[16], int* s_ids, float* s_w) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g0 = warp * GU_GPW;  // first group of this warp's K range
     Tile<BITS> tl[GU_GPW];
@@ -573,16 +524,13 @@ __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, c
         if ((flags & F_PREFETCH_DOWN) && threadIdx.x == 0) prefetch_down(dn, 0, rt);
     }
     calla_pdl_wait();
-    const bool parts = flags & F_ROUTER_PARTS;
-    float inv = 0.f;  // with parts: the post_attention_layernorm's 1/rms
-    if (parts) inv = router_from_parts(rpart, s_logits, s_part);
     if (routed) {
         int e;
         if (flags & F_TOPK_IN_ROUTER) {
             e = sel_ids[slot];
         } else {
             // softmax + top-k here, from the router's logits (one warp; the block waits for it)
-            if (warp == 0) router_topk(parts ? s_logits : logits, s_ids, s_w, lane);
+            if (warp == 0) router_topk(logits, s_ids, s_w, lane);
             __syncthreads();
             e = s_ids[slot];
             if (blockIdx.x == 0 && threadIdx.x < NSLOT) {  // for the down kernel and telemetry
@@ -595,26 +543,11 @@ __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, c
     }
     calla_pdl_launch_dependents();  // after the wait: moe_down relies on it (see the header)
 
-    if (parts) {
-        // this warp's B fragments from h: u = h * inv * (1 + w) as norm_to_smem computes it,
-        // then the digits as the router kernel writes them (two groups per pass)
+    // this warp's B fragments (u's digits, written by the router kernel) into shared memory
+    const uint4* uq4 = reinterpret_cast<const uint4*>(uq) + g0 * 16;
 #pragma unroll
-        for (int i = lane >> 4; i < GU_GPW; i += 2) {
-            const int q = lane & 15;
-            const int off = (g0 + i) * GROUP + 32 * (q >> 3) + 16 * ((q >> 2) & 1) + 4 * (q & 3);
-            const float4 hv = __ldcg(reinterpret_cast<const float4*>(h + off));
-            const float4 wv = __ldg(reinterpret_cast<const float4*>(norm_w + off));
-            const float4 uv = make_float4(hv.x * inv * (1.f + wv.x), hv.y * inv * (1.f + wv.y),
-                                          hv.z * inv * (1.f + wv.z), hv.w * inv * (1.f + wv.w));
-            quantize_group_v(uv, q, reinterpret_cast<unsigned*>(&s_bq[warp][i][0]), &s_meta[warp][i]);
-        }
-    } else {
-        // this warp's B fragments (u's digits, written by the router kernel) into shared memory
-        const uint4* uq4 = reinterpret_cast<const uint4*>(uq) + g0 * 16;
-#pragma unroll
-        for (int i = lane; i < GU_GPW * 16; i += 32) s_bq[warp][i / 16][i % 16] = uq4[i];
-        if (lane < GU_GPW) s_meta[warp][lane] = umeta[g0 + lane];
-    }
+    for (int i = lane; i < GU_GPW * 16; i += 32) s_bq[warp][i / 16][i % 16] = uq4[i];
+    if (lane < GU_GPW) s_meta[warp][lane] = umeta[g0 + lane];
     __syncwarp();
 
     float r0, r1;  // gate row 8rt + g, up row 8rt + g
@@ -630,10 +563,7 @@ __device__ __forceinline__ void gate_up_body(const uint4* __restrict__ codes_e, 
                                              DownRef dn_e, DownRef dn_s, int* __restrict__ sel_ids,
                                              float* __restrict__ sel_w, const float* __restrict__ logits,
                                              const unsigned* __restrict__ uq, const float2* __restrict__ umeta,
-                                             float* __restrict__ act, int flags, const float* __restrict__ rpart,
-                                             const float* __restrict__ h, const float* __restrict__ norm_w) {
-    __shared__ float s_logits[RP_ROWS];
-    __shared__ float s_part[D / 256];
+                                             float* __restrict__ act, int flags) {
     __shared__ uint4 s_bq[GU_KS][GU_GPW][16];
     __shared__ float2 s_meta[GU_KS][GU_GPW];
     __shared__ float s_red[GU_KS][16];
@@ -641,11 +571,11 @@ __device__ __forceinline__ void gate_up_body(const uint4* __restrict__ codes_e, 
     __shared__ float s_w[NSLOT];
     const int slot = blockIdx.x / GU_RT, rt = blockIdx.x % GU_RT;
     if (slot == TOPK)
-        gate_up_block<SB>(codes_s, sb_s, dn_s, sel_ids, sel_w, logits, slot, false, rt, uq, umeta, act, flags, rpart,
-                          h, norm_w, s_bq, s_meta, s_red, s_ids, s_w, s_logits, s_part);
+        gate_up_block<SB>(codes_s, sb_s, dn_s, sel_ids, sel_w, logits, slot, false, rt, uq, umeta, act, flags, s_bq,
+                          s_meta, s_red, s_ids, s_w);
     else
-        gate_up_block<EB>(codes_e, sb_e, dn_e, sel_ids, sel_w, logits, slot, true, rt, uq, umeta, act, flags, rpart,
-                          h, norm_w, s_bq, s_meta, s_red, s_ids, s_w, s_logits, s_part);
+        gate_up_block<EB>(codes_e, sb_e, dn_e, sel_ids, sel_w, logits, slot, true, rt, uq, umeta, act, flags, s_bq,
+                          s_meta, s_red, s_ids, s_w);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -669,9 +599,8 @@ __device__ __forceinline__ void down_warp(const uint4* __restrict__ codes, const
             tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
     };
     // With the top-k in the router kernel, the routed ids are read before the wait: see the
-    // header (kernel 1 has completed by now); with F_ROUTER_PARTS this block chose them itself.
-    // Else the gate/up kernel wrote them: after it.
-    const bool early = !routed || (flags & (F_TOPK_IN_ROUTER | F_ROUTER_PARTS));
+    // header (kernel 1 has completed by now). Else the gate/up kernel wrote them: after it.
+    const bool early = !routed || (flags & F_TOPK_IN_ROUTER);
     if (early) load(routed ? sel_ids[slot] : 0);
     calla_pdl_wait();  // act (and maybe sel_ids) come from moe_gate_up
     if (!early) load(sel_ids[slot]);
@@ -705,36 +634,21 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
                                           const int* __restrict__ sel_ids, const float* __restrict__ sel_w,
                                           const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
                                           const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
-                                          int flags, const float* __restrict__ rpart) {
+                                          int flags) {
     __shared__ __align__(16) unsigned s_words[DN_KS * NSLOT][DN_GPW * 64];
     __shared__ float2 s_meta[DN_KS * NSLOT][DN_GPW];
     __shared__ float s_red[DN_KS][NSLOT][16];
-    __shared__ float s_logits[RP_ROWS];
-    __shared__ float s_part[D / 256];
-    __shared__ int s_ids[TOPK];
-    __shared__ float s_w[NSLOT];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slot = warp % NSLOT, kh = warp / NSLOT;
     const int rt = blockIdx.x;
-    const int* ids = sel_ids;
-    const float* w = sel_w;
-    if (flags & F_ROUTER_PARTS) {
-        // the top-k from the output projection's router shares, before the wait: that kernel
-        // completed before gate/up's wait returned, and gate/up triggers only after it
-        router_from_parts(rpart, s_logits, s_part);
-        if (warp == 0) router_topk(s_logits, s_ids, s_w, lane);
-        __syncthreads();
-        ids = s_ids;
-        w = s_w;
-    }
     float r0, r1;
     if (slot == TOPK)
-        down_warp<SB>(codes_s, sb_s, ids, slot, false, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
+        down_warp<SB>(codes_s, sb_s, sel_ids, slot, false, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
     else
-        down_warp<EB>(codes_e, sb_e, ids, slot, true, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
+        down_warp<EB>(codes_e, sb_e, sel_ids, slot, true, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
     store_rows(s_red[kh][slot], r0, r1, lane);
     __syncthreads();
-    if (threadIdx.x < 16) combine_row(s_red, w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
+    if (threadIdx.x < 16) combine_row(s_red, sel_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1043,11 +957,10 @@ CALLA_MOE_ROUTER(moe_router_r8_g8, 8, 8)
         const char* dn_codes_s, const char* dn_sb_s, unsigned dn_tile_s,                                   \
         int* __restrict__ sel_ids, float* __restrict__ sel_w, const float* __restrict__ logits,           \
         const unsigned* __restrict__ uq, const float2* __restrict__ umeta, float* __restrict__ act,        \
-        int flags, const float* __restrict__ rpart, const float* __restrict__ h,                          \
-        const float* __restrict__ norm_w) {                                                                \
+        int flags) {                                                                                       \
         calla_moe::gate_up_body<EB, SB>(codes_e, sb_e, codes_s, sb_s, {dn_codes_e, dn_sb_e, dn_tile_e},   \
                                         {dn_codes_s, dn_sb_s, dn_tile_s}, sel_ids, sel_w, logits, uq,      \
-                                        umeta, act, flags, rpart, h, norm_w);                              \
+                                        umeta, act, flags);                                                \
     }
 CALLA_MOE_GATE_UP(moe_gate_up_e4_s4, 4, 4)
 CALLA_MOE_GATE_UP(moe_gate_up_e4_s8, 4, 8)
@@ -1065,10 +978,8 @@ CALLA_MOE_GATE_UP(moe_gate_up_e8_s8, 8, 8)
         float* out, const float* resid, const float* __restrict__ act,                                    \
         const int* __restrict__ sel_ids, const float* __restrict__ sel_w,                                  \
         const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
-        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags,                     \
-        const float* __restrict__ rpart) {                                                                 \
-        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags, \
-                                     rpart);                                                               \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags) {                   \
+        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags); \
     }
 CALLA_MOE_DOWN(moe_down_e4_s4, 4, 4, CALLA_MOE_DOWN_ONE_PER_SM)
 CALLA_MOE_DOWN(moe_down_e4_s8, 4, 8, CALLA_MOE_DOWN_ONE_PER_SM)

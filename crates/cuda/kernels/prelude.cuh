@@ -118,57 +118,6 @@ __device__ __forceinline__ unsigned short calla_f32_to_bf16(float f) {
 __device__ __forceinline__ float calla_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float calla_silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// Thread-block clusters (sm_90): rank, id, barriers, and st.async into a sibling's shared
-// memory counted on its mbarrier (kernels/gdn.cu, kernels/gemv.cu).
-__device__ __forceinline__ unsigned calla_cluster_ctarank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ unsigned calla_cluster_id_x() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-    return r;
-}
-// Arrival that orders nothing: only says "this block has started" (DSMEM may be accessed only in
-// blocks that have started and not exited).
-__device__ __forceinline__ void calla_cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void calla_cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// mbarrier in this block's shared memory, completed by remote st.async byte counts.
-__device__ __forceinline__ unsigned calla_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ unsigned calla_mapa_u32(unsigned local, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void calla_mbar_init_expect(unsigned long long* m, unsigned tx_bytes) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(calla_smem_u32(m)) : "memory");
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(calla_smem_u32(m)), "r"(tx_bytes)
-                 : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void calla_mbar_wait_phase0(unsigned long long* m) {
-    unsigned done = 0;
-    while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(calla_smem_u32(m))
-                     : "memory");
-    }
-}
-// Stores v at `dst` (a __shared__ address of this block) in block `rank` of the cluster and
-// counts 4 bytes on that block's mbarrier `m` (the complete-tx has release semantics at
-// cluster scope).
-__device__ __forceinline__ void calla_st_async_f32(float* dst, unsigned long long* m, unsigned rank, float v) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(calla_mapa_u32(calla_smem_u32(dst), rank)),
-                 "r"(__float_as_uint(v)), "r"(calla_mapa_u32(calla_smem_u32(m), rank))
-                 : "memory");
-}
-
 // Sum over a full warp.
 __device__ __forceinline__ float calla_warp_sum(float v) {
 #pragma unroll

@@ -508,23 +508,8 @@ impl CudaSession {
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
-            // the router folded into the output projection (a measured variant; needs the fused norm)
-            let rp = self.moe_flags.router_in_out_proj && fuse && !self.moe_flags.fused;
-            let moe_flags = crate::moe::MoeFlags { router_in_out_proj: rp, ..self.moe_flags };
             if on(ablate::OUT_PROJ) {
-                if rp {
-                    cx.gemv_residual_router(
-                        &mut self.h.slice_mut(..),
-                        out_mat,
-                        &self.mix.slice(..n_out),
-                        &self.x.slice(..),
-                        &lw.moe,
-                        &lw.post_norm.slice(..),
-                        &mut self.moe_scratch,
-                    )?;
-                } else {
-                    cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
-                }
+                cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
             }
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
@@ -540,7 +525,7 @@ impl CudaSession {
                         &mut self.moe_scratch,
                         &mut self.x.slice_mut(..),
                         part,
-                        moe_flags,
+                        self.moe_flags,
                         norm.as_ref(),
                     )?;
                 }

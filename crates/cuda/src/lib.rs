@@ -84,14 +84,6 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_r56_q8_k2048",
             "gemv_norm_slim_q4_k2048",
             "gemv_norm_slim_q8_k2048",
-            "gemv_resid_rp_q4_r4_g4_k4096",
-            "gemv_resid_rp_q4_r4_g8_k4096",
-            "gemv_resid_rp_q4_r8_g4_k4096",
-            "gemv_resid_rp_q4_r8_g8_k4096",
-            "gemv_resid_rp_q8_r4_g4_k4096",
-            "gemv_resid_rp_q8_r4_g8_k4096",
-            "gemv_resid_rp_q8_r8_g4_k4096",
-            "gemv_resid_rp_q8_r8_g8_k4096",
         ],
     },
     KernelSource {
@@ -443,16 +435,6 @@ impl CudaContext {
                 func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL, slim) as i32)?;
                 func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
                 slot[bi] = Some(func);
-            }
-        }
-        // the router-fused output projections (MoeFlags::router_in_out_proj)
-        for b in [4usize, 8] {
-            for (r, g) in [(4, 4), (4, 8), (8, 4), (8, 8)] {
-                let func = f("gemv", &format!("gemv_resid_rp_q{b}_r{r}_g{g}_k4096"))?;
-                use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                let smem = gemv_smem_bytes_with(b, p::N_Q_HEADS * p::HEAD_DIM, GEMV_RP_STAGES) as i32;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)?;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
@@ -938,7 +920,7 @@ pub fn gemv_config(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (i32
 }
 
 /// Warps per GEMV block (`NW` in `kernels/gemv.cu`); one block per SM.
-pub(crate) const GEMV_WARPS: usize = 16;
+const GEMV_WARPS: usize = 16;
 
 /// Dynamic shared memory of a GEMV block, as `calla_gemv::Cfg<BITS, K>::SMEM` in
 /// `kernels/gemv.cu`: the B-fragment table (1 KB per 128 columns), the per-super-step constants
@@ -950,26 +932,17 @@ pub(crate) const GEMV_WARPS: usize = 16;
 const GEMV_EARLY_TRIGGER: i32 = 1;
 
 fn gemv_smem_bytes(bits: usize, cols: usize, slim: bool) -> usize {
-    let stages = match (bits, cols / 128) {
+    let nss = cols / 128;
+    let stages = match (bits, nss) {
         (4, _) if slim => 3,
         (_, _) if slim => 2,
         (4, _) => 5,
         (_, n) if n <= 16 => 3,
         _ => 2,
     };
-    gemv_smem_bytes_with(bits, cols, stages)
-}
-
-/// [`gemv_smem_bytes`] for a ring of `stages` steps (`Cfg<BITS, K, SLIM, ST>::SMEM`).
-pub(crate) fn gemv_smem_bytes_with(bits: usize, cols: usize, stages: usize) -> usize {
-    let nss = cols / 128;
     let stage_bytes = 2 * (bits / 2) * 32 * 16 + 32 * 8;
     nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
 }
-
-/// Ring stages of the router-fused output projection (`gemv_resid_rp_*`: one 256-column step
-/// per warp, so a second stage is never filled; `ST = 2` in `kernels/gemv.cu`).
-pub(crate) const GEMV_RP_STAGES: usize = 2;
 
 /// `(ks_log2, blocks)` of [`gemv_launch`].
 fn gemv_split(rows: usize, cols: usize, sm_count: u32) -> (i32, usize) {

@@ -32,8 +32,6 @@ const GU_KS: usize = 4;
 const DN_KS: usize = 2;
 /// Warps per block of the fused kernel (`FU_WARPS` in `moe.cu`).
 const FU_WARPS: usize = 20;
-/// Clusters of 8 blocks of the router-fused output projection (`RP_CLUSTERS` in `gemv.cu`).
-const RP_CLUSTERS: usize = p::D_MODEL / TILE_ROWS / 8;
 /// Down tiles per warp (`DN_GPW` in `moe.cu`): `D_EXPERT / 64 / DN_KS`.
 const DN_GPW: usize = p::D_EXPERT / QUANT_GROUP / DN_KS;
 
@@ -79,29 +77,14 @@ pub struct MoeFlags {
     /// first, as part 0, and the fused kernel does gate/up and down only (part 1; one barrier),
     /// reading the router's ids, weights and u digits.
     pub fused_keep_router: bool,
-    /// The router folded into the output projection: [`CudaContext::gemv_residual_router`]
-    /// leaves every 16 rows' share of the router logits and the norm's partial sums of squares
-    /// in the scratch, part 0 launches nothing, and every gate/up and down block reduces them,
-    /// does the softmax + top-k itself, and gate/up writes u's digits from h (`F_ROUTER_PARTS`
-    /// in `kernels/moe.cu`). Needs the fused norm (`norm` given to [`CudaContext::moe_decode_part`]);
-    /// `topk_in_router` does not apply; `fused` takes precedence.
-    pub router_in_out_proj: bool,
 }
 
 impl MoeFlags {
     /// What `moe_decode_step` runs: the fastest on the H200 with PDL edges (docs/CUDA.md).
-    pub const DEFAULT: MoeFlags = MoeFlags {
-        topk_in_router: true,
-        prefetch_down: false,
-        down_reg_cap: false,
-        fused: false,
-        fused_keep_router: false,
-        router_in_out_proj: false,
-    };
+    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false };
 
     fn bits(self) -> i32 {
-        let parts = self.router_in_out_proj;
-        i32::from(self.topk_in_router && !parts) | (i32::from(self.prefetch_down) << 1) | (i32::from(parts) << 2)
+        i32::from(self.topk_in_router) | (i32::from(self.prefetch_down) << 1)
     }
 }
 
@@ -229,10 +212,6 @@ pub struct MoeScratch {
     counter: CudaSlice<u32>,
     /// Grid barrier of the fused kernel: arrivals (zero between barriers), generation.
     bar: CudaSlice<u32>,
-    /// [`MoeFlags::router_in_out_proj`]: `[D_MODEL / 128][N_EXPERTS + 1]` router-logit shares of
-    /// each cluster of 8 output-projection blocks (before the norm's 1/rms), then `[D_MODEL / 8]`
-    /// sums of squares of 8 consecutive h (`gemv_router_body` in `kernels/gemv.cu`).
-    rpart: CudaSlice<f32>,
     /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
     /// blocks cannot all be resident at once (it then never launches).
     fused_grid: [u32; 2],
@@ -516,7 +495,6 @@ impl CudaContext {
             act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
             counter: s.alloc_zeros::<u32>(1)?,
             bar: s.alloc_zeros::<u32>(2)?,
-            rpart: s.alloc_zeros::<f32>(RP_CLUSTERS * (p::N_EXPERTS + 1) + p::D_MODEL / 8)?,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
@@ -666,15 +644,8 @@ impl CudaContext {
             }
             flags = MoeFlags { fused: false, fused_keep_router: false, ..MoeFlags::DEFAULT };
         }
-        if flags.router_in_out_proj && norm.is_none() {
-            return Err(unsupported(
-                "moe_decode_part: router_in_out_proj needs the fused norm (norm_w given, u = h)".into(),
-            ));
-        }
         let fl = flags.bits();
-        let null = 0u64; // a null pointer argument
         match part {
-            0 if flags.router_in_out_proj => {} // the router ran in the output projection
             0 => {
                 let name = format!("moe_router_r{}_g{}", bits_index(m.router_bits), bits_index(m.shared_gate_bits));
                 // a router row spans D_MODEL·bits/4096 warps (one 16-byte chunk per lane); one
@@ -699,6 +670,7 @@ impl CudaContext {
                     .arg(&mut scratch.sel_w)
                     .arg(&mut scratch.counter)
                     .arg(&fl);
+                let null = 0u64; // a null norm_w: u is used as it is
                 match norm {
                     Some(w) => b.arg(w),
                     None => b.arg(&null),
@@ -739,15 +711,8 @@ impl CudaContext {
                     .arg(&scratch.uq)
                     .arg(&scratch.umeta)
                     .arg(&mut scratch.act)
-                    .arg(&fl)
-                    .arg(&scratch.rpart)
-                    .arg(u);
-                match norm {
-                    Some(w) => b.arg(w),
-                    None => b.arg(&null),
-                };
-                // SAFETY: as above (`moe_gate_up_*`; h = u and norm_w are read only with
-                // F_ROUTER_PARTS, which requires norm_w).
+                    .arg(&fl);
+                // SAFETY: as above (`moe_gate_up_*`).
                 unsafe { b.launch(cfg) }?;
             }
             2 => {
@@ -772,8 +737,7 @@ impl CudaContext {
                     .arg(&m.down_sb)
                     .arg(&m.sh_down_codes)
                     .arg(&m.sh_down_sb)
-                    .arg(&fl)
-                    .arg(&scratch.rpart);
+                    .arg(&fl);
                 // SAFETY: as above (`moe_down_*`).
                 unsafe { b.launch(cfg) }?;
             }
@@ -784,85 +748,6 @@ impl CudaContext {
 }
 
 impl CudaContext {
-    /// `h = resid + W·x` ([`Self::gemv_residual`] for the output projection, `D_MODEL` rows)
-    /// with the MoE router folded in ([`MoeFlags::router_in_out_proj`]): besides `h`, each
-    /// block's 16 rows are multiplied into layer `moe`'s router and shared-expert gate columns
-    /// (times `1 + norm_w`, the post_attention_layernorm) and the norm's partial sums of
-    /// squares kept, in `scratch`, so the next [`Self::moe_decode_part`]s with that flag (and
-    /// `norm = norm_w`, `u = resid = h`) need no router launch. `h` is bit for bit that of
-    /// [`Self::gemv_residual`]; the logits equal the router kernel's up to the f32 rounding
-    /// of another summation order (`gemv_router_body` in `kernels/gemv.cu`).
-    ///
-    /// `mat`: `[D_MODEL, N_Q_HEADS·HEAD_DIM]` (attention o_proj or GDN out_proj, 4 or 8 bits);
-    /// `x` that many f32 (16-byte aligned); `resid`, `out`: `[D_MODEL]`; `norm_w`: `[D_MODEL]`
-    /// f32, 16-byte aligned. Asynchronous on [`Self::stream`], graph-capturable.
-    ///
-    /// # Errors
-    /// [`CudaError::Unsupported`] on another shape, a misaligned vector or a GPU with fewer
-    /// SMs than one cluster needs; driver errors.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_residual_router(
-        &self,
-        out: &mut CudaViewMut<'_, f32>,
-        mat: &crate::DeviceQMat,
-        x: &CudaView<'_, f32>,
-        resid: &CudaView<'_, f32>,
-        moe: &DeviceMoe,
-        norm_w: &CudaView<'_, f32>,
-        scratch: &mut MoeScratch,
-    ) -> Result<(), CudaError> {
-        let (d, k) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
-        if mat.rows != d || mat.cols != k || k != p::N_V_HEADS * p::D_V || x.len() != k || resid.len() != d || out.len() != d || norm_w.len() != d {
-            return Err(unsupported(format!(
-                "gemv_residual_router: out {} x {} resid {} norm_w {} for a [{}, {}] matrix (built for [{d}, {k}])",
-                out.len(),
-                x.len(),
-                resid.len(),
-                norm_w.len(),
-                mat.rows,
-                mat.cols
-            )));
-        }
-        let s = self.stream();
-        for (what, v) in [("x", x), ("norm_w", norm_w)] {
-            let (ptr, _guard) = v.device_ptr(s);
-            if ptr % 16 != 0 {
-                return Err(unsupported(format!("gemv_residual_router: {what} must be 16-byte aligned (device address {ptr:#x})")));
-            }
-        }
-        let name = format!(
-            "gemv_resid_rp_q{}_r{}_g{}_k{k}",
-            mat.bits.bits(),
-            bits_index(moe.router_bits),
-            bits_index(moe.shared_gate_bits)
-        );
-        let cfg = LaunchConfig {
-            grid_dim: ((d / TILE_ROWS) as u32, 1, 1),
-            block_dim: ((crate::GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: crate::gemv_smem_bytes_with(mat.bits.bits() as usize, k, crate::GEMV_RP_STAGES) as u32,
-        };
-        let flags = self.gemv_flags();
-        let mut b = s.launch_builder(self.func(&name)?);
-        b.arg(out)
-            .arg(&mat.packed)
-            .arg(&mat.scales)
-            .arg(&mat.biases)
-            .arg(x)
-            .arg(resid)
-            .arg(&moe.router_packed)
-            .arg(&moe.router_sb)
-            .arg(&moe.sgate_packed)
-            .arg(&moe.sgate_sb)
-            .arg(norm_w)
-            .arg(&mut scratch.rpart)
-            .arg(&flags);
-        // SAFETY: arguments match `gemv_resid_rp_*` in kernels/gemv.cu; shapes checked above,
-        // router layouts fixed by upload_moe_refs, rpart sized by moe_scratch; the grid is one
-        // 16-row tile per block in whole clusters of 8 (D_MODEL / 16 = 128 blocks).
-        unsafe { b.launch(cfg) }?;
-        Ok(())
-    }
-
     /// Measurement: `n` grid-wide barriers in a row (`moe_grid_barrier_probe`, the fused
     /// kernel's barrier on its grid and block shape), one launch; time `n` = 64 against 0 for
     /// the cost of one barrier.

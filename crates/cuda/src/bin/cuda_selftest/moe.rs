@@ -283,10 +283,6 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
             fused_equals_three(s, &format!("{name} [{v}] = three kernels, fused norm, input {i}"), fl, &dm, &mut scratch, &h, &h, Some(&nw));
         }
     }
-    // the router folded into the output projection, with 4- and 8-bit output projections
-    for (i, ob) in [4u32, 8].into_iter().enumerate() {
-        router_in_out_proj_step(s, &format!("{name} router in out_proj (q{ob}), input {i}"), &w, &w.router, &dm, &mut scratch, ob, seed ^ (0x900 + i as u64), None);
-    }
     // every variant on one more input
     for fl in VARIANTS {
         let u = input(seed ^ 0x180, 0.0);
@@ -311,7 +307,6 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
             }
         }
         let dt = cx.upload_moe_refs(&w.refs(&tr)).expect("upload (ties)");
-        router_in_out_proj_ties(s, &format!("{name} exact router ties [router in out_proj]"), &w, &tr, &dt, &mut scratch, &u, seed ^ 0x302);
         let resid = rand_f32s(d, seed ^ 0x301, 2.0);
         for fl in [VARIANTS[0], VARIANTS[2], FUSED, FUSED_AFTER_ROUTER] {
             check_step(
@@ -415,11 +410,11 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
 
 /// The variants timed (the default is marked in the output).
 const VARIANTS: [MoeFlags; 7] = [
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false, router_in_out_proj: false },
-    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false, router_in_out_proj: false },
-    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false, router_in_out_proj: false },
-    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false, router_in_out_proj: false },
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true, fused: false, fused_keep_router: false, router_in_out_proj: false },
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false },
+    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true, fused: false, fused_keep_router: false },
     FUSED,
     FUSED_AFTER_ROUTER,
 ];
@@ -503,125 +498,6 @@ fn fused_equals_three(
         c.msg.push_str(&format!("{differ} words differ; ids {ids_b:?} vs {ids_a:?}; "));
     }
     s.record(SEC, label, &c, "");
-}
-
-/// The output projection with the router folded in (`gemv_residual_router`, then the MoE parts
-/// with [`MoeFlags::router_in_out_proj`]) against the default (`gemv_residual`, then
-/// `moe_decode_step_norm`) and the CPU on a random `[D_MODEL, N_Q_HEADS·HEAD_DIM]` projection of
-/// `out_bits`: h bit for bit (guards intact), the same chosen ids as the CPU and the default,
-/// routing weights and out within `Tol::F32` of the CPU (the logits are summed in another
-/// order; `expect_ids` for the tie case).
-#[allow(clippy::too_many_arguments)]
-fn router_in_out_proj_step(
-    s: &mut Suite,
-    label: &str,
-    w: &HostMoe,
-    router: &QMat,
-    dm: &DeviceMoe,
-    scratch: &mut cuda::moe::MoeScratch,
-    out_bits: u32,
-    seed: u64,
-    expect_ids: Option<&[usize]>,
-) {
-    let (d, k) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
-    let wo = rand_qmat(d, k, out_bits, seed, 0.02);
-    let a = rand_f32s(k, seed ^ 1, 1.5);
-    let x = rand_f32s(d, seed ^ 2, 2.0);
-    let nw = rand_f32s(d, seed ^ 3, 0.6);
-    router_in_out_proj_check(s, label, w, router, dm, scratch, &wo, &a, &x, &nw, expect_ids);
-}
-
-/// The check of [`router_in_out_proj_step`] on given inputs: `h = x + wo·a`, the MoE on
-/// `rms_norm(h, nw)` with residual h.
-#[allow(clippy::too_many_arguments)]
-fn router_in_out_proj_check(
-    s: &mut Suite,
-    label: &str,
-    w: &HostMoe,
-    router: &QMat,
-    dm: &DeviceMoe,
-    scratch: &mut cuda::moe::MoeScratch,
-    wo: &QMat,
-    a: &[f32],
-    x: &[f32],
-    nw: &[f32],
-    expect_ids: Option<&[usize]>,
-) {
-    let cx = s.cx;
-    let d = p::D_MODEL;
-    let wod = cx.upload_qmat(wo.as_ref()).expect("upload out_proj");
-    let (ad, xd, nwd) = (cx.upload_f32(a).unwrap(), cx.upload_f32(x).unwrap(), cx.upload_f32(nw).unwrap());
-    // default: gemv_residual, then the three MoE kernels with the fused norm
-    let mut ha = guarded(cx, d);
-    let mut oa = guarded(cx, d);
-    cx.gemv_residual(&mut ha.slice_mut(GUARD..GUARD + d), &wod, &ad.slice(..), &xd.slice(..)).expect("gemv_residual");
-    cx.moe_decode_step_norm(dm, &ha.slice(GUARD..GUARD + d), &nwd.slice(..), scratch, &mut oa.slice_mut(GUARD..GUARD + d)).expect("moe");
-    let ids_a: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
-    // the router in the output projection
-    let mut hb = guarded(cx, d);
-    let mut ob = guarded(cx, d);
-    cx.gemv_residual_router(&mut hb.slice_mut(GUARD..GUARD + d), &wod, &ad.slice(..), &xd.slice(..), dm, &nwd.slice(..), scratch)
-        .expect("gemv_residual_router");
-    let fl = MoeFlags { router_in_out_proj: true, ..MoeFlags::DEFAULT };
-    for part in 0..3 {
-        let h = hb.slice(GUARD..GUARD + d);
-        cx.moe_decode_part(dm, &h, &h, scratch, &mut ob.slice_mut(GUARD..GUARD + d), part, fl, Some(&nwd.slice(..))).expect("moe part");
-    }
-    let ids_b: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
-    let w_b = cx.download_f32(&scratch.sel_w).unwrap();
-    let (ha, hb, oa, ob) = (cx.download_f32(&ha).unwrap(), cx.download_f32(&hb).unwrap(), cx.download_f32(&oa).unwrap(), cx.download_f32(&ob).unwrap());
-
-    // h: bit for bit, guards intact
-    let h_ref: Vec<f64> = ha[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
-    let mut ch = check_guarded(&hb, &h_ref, Tol::F32);
-    let differ = ha.iter().zip(&hb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-    if differ > 0 {
-        ch.ok = false;
-        ch.msg.push_str(&format!("{differ} words of h differ from gemv_residual; "));
-    }
-    s.record(SEC, &format!("{label}: h = gemv_residual's"), &ch, "");
-    // the CPU: u = rms_norm(h) (f64 sums), then the MoE
-    let h = &ha[GUARD..GUARD + d];
-    let ms = h.iter().map(|v| f64::from(*v) * f64::from(*v)).sum::<f64>() / d as f64;
-    let inv = 1.0 / (ms + f64::from(p::RMS_EPS)).sqrt();
-    let u: Vec<f32> = h.iter().zip(nw).map(|(v, w)| (f64::from(*v) * inv * (1.0 + f64::from(*w))) as f32).collect();
-    let rf = reference(w, router, &u);
-    let want: Vec<i32> = rf.chosen.iter().map(|&(e, _)| e as i32).collect();
-    let mut ids_ok = ids_b == want && ids_b == ids_a;
-    if let Some(x) = expect_ids {
-        ids_ok &= ids_b.iter().zip(x).all(|(g, e)| *g as usize == *e);
-    }
-    let c = Cmp {
-        rel: 0.0,
-        max_over_rms: 0.0,
-        ok: ids_ok,
-        msg: if ids_ok { String::new() } else { format!("router in out_proj {ids_b:?}, default {ids_a:?}, cpu {want:?}") },
-    };
-    s.record(SEC, &format!("{label}: chosen ids (= cpu, = default)"), &c, "");
-    let mut wref: Vec<f64> = rf.chosen.iter().map(|&(_, x)| f64::from(x)).collect();
-    wref.push(f64::from(rf.gate_sig));
-    let cw = check(&w_b, &wref, Tol::F32, String::new());
-    s.record(SEC, &format!("{label}: routing weights + sigmoid(shared gate)"), &cw, "");
-    let oref: Vec<f64> = h.iter().zip(&rf.moe).map(|(p, q)| f64::from(*p + *q)).collect();
-    let co = check_guarded(&ob, &oref, Tol::F32);
-    s.record(SEC, &format!("{label}: out = h + moe (cpu)"), &co, "");
-    let da: Vec<f64> = oa[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
-    let mut cd = check_guarded(&ob, &da, Tol::F32);
-    let differ = oa.iter().zip(&ob).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-    cd.msg.push_str(&format!("{differ} of {d} words differ from the default path; "));
-    s.record(SEC, &format!("{label}: out (default path)"), &cd, "");
-}
-
-/// [`router_in_out_proj_check`] on the tie router: `a = 0`, so `h = x = u_pre`, scaled so that
-/// rms_norm(h) with zero norm weights is the tie input `u` up to rounding (the winners' logits
-/// are c_e·Σu, so the ties stay exact: rows 77 and 78 are identical).
-#[allow(clippy::too_many_arguments)]
-fn router_in_out_proj_ties(s: &mut Suite, label: &str, w: &HostMoe, router: &QMat, dm: &DeviceMoe, scratch: &mut cuda::moe::MoeScratch, u: &[f32], seed: u64) {
-    let (d, k) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
-    let wo = rand_qmat(d, k, 4, seed, 0.02);
-    let a = vec![0f32; k];
-    let nw = vec![0f32; d];
-    router_in_out_proj_check(s, label, w, router, dm, scratch, &wo, &a, u, &nw, Some(&[77, 78, 200, 3, 255, 140, 0, 1]));
 }
 
 fn fused_norm_step(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch: &mut cuda::moe::MoeScratch, h: &[f32], nw: &[f32]) {
