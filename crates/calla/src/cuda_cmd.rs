@@ -63,10 +63,6 @@ pub struct CudaBenchArgs {
     /// so an input-projection GEMV block fits beside it in every SM sub-partition.
     #[arg(long)]
     moe_down_r48: bool,
-    /// Run the decode step's input projections and LM head on the slim GEMV (at most 48
-    /// registers, a shallow ring: `CudaContext::set_gemv_slim`).
-    #[arg(long)]
-    gemv_slim: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -297,7 +293,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
     cx.set_gemv_early_trigger(a.gemv_early_trigger);
-    cx.set_gemv_slim(a.gemv_slim);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -370,7 +365,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let down_r48 = MoeFlags { down_reg_cap: true, ..d };
         let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
         // (name, fused norms, L2 prefetch, MoE variant, carve-out setting (CARVEOUTS), fused
-        // GEMV at 56 registers (the default), GEMV early trigger, slim input projection)
+        // GEMV at 56 registers (the default), GEMV early trigger)
         let (fuse0, pf0) = (!a.no_fuse_norm, a.l2_prefetch);
         // µs per decoded token (after 8 warm-up steps) and kernels per step
         let mut time_decode = |sess: &mut CudaSession| -> Result<(f64, usize)> {
@@ -386,43 +381,39 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // carve-out: 0 as configured, 1 the largest on every kernel, 2 the largest before GEMVs
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
-        let slim0 = a.gemv_slim;
         // one step variant: every option the rows below vary, set together
-        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, slim: bool| -> Result<()> {
+        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool| -> Result<()> {
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
             sess.set_moe_flags(flags);
             set_carveout(&cx, carve)?;
             cx.set_gemv_reg_cap(cap);
             cx.set_gemv_early_trigger(early);
-            cx.set_gemv_slim(slim);
             Ok(())
         };
-        for (name, fuse, pf, flags, carve, cap, early, slim) in [
-            ("as configured", fuse0, pf0, d, carve0, true, early0, slim0),
-            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0, slim0),
-            ("norms as launches", false, pf0, d, carve0, true, early0, slim0),
-            ("L2 prefetch on", fuse0, true, d, carve0, true, early0, slim0),
-            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0, slim0),
-            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0, slim0),
-            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, slim0),
-            ("default carve-out", fuse0, pf0, d, 0, true, early0, slim0),
-            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0, slim0),
-            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0, slim0),
-            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, slim0),
-            ("input projection slim (48 regs, 3 stages)", fuse0, pf0, d, carve0, true, early0, true),
-            ("slim input projection, carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, true),
-            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, slim0),
-            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, slim0),
+        for (name, fuse, pf, flags, carve, cap, early) in [
+            ("as configured", fuse0, pf0, d, carve0, true, early0),
+            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0),
+            ("norms as launches", false, pf0, d, carve0, true, early0),
+            ("L2 prefetch on", fuse0, true, d, carve0, true, early0),
+            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0),
+            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0),
+            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
+            ("default carve-out", fuse0, pf0, d, 0, true, early0),
+            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0),
+            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0),
+            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
+            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
+            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
         ] {
-            apply(&mut sess, fuse, pf, flags, carve, cap, early, slim)?;
+            apply(&mut sess, fuse, pf, flags, carve, cap, early)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gemv_slim": slim, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
-        apply(&mut sess, fuse0, pf0, d, carve0, true, early0, slim0)?;
+        apply(&mut sess, fuse0, pf0, d, carve0, true, early0)?;
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -541,7 +532,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "moe_down_r48": a.moe_down_r48,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
-        "gemv_slim": a.gemv_slim,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "decode": decode,

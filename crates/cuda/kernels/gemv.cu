@@ -50,10 +50,7 @@ constexpr int THREADS = NW * 32;
 constexpr int GEMV_EARLY_TRIGGER = 1;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
-// SLIM: a shallower ring (3 stages at 4 bits, 2 at 8: 127 / 156 KB of shared memory at K =
-// 2,048 instead of 199 / 226 KB) for the variant that must fit beside moe_down (the
-// gemv_norm_slim_* entry points, CALLA_GEMV_48_REGS below).
-template <int BITS, int K, bool SLIM = false>
+template <int BITS, int K>
 struct Cfg {
     static constexpr int NSS = K / 128;                     // super-steps per row
     static constexpr int NSTEP = K / 256;                   // steps per row
@@ -65,7 +62,7 @@ struct Cfg {
     static constexpr int CPT = BITS / 2;                    // 16-byte chunks per thread per row per step
     static constexpr int CODE_BYTES = 2 * CPT * 32 * 16;    // codes of one step of one warp: [2 rows][CPT][32 lanes] x 16 B
     static constexpr int STAGE_BYTES = CODE_BYTES + 32 * 8; // + one 8-byte scale/bias cell per lane
-    static constexpr int STAGES = SLIM ? (BITS == 4 ? 3 : 2) : (BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2)); // within the 227 KB of a block
+    static constexpr int STAGES = BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2); // within the 227 KB of a block
     static constexpr int BTAB = NSS * 2 * 32 * 16;          // B fragments [NSS][2][32 lanes] uint4
     static constexpr int CST = NSS * 4 * 16;                // per (super-step, t) float4 {u0, u1, xsum, 0}
     static constexpr int RING = BTAB + CST;                 // start of the per-warp rings
@@ -238,13 +235,13 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
     }
 }
 
-template <int BITS, int K, bool RESID, bool NORM, bool SLIM = false>
+template <int BITS, int K, bool RESID, bool NORM>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
                                           float eps, int rows, int ks_log2, int flags) {
-    using C = Cfg<BITS, K, SLIM>;
+    using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -412,7 +409,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 }  // namespace calla_gemv
 
 // One pair of entry points per (bits, K) the model uses. K values come from the dims header.
-// Launch: THREADS threads, calla_gemv::Cfg<BITS, K, SLIM>::SMEM bytes of dynamic shared memory (the
+// Launch: THREADS threads, calla_gemv::Cfg<BITS, K>::SMEM bytes of dynamic shared memory (the
 // host computes the same number, see crates/cuda/src/lib.rs `gemv_smem_bytes`), at most one
 // block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)); flags: calla_gemv::GEMV_* bits.
 #define CALLA_GEMV_ENTRY(NAME, RNAME, BITS, K)                                                              \
@@ -439,25 +436,22 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 //     __launch_bounds__): 16 warps x 56 = 28,672 registers, meant to fit on an SM beside a 4-bit
 //     moe_down block (576 threads x 64 = 36,864 of the 65,536). Measured faster (the default;
 //     the host's CudaContext::set_gemv_reg_cap picks), but not for that reason: the kernel
-//     timeline shows the blocks do not land beside moe_down (per sub-partition the registers do
-//     not fit, see CALLA_GEMV_48_REGS; nor does the shared memory below the largest carve-out);
-//   CALLA_GEMV_48_REGS (with SLIM = true): at most 48 registers per thread and the shallow ring:
-//     the variant sized to sit beside moe_down in every SM sub-partition (registers are
-//     allocated per sub-partition of 16,384: moe_down's 18 warps of 64 registers put 5 in two
-//     of them, 10,240 registers, which leaves 6,144 = 4 warps x 48) and, with moe_down's 20 KB,
-//     in a 164 KB carve-out instead of the largest (docs/CUDA.md, the kernel timeline). A
-//     measured variant (CudaContext::set_gemv_slim).
+//     timeline shows the blocks do not land beside moe_down (registers are allocated per SM
+//     sub-partition of 16,384: moe_down's 18 warps of 64 registers put 5 in two of them, 10,240,
+//     and 4 GEMV warps x 56 x 32 do not fit beside them; nor does the shared memory below the
+//     largest carve-out). A variant at 48 registers with a 3-stage ring (127 KB), sized to fit
+//     beside moe_down, landed but ran slower (1,440 against 1,339 us per token; commit
+//     fe51d13, docs/CUDA.md) and was removed.
 #define CALLA_GEMV_ONE_PER_SM __launch_bounds__(calla_gemv::THREADS, 1)
 #define CALLA_GEMV_56_REGS __maxnreg__(56)
-#define CALLA_GEMV_48_REGS __maxnreg__(48)
-#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS, SLIM)                                                   \
+#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS)                                                         \
     extern "C" __global__ void QUALS                                                                       \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
              int ks_log2, int flags) {                                                                     \
-        calla_gemv::gemv_body<BITS, K, false, true, SLIM>(out, packed, scales, biases, x, nullptr, norm_w, \
-                                                          eps, rows, ks_log2, flags);                      \
+        calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // K = D_EXPERT (expert / shared-expert down projection)
@@ -466,12 +460,10 @@ CALLA_GEMV_ENTRY(gemv_q8_k512, gemv_resid_q8_k512, 8, CALLA_D_EXPERT)
 // K = D_MODEL (every projection out of the residual stream, LM head)
 CALLA_GEMV_ENTRY(gemv_q4_k2048, gemv_resid_q4_k2048, 4, CALLA_D_MODEL)
 CALLA_GEMV_ENTRY(gemv_q8_k2048, gemv_resid_q8_k2048, 8, CALLA_D_MODEL)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM, false)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM, false)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS, false)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS, false)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_slim_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_48_REGS, true)
-CALLA_GEMV_NORM_ENTRY(gemv_norm_slim_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_48_REGS, true)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
+CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

@@ -82,8 +82,6 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_q8_k2048",
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
-            "gemv_norm_slim_q4_k2048",
-            "gemv_norm_slim_q8_k2048",
         ],
     },
     KernelSource {
@@ -348,9 +346,6 @@ pub struct CudaContext {
     gemv_resid: [[Option<CudaFunction>; 3]; 2],
     gemv_norm: [Option<CudaFunction>; 2], // [bits 4|8], K = D_MODEL
     gemv_norm_r56: [Option<CudaFunction>; 2], // the same, at most 56 registers per thread
-    gemv_norm_slim: [Option<CudaFunction>; 2], // at most 48 registers and a shallow ring
-    /// Use `gemv_norm_slim` ([`Self::set_gemv_slim`]; off by default, a measured variant).
-    gemv_slim: std::sync::atomic::AtomicBool,
     /// Use `gemv_norm_r56` (see `kernels/gemv.cu`; the default, measured faster in the decode
     /// step); set by [`Self::set_gemv_reg_cap`].
     gemv_reg_cap: std::sync::atomic::AtomicBool,
@@ -409,7 +404,7 @@ impl CudaContext {
         for (bi, b) in [4, 8].iter().enumerate() {
             for (ki, k) in [512, 2048, 4096].iter().enumerate() {
                 let cols = [p::D_EXPERT, p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM][ki];
-                let smem = gemv_smem_bytes(*b, cols, false) as i32;
+                let smem = gemv_smem_bytes(*b, cols) as i32;
                 for (slot, name) in [(&mut gemv, format!("gemv_q{b}_k{k}")), (&mut gemv_resid, format!("gemv_resid_q{b}_k{k}"))] {
                     let func = f("gemv", &name)?;
                     // more than the default 48 KB of dynamic shared memory, and all of the
@@ -423,16 +418,14 @@ impl CudaContext {
         }
         let mut gemv_norm: [Option<CudaFunction>; 2] = Default::default();
         let mut gemv_norm_r56: [Option<CudaFunction>; 2] = Default::default();
-        let mut gemv_norm_slim: [Option<CudaFunction>; 2] = Default::default();
         for (bi, b) in [4, 8].iter().enumerate() {
-            for (slot, name, slim) in [
-                (&mut gemv_norm, format!("gemv_norm_q{b}_k2048"), false),
-                (&mut gemv_norm_r56, format!("gemv_norm_r56_q{b}_k2048"), false),
-                (&mut gemv_norm_slim, format!("gemv_norm_slim_q{b}_k2048"), true),
+            for (slot, name) in [
+                (&mut gemv_norm, format!("gemv_norm_q{b}_k2048")),
+                (&mut gemv_norm_r56, format!("gemv_norm_r56_q{b}_k2048")),
             ] {
                 let func = f("gemv", &name)?;
                 use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL, slim) as i32)?;
+                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL) as i32)?;
                 func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
                 slot[bi] = Some(func);
             }
@@ -446,8 +439,6 @@ impl CudaContext {
             gemv_resid,
             gemv_norm,
             gemv_norm_r56,
-            gemv_norm_slim,
-            gemv_slim: std::sync::atomic::AtomicBool::new(false),
             gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
             gemv_early_trigger: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
@@ -622,15 +613,12 @@ impl CudaContext {
             )));
         }
         let (_, mut cfg, ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
-        let slim = self.gemv_slim.load(std::sync::atomic::Ordering::Relaxed);
-        cfg.shared_mem_bytes = gemv_smem_bytes(mat.bits.bits() as usize, mat.cols, slim) as u32;
+        cfg.shared_mem_bytes = gemv_smem_bytes(mat.bits.bits() as usize, mat.cols) as u32;
         let (wp, _guard) = norm_w.device_ptr(&self.stream);
         if wp % 16 != 0 {
             return Err(CudaError::Unsupported(format!("gemv_norm: norm_w must be 16-byte aligned (device address {wp:#x})")));
         }
-        let table = if slim {
-            &self.gemv_norm_slim
-        } else if self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed) {
+        let table = if self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed) {
             &self.gemv_norm_r56
         } else {
             &self.gemv_norm
@@ -795,22 +783,6 @@ impl CudaContext {
         }
     }
 
-    /// Runs [`Self::gemv_norm`] (the input projections and the LM head of the decode step) on
-    /// the slim entry points (`true`): at most 48 registers per thread and a 3-stage ring at 4
-    /// bits (2 at 8 bits), 127 KB of shared memory instead of 199 KB, sized so that a block fits
-    /// beside a 4-bit `moe_down` block in every SM sub-partition, and with its 20 KB of shared
-    /// memory in a 164 KB carve-out instead of the largest (228 KB) (`kernels/gemv.cu`,
-    /// docs/CUDA.md "What each kernel does in the chain"). It spills a little (28-36 bytes per thread at 4 bits, ptxas). The same
-    /// bits either way; takes precedence over [`Self::set_gemv_reg_cap`]. For measurement
-    /// (`calla cuda-bench --compare`, `--gemv-slim`); graphs captured earlier are captured again
-    /// ([`Self::launch_generation`]).
-    #[doc(hidden)]
-    pub fn set_gemv_slim(&self, on: bool) {
-        if self.gemv_slim.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
     fn gemv_flags(&self) -> i32 {
         if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) {
             GEMV_EARLY_TRIGGER
@@ -820,7 +792,7 @@ impl CudaContext {
     }
 
     /// Generation of the context-wide launch options ([`Self::set_gemv_reg_cap`],
-    /// [`Self::set_gemv_early_trigger`], [`Self::set_gemv_slim`], [`Self::set_step_carveout`],
+    /// [`Self::set_gemv_early_trigger`], [`Self::set_step_carveout`],
     /// [`Self::set_carveout_of`]): a graph captured under another generation is captured again
     /// before its next use (`CudaSession` checks this).
     pub fn launch_generation(&self) -> u64 {
@@ -931,11 +903,9 @@ const GEMV_WARPS: usize = 16;
 /// wait (`calla_gemv::GEMV_EARLY_TRIGGER` in `kernels/gemv.cu`).
 const GEMV_EARLY_TRIGGER: i32 = 1;
 
-fn gemv_smem_bytes(bits: usize, cols: usize, slim: bool) -> usize {
+fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     let nss = cols / 128;
     let stages = match (bits, nss) {
-        (4, _) if slim => 3,
-        (_, _) if slim => 2,
         (4, _) => 5,
         (_, n) if n <= 16 => 3,
         _ => 2,
@@ -992,7 +962,7 @@ fn gemv_launch(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (LaunchC
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: gemv_smem_bytes(bits, cols, false) as u32,
+        shared_mem_bytes: gemv_smem_bytes(bits, cols) as u32,
     };
     (cfg, ks_log2)
 }

@@ -493,21 +493,19 @@ fn fused_norm(s: &mut Suite) -> bool {
                 c.ok = false;
                 c.msg.push_str(&format!("{differ} of {rows} outputs differ from rms_norm + gemv; "));
             }
-            // the other entry points give the same bits: unbounded registers (cx.set_gemv_reg_cap;
-            // 56 registers is the default) and slim (cx.set_gemv_slim: 48 registers, shallow ring)
-            let use_unbounded = |on: bool| cx.set_gemv_reg_cap(!on);
-            let use_slim = |on: bool| cx.set_gemv_slim(on);
-            for (what, select) in [("unbounded", &use_unbounded as &dyn Fn(bool)), ("slim", &use_slim)] {
+            // the other entry point gives the same bits: unbounded registers (cx.set_gemv_reg_cap;
+            // 56 registers is the default)
+            {
                 let mut other = guarded(cx, rows);
-                select(true);
+                cx.set_gemv_reg_cap(false);
                 cx.gemv_norm(&mut other.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..))
-                    .unwrap_or_else(|e| panic!("gemv_norm ({what}): {e}"));
-                select(false);
+                    .unwrap_or_else(|e| panic!("gemv_norm (unbounded): {e}"));
+                cx.set_gemv_reg_cap(true);
                 let other_h = cx.download_f32(&other).unwrap();
                 let differ = other_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 if differ > 0 {
                     c.ok = false;
-                    c.msg.push_str(&format!("the {what} entry point differs in {differ} words (guards included); "));
+                    c.msg.push_str(&format!("the unbounded entry point differs in {differ} words (guards included); "));
                 }
             }
             let mut extra = String::new();
@@ -519,8 +517,7 @@ fn fused_norm(s: &mut Suite) -> bool {
                     mats.push(cx.upload_qmat(m).expect("upload"));
                 }
                 let launches = copies.max(if s.quick { 64 } else { 256 }).div_ceil(copies) * copies;
-                let mut time = |fuse: bool, slim: bool| -> f64 {
-                    cx.set_gemv_slim(slim);
+                let mut time = |fuse: bool| -> f64 {
                     let stream = cx.stream().clone();
                     let graph = StepGraph::capture(&stream, true, || {
                         for i in 0..launches {
@@ -535,13 +532,11 @@ fn fused_norm(s: &mut Suite) -> bool {
                     })
                     .expect("PDL graph");
                     graph.launch().unwrap();
-                    let us = s.median_timed(if s.quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6;
-                    cx.set_gemv_slim(false);
-                    us
+                    s.median_timed(if s.quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6
                 };
-                let (us_pair, us_fused, us_slim) = (time(false, false), time(true, false), time(true, true));
-                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us, fused slim {us_slim:.2} us (PDL graph, {copies} copies)");
-                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3},\"us_slim\":{us_slim:.3}");
+                let (us_pair, us_fused) = (time(false), time(true));
+                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us (PDL graph, {copies} copies)");
+                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3}");
             }
             ok_all &= c.ok;
             s.record("gemv_norm", &format!("q{bits} [{rows}x{d}] fused = rms_norm + gemv, vs CPU"), &c, &extra);
