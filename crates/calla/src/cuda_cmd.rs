@@ -59,10 +59,6 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_gemv_early_trigger`).
     #[arg(long)]
     gemv_early_trigger: bool,
-    /// Launch every decode GEMV with all warps of a block busy (fewer blocks), as before
-    /// `CudaContext::set_gemv_fill`.
-    #[arg(long)]
-    gemv_no_fill: bool,
     /// Run the MoE down projection with at most 48 registers per thread (`MoeFlags::down_reg_cap`),
     /// so an input-projection GEMV block fits beside it in every SM sub-partition.
     #[arg(long)]
@@ -297,7 +293,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
     cx.set_gemv_early_trigger(a.gemv_early_trigger);
-    cx.set_gemv_fill(!a.gemv_no_fill);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -386,43 +381,39 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // carve-out: 0 as configured, 1 the largest on every kernel, 2 the largest before GEMVs
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
-        let fill0 = !a.gemv_no_fill;
         // one step variant: every option the rows below vary, set together
-        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, fill: bool| -> Result<()> {
+        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool| -> Result<()> {
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
             sess.set_moe_flags(flags);
             set_carveout(&cx, carve)?;
             cx.set_gemv_reg_cap(cap);
             cx.set_gemv_early_trigger(early);
-            cx.set_gemv_fill(fill);
             Ok(())
         };
-        for (name, fuse, pf, flags, carve, cap, early, fill) in [
-            ("as configured", fuse0, pf0, d, carve0, true, early0, fill0),
-            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0, fill0),
-            ("norms as launches", false, pf0, d, carve0, true, early0, fill0),
-            ("L2 prefetch on", fuse0, true, d, carve0, true, early0, fill0),
-            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0, fill0),
-            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0, fill0),
-            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, fill0),
-            ("default carve-out", fuse0, pf0, d, 0, true, early0, fill0),
-            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0, fill0),
-            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0, fill0),
-            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, fill0),
-            ("GEMV spread over the SMs", fuse0, pf0, d, carve0, true, early0, true),
-            ("GEMV every warp busy (fewer blocks)", fuse0, pf0, d, carve0, true, early0, false),
-            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, fill0),
-            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fill0),
+        for (name, fuse, pf, flags, carve, cap, early) in [
+            ("as configured", fuse0, pf0, d, carve0, true, early0),
+            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0),
+            ("norms as launches", false, pf0, d, carve0, true, early0),
+            ("L2 prefetch on", fuse0, true, d, carve0, true, early0),
+            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0),
+            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0),
+            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
+            ("default carve-out", fuse0, pf0, d, 0, true, early0),
+            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0),
+            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0),
+            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
+            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
+            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
         ] {
-            apply(&mut sess, fuse, pf, flags, carve, cap, early, fill)?;
+            apply(&mut sess, fuse, pf, flags, carve, cap, early)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gemv_fill": fill, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
-        apply(&mut sess, fuse0, pf0, d, carve0, true, early0, fill0)?;
+        apply(&mut sess, fuse0, pf0, d, carve0, true, early0)?;
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -539,7 +530,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "l2_prefetch": a.l2_prefetch,
         "moe_fused": a.moe_fused,
         "moe_down_r48": a.moe_down_r48,
-        "gemv_no_fill": a.gemv_no_fill,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),

@@ -20,10 +20,9 @@
 // Work split. A warp owns 16-row tiles (mma rows g = lane/4 and g+8) and walks K in steps of 256
 // columns = 2 super-steps (8 mmas in two independent accumulator chains); thread t = lane%4
 // reads the 16-byte chunks t, 4+t (, 8+t, 12+t at 8 bits) of the step of both its rows. A block
-// of NW warps (one block per SM) takes TPB <= NW/KSPLIT tiles per iteration, KSPLIT warps per
-// tile splitting K (KSPLIT = 2^ks_log2 and TPB chosen by the host from the shape: fewer tiles
-// per block spread a matrix over more SMs, the other warps idle); partial sums meet in shared
-// memory. Blocks walk the tiles grid-stride.
+// of NW warps (one block per SM) takes NW/KSPLIT tiles per iteration, KSPLIT warps per tile
+// splitting K (KSPLIT = 2^ks_log2, chosen by the host from the shape); partial sums meet in
+// shared memory. Blocks walk the tiles grid-stride.
 //
 // Memory pipeline. Each thread copies exactly the bytes it consumes with cp.async into a
 // per-warp ring of STAGES steps in shared memory: 16-byte copies (L2 128-byte prefetch hint) for
@@ -241,7 +240,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
-                                          float eps, int rows, int ks_log2, int tpb_arg, int flags) {
+                                          float eps, int rows, int ks_log2, int flags) {
     using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
@@ -253,11 +252,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     const int g = lane >> 2, t = lane & 3;
     const int spu_log2 = C::NSTEP_LOG2 - ks_log2;  // steps per unit (a tile's k-slice)
     const int spu = 1 << spu_log2;
-    const int tpb_max = NW >> ks_log2;
-    const int tpb = tpb_arg > 0 && tpb_arg < tpb_max ? tpb_arg : tpb_max;  // tiles per block-iteration
+    const int tpb = NW >> ks_log2;                 // tiles per block-iteration
     const int m_tiles = (rows + 15) >> 4;
     const int tile_local = warp >> ks_log2, slice = warp & ((1 << ks_log2) - 1);
-    const bool warp_live = tile_local < tpb;       // warp-uniform; idle warps copy nothing, write nothing
     const int n_blk_iters = (m_tiles + tpb - 1) / tpb;
     const int G = gridDim.x, B = blockIdx.x;
     const int n_iters = B < n_blk_iters ? (n_blk_iters - B + G - 1) / G : 0;
@@ -279,7 +276,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 #define CALLA_GEMV_UNIT()                                                                          \
     {                                                                                              \
         const int tile = (p_it * G + B) * tpb + tile_local;                                        \
-        p_live = warp_live && tile < m_tiles;                                                      \
+        p_live = tile < m_tiles;                                                                   \
         const int r0 = min(tile * 16 + g, rows - 1), r1 = min(tile * 16 + g + 8, rows - 1);        \
         p_row0 = packed + (size_t)r0 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;          \
         p_row1 = packed + (size_t)r1 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;          \
@@ -380,7 +377,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
             acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
             const int tile = (c_it * G + B) * tpb + tile_local;
             if (ks_log2 == 0) {
-                if (t == 0 && warp_live) {
+                if (t == 0) {
                     const int r0 = tile * 16 + g, r1 = r0 + 8;
                     if (r0 < rows) out[r0] = RESID ? __ldcg(resid + r0) + acc0 : acc0;
                     if (r1 < rows) out[r1] = RESID ? __ldcg(resid + r1) + acc1 : acc1;
@@ -392,7 +389,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                     rb[g + 8] = acc1;
                 }
                 __syncthreads(); // red[c_it & 1] is rewritten two iterations later, after the next barrier
-                if (slice == 0 && lane < 16 && warp_live) {
+                if (slice == 0 && lane < 16) {
                     float v = 0.f;
                     for (int s = 0; s < (1 << ks_log2); ++s) v += red[c_it & 1][warp + s][lane];
                     const int r = tile * 16 + lane;
@@ -414,24 +411,22 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 // One pair of entry points per (bits, K) the model uses. K values come from the dims header.
 // Launch: THREADS threads, calla_gemv::Cfg<BITS, K>::SMEM bytes of dynamic shared memory (the
 // host computes the same number, see crates/cuda/src/lib.rs `gemv_smem_bytes`), at most one
-// block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)); tpb: tiles per block-iteration,
-// 1 .. NW >> ks_log2 (0: all of them);
-// flags: calla_gemv::GEMV_* bits.
+// block per SM, 0 <= ks_log2 <= min(log2 NW, log2(K / 256)); flags: calla_gemv::GEMV_* bits.
 #define CALLA_GEMV_ENTRY(NAME, RNAME, BITS, K)                                                              \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, int rows, int ks_log2, int tpb, int flags) {                     \
+             const float* __restrict__ x, int rows, int ks_log2, int flags) {                              \
         calla_gemv::gemv_body<BITS, K, false, false>(out, packed, scales, biases, x, nullptr, nullptr, 0.f, \
-                                                     rows, ks_log2, tpb, flags);                           \
+                                                     rows, ks_log2, flags);                                \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         RNAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                           \
               const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,        \
               const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2,         \
-              int tpb, int flags) {                                                                         \
+              int flags) {                                                                                  \
         calla_gemv::gemv_body<BITS, K, true, false>(out, packed, scales, biases, x, resid, nullptr, 0.f,  \
-                                                    rows, ks_log2, tpb, flags);                            \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // RMSNorm of x (weights norm_w f32 [K], eps) fused in front: the projections out of the residual
@@ -454,9 +449,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
-             int ks_log2, int tpb, int flags) {                                                            \
+             int ks_log2, int flags) {                                                                     \
         calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
-                                                    rows, ks_log2, tpb, flags);                            \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // K = D_EXPERT (expert / shared-expert down projection)

@@ -349,9 +349,6 @@ pub struct CudaContext {
     /// Use `gemv_norm_r56` (see `kernels/gemv.cu`; the default, measured faster in the decode
     /// step); set by [`Self::set_gemv_reg_cap`].
     gemv_reg_cap: std::sync::atomic::AtomicBool,
-    /// Spread a GEMV over more SMs by giving a block fewer tiles than it has warps for
-    /// ([`Self::set_gemv_fill`]).
-    gemv_fill: std::sync::atomic::AtomicBool,
     /// Every GEMV triggers its dependents right after its PDL wait (`GEMV_EARLY_TRIGGER` in
     /// `kernels/gemv.cu`); set by [`Self::set_gemv_early_trigger`].
     gemv_early_trigger: std::sync::atomic::AtomicBool,
@@ -443,7 +440,6 @@ impl CudaContext {
             gemv_norm,
             gemv_norm_r56,
             gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
-            gemv_fill: std::sync::atomic::AtomicBool::new(true),
             gemv_early_trigger: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
@@ -616,7 +612,7 @@ impl CudaContext {
                 p::D_MODEL
             )));
         }
-        let (_, mut cfg, (ks_log2, tpb), rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
+        let (_, mut cfg, ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
         cfg.shared_mem_bytes = gemv_smem_bytes(mat.bits.bits() as usize, mat.cols) as u32;
         let (wp, _guard) = norm_w.device_ptr(&self.stream);
         if wp % 16 != 0 {
@@ -645,7 +641,6 @@ impl CudaContext {
             .arg(&eps)
             .arg(&rows)
             .arg(&ks_log2)
-            .arg(&tpb)
             .arg(&flags);
         // SAFETY: argument types and lengths match `gemv_norm_*` (checked above and in
         // gemv_prepare); the grid never exceeds the blocks with work.
@@ -656,8 +651,7 @@ impl CudaContext {
     /// [`Self::gemv`] (or, with `resid`, [`Self::gemv_residual`]) with the launch configuration
     /// forced: `tune = Some((ks_log2, blocks))` splits K over `2^ks_log2` warps (clamped to
     /// `0..=min(4, log2(cols / 256))`) and uses `blocks` blocks (clamped to the blocks with
-    /// work), every warp of a block busy (`16 / 2^ks_log2` tiles per block-iteration). For the
-    /// self-test's sweeps.
+    /// work). For the self-test's sweeps.
     #[doc(hidden)]
     pub fn gemv_tuned(
         &self,
@@ -668,12 +662,12 @@ impl CudaContext {
         tune: Option<(i32, u32)>,
     ) -> Result<(), CudaError> {
         let op = if resid.is_some() { "gemv_residual" } else { "gemv" };
-        let (f, mut cfg, (mut ks_log2, mut tpb), rows) = self.gemv_prepare(op, out.len(), mat, x, resid.map(|r| r.len()))?;
+        let (f, mut cfg, mut ks_log2, rows) = self.gemv_prepare(op, out.len(), mat, x, resid.map(|r| r.len()))?;
         if let Some((ks, blocks)) = tune {
             let nstep = mat.cols / 256;
             ks_log2 = ks.clamp(0, GEMV_WARPS.trailing_zeros() as i32).min(nstep.trailing_zeros() as i32);
-            tpb = (GEMV_WARPS >> ks_log2) as i32;
-            let useful = mat.rows.div_ceil(16).div_ceil(tpb as usize) as u32;
+            let tpb = GEMV_WARPS >> ks_log2;
+            let useful = mat.rows.div_ceil(16).div_ceil(tpb) as u32;
             cfg.grid_dim.0 = blocks.clamp(1, useful);
         }
         let mut b = self.stream.launch_builder(f);
@@ -686,7 +680,7 @@ impl CudaContext {
             b.arg(r);
         }
         let flags = self.gemv_flags();
-        b.arg(&rows).arg(&ks_log2).arg(&tpb).arg(&flags);
+        b.arg(&rows).arg(&ks_log2).arg(&flags);
         // SAFETY: argument types and lengths match the kernel's signature (checked in
         // gemv_prepare); the grid never exceeds the blocks with work.
         unsafe { b.launch(cfg) }?;
@@ -701,7 +695,7 @@ impl CudaContext {
         mat: &DeviceQMat,
         x: &CudaView<'_, f32>,
         resid_len: Option<usize>,
-    ) -> Result<(&CudaFunction, LaunchConfig, (i32, i32), i32), CudaError> {
+    ) -> Result<(&CudaFunction, LaunchConfig, i32, i32), CudaError> {
         if out_len != mat.rows
             || x.len() != mat.cols
             || resid_len.is_some_and(|n| n != mat.rows)
@@ -727,9 +721,8 @@ impl CudaContext {
         };
         let table = if resid_len.is_some() { &self.gemv_resid } else { &self.gemv };
         let f = table[bi][k_index(mat.cols)?].as_ref().expect("loaded");
-        let fill = self.gemv_fill.load(std::sync::atomic::Ordering::Relaxed);
-        let (cfg, split) = gemv_launch(mat.rows, mat.cols, mat.bits.bits() as usize, self.sm_count, fill);
-        Ok((f, cfg, split, mat.rows as i32))
+        let (cfg, ks_log2) = gemv_launch(mat.rows, mat.cols, mat.bits.bits() as usize, self.sm_count);
+        Ok((f, cfg, ks_log2, mat.rows as i32))
     }
 
     /// Zero-centred RMSNorm over rows of `D_MODEL`: `y = x / sqrt(mean(x²) + eps) · (1 + w)`
@@ -761,20 +754,6 @@ impl CudaContext {
         // SAFETY: as checked above.
         unsafe { b.launch(cfg) }?;
         Ok(())
-    }
-
-    /// Whether a GEMV that fits in one round of blocks may give a block fewer 16-row tiles than
-    /// its warps could take, to spread over more SMs (`true`, the default): the GDN input
-    /// projection (772 tiles) runs on 129 blocks of 6 tiles instead of 97 of 8, the attention
-    /// q|gate|k|v (576) on 116 of 5 instead of 72 of 8, the other warps of a block idle. A
-    /// block streams its share at a bounded rate (the LM head reaches ~30 GB/s per SM), so
-    /// more blocks finish sooner. Same results. Graphs captured earlier are captured again
-    /// ([`Self::launch_generation`]).
-    #[doc(hidden)]
-    pub fn set_gemv_fill(&self, on: bool) {
-        if self.gemv_fill.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
     }
 
     /// Launches [`Self::gemv_norm`] from its register-capped entry point (`true`, the default:
@@ -905,12 +884,11 @@ fn k_index(cols: usize) -> Result<usize, CudaError> {
 }
 
 /// The GEMV launch the host picks for a `[rows, cols]` matrix at `bits` on `sm_count` SMs:
-/// `(ks_log2, blocks, tiles per block-iteration)` (see [`CudaContext::gemv_tuned`],
-/// [`CudaContext::set_gemv_fill`]). For the self-test's sweeps.
+/// `(ks_log2, blocks)` (see [`CudaContext::gemv_tuned`]). For the self-test's sweeps.
 #[doc(hidden)]
-pub fn gemv_config(rows: usize, cols: usize, bits: usize, sm_count: u32, fill: bool) -> (i32, u32, i32) {
-    let (cfg, (ks_log2, tpb)) = gemv_launch(rows, cols, bits, sm_count, fill);
-    (ks_log2, cfg.grid_dim.0, tpb)
+pub fn gemv_config(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (i32, u32) {
+    let (cfg, ks_log2) = gemv_launch(rows, cols, bits, sm_count);
+    (ks_log2, cfg.grid_dim.0)
 }
 
 /// Warps per GEMV block (`NW` in `kernels/gemv.cu`); one block per SM.
@@ -936,23 +914,18 @@ fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
 }
 
-/// `(ks_log2, blocks, tiles per block-iteration)` of [`gemv_launch`].
-fn gemv_split(rows: usize, cols: usize, sm_count: u32, fill: bool) -> (i32, usize, usize) {
+/// `(ks_log2, blocks)` of [`gemv_launch`].
+fn gemv_split(rows: usize, cols: usize, sm_count: u32) -> (i32, usize) {
     let nstep = cols / 256;
     let m_tiles = rows.div_ceil(16);
     let max_blocks = sm_count.max(1) as usize;
     let splits = (0..=GEMV_WARPS.trailing_zeros() as i32).filter(|&k| (1usize << k) <= nstep);
-    // one round on at least half of the SMs: the most blocks, then the finest K split. With
-    // `fill`, a block may take fewer tiles than it has warps for, to spread over more SMs
+    // one round on at least half of the SMs: the most blocks
     let one_round = splits
         .clone()
-        .map(|k| {
-            let per = GEMV_WARPS >> k;
-            let tpb = if fill { m_tiles.div_ceil(max_blocks).clamp(1, per) } else { per };
-            (k, m_tiles.div_ceil(tpb), tpb)
-        })
-        .filter(|&(_, b, _)| b <= max_blocks && 2 * b >= max_blocks)
-        .max_by_key(|&(k, b, _)| (b, k));
+        .map(|k| (k, m_tiles.div_ceil(GEMV_WARPS >> k)))
+        .filter(|&(_, b)| b <= max_blocks && 2 * b >= max_blocks)
+        .max_by_key(|&(_, b)| b);
     if let Some(best) = one_round {
         return best;
     }
@@ -968,7 +941,7 @@ fn gemv_split(rows: usize, cols: usize, sm_count: u32, fill: bool) -> (i32, usiz
         }
     }
     let (_, blocks, ks_log2) = best.expect("cols >= 256");
-    (ks_log2, blocks, GEMV_WARPS >> ks_log2)
+    (ks_log2, blocks)
 }
 
 /// Launch configuration of the GEMV and its `ks_log2` (K split over `2^ks_log2` warps of a
@@ -984,14 +957,14 @@ fn gemv_split(rows: usize, cols: usize, sm_count: u32, fill: bool) -> (i32, usiz
 /// * otherwise the fewest steps per warp, a split-K reduction (a block barrier) counted as 0.1
 ///   step (LM head: split 2, 15 rounds of 4 steps, 72.1 µs; unsplit, 8 rounds of 8 steps with
 ///   the last one 35% full, 77.0 µs).
-fn gemv_launch(rows: usize, cols: usize, bits: usize, sm_count: u32, fill: bool) -> (LaunchConfig, (i32, i32)) {
-    let (ks_log2, blocks, tpb) = gemv_split(rows, cols, sm_count, fill);
+fn gemv_launch(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (LaunchConfig, i32) {
+    let (ks_log2, blocks) = gemv_split(rows, cols, sm_count);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: gemv_smem_bytes(bits, cols) as u32,
     };
-    (cfg, (ks_log2, tpb as i32))
+    (cfg, ks_log2)
 }
 
 #[cfg(test)]
@@ -1001,21 +974,12 @@ mod gemv_launch_tests {
     /// The launch choices the H200 sweep measured as best (docs/CUDA.md, GEMV).
     #[test]
     fn splits_follow_the_sweep() {
-        // every block's warps busy (set_gemv_fill(false))
-        assert_eq!(gemv_split(248_320, 2048, 132, false), (1, 132, 8)); // LM head
-        assert_eq!(gemv_split(12_352, 2048, 132, false), (1, 97, 8)); // GDN in_proj
-        assert_eq!(gemv_split(9216, 2048, 132, false), (1, 72, 8)); // attention q|gate|k|v
-        assert_eq!(gemv_split(4096, 2048, 132, false), (3, 128, 2));
-        assert_eq!(gemv_split(2048, 4096, 132, false), (4, 128, 1)); // o_proj / out_proj
-        assert_eq!(gemv_split(2048, 512, 132, false), (1, 16, 8)); // expert down
-        assert_eq!(gemv_split(8, 512, 132, false), (1, 1, 8));
-        // spread over the SMs (the default)
-        assert_eq!(gemv_split(248_320, 2048, 132, true), (1, 132, 8));
-        assert_eq!(gemv_split(12_352, 2048, 132, true), (1, 129, 6));
-        assert_eq!(gemv_split(9216, 2048, 132, true), (1, 116, 5));
-        assert_eq!(gemv_split(4096, 2048, 132, true), (3, 128, 2));
-        assert_eq!(gemv_split(2048, 4096, 132, true), (4, 128, 1));
-        assert_eq!(gemv_split(2048, 512, 132, true), (1, 128, 1));
-        assert_eq!(gemv_split(8, 512, 132, true), (1, 1, 8));
+        assert_eq!(gemv_split(248_320, 2048, 132), (1, 132)); // LM head
+        assert_eq!(gemv_split(12_352, 2048, 132), (1, 97)); // GDN in_proj
+        assert_eq!(gemv_split(9216, 2048, 132), (1, 72)); // attention q|gate|k|v
+        assert_eq!(gemv_split(4096, 2048, 132), (3, 128));
+        assert_eq!(gemv_split(2048, 4096, 132), (4, 128)); // o_proj / out_proj
+        assert_eq!(gemv_split(2048, 512, 132), (1, 16)); // expert down
+        assert_eq!(gemv_split(8, 512, 132), (1, 1));
     }
 }

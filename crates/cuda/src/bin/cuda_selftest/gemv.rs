@@ -40,8 +40,6 @@ struct Row {
     copies: usize,
     us_graph: f64,
     us_pdl: f64,
-    /// `us_pdl` with every warp of a block busy (`set_gemv_fill(false)`: fewer blocks).
-    us_pdl_busy: f64,
     us_stream: f64,
 }
 
@@ -247,17 +245,6 @@ pub fn run(s: &mut Suite) {
             graph.launch().unwrap();
             let us_pdl = s.median_timed(if quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6;
             drop(graph);
-            // the same with every warp of a block busy (the split before set_gemv_fill)
-            cx.set_gemv_fill(false);
-            let graph = StepGraph::capture(&stream, true, || {
-                run_all(&mut outd);
-                Ok(())
-            })
-            .expect("PDL graph");
-            graph.launch().unwrap();
-            let us_pdl_busy = s.median_timed(if quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6;
-            cx.set_gemv_fill(true);
-            drop(graph);
             drop(mats);
             let r = Row {
                 name: c.label.to_string(),
@@ -271,11 +258,10 @@ pub fn run(s: &mut Suite) {
                 copies,
                 us_graph,
                 us_pdl,
-                us_pdl_busy,
                 us_stream,
             };
             println!(
-                "q{} {:<48} {:>7}x{:<5} {:>9.3} MB  {:>8.2} us graph {:>6.0} GB/s ({:>5.1}%)  {:>8.2} us PDL ({:>5.1}%, {:.2} us all warps busy)  {:>8.2} us stream  rel {:.1e} {}",
+                "q{} {:<48} {:>7}x{:<5} {:>9.3} MB  {:>8.2} us graph {:>6.0} GB/s ({:>5.1}%)  {:>8.2} us PDL ({:>5.1}%)  {:>8.2} us stream  rel {:.1e} {}",
                 bits,
                 r.name,
                 rows,
@@ -286,7 +272,6 @@ pub fn run(s: &mut Suite) {
                 bytes as f64 / (us_graph * 1e-6) / copy_bw * 100.0,
                 us_pdl,
                 bytes as f64 / (us_pdl * 1e-6) / copy_bw * 100.0,
-                us_pdl_busy,
                 us_stream,
                 max_rel_err,
                 if ok { "ok" } else { "FAIL" }
@@ -365,8 +350,8 @@ pub fn run(s: &mut Suite) {
         s.json.push((
             "gemv".into(),
             format!(
-                "{{\"bits\":{},\"shape\":\"{}\",\"rows\":{},\"cols\":{},\"bytes\":{},\"copies\":{},\"us_graph\":{:.3},\"us_pdl\":{:.3},\"us_pdl_busy\":{:.3},\"us_stream\":{:.3},\"gbps\":{:.1},\"rel_err\":{:e},\"max_err_over_rms\":{:e},\"ok\":{}}}",
-                r.bits, r.name, r.rows, r.cols, r.bytes, r.copies, r.us_graph, r.us_pdl, r.us_pdl_busy, r.us_stream, gbs, r.rel_err, r.max_err, r.ok
+                "{{\"bits\":{},\"shape\":\"{}\",\"rows\":{},\"cols\":{},\"bytes\":{},\"copies\":{},\"us_graph\":{:.3},\"us_pdl\":{:.3},\"us_stream\":{:.3},\"gbps\":{:.1},\"rel_err\":{:e},\"max_err_over_rms\":{:e},\"ok\":{}}}",
+                r.bits, r.name, r.rows, r.cols, r.bytes, r.copies, r.us_graph, r.us_pdl, r.us_stream, gbs, r.rel_err, r.max_err, r.ok
             ),
         ));
     }
@@ -458,8 +443,8 @@ fn sweep(s: &mut Suite) {
                 line(format!("ks_log2 {ks} blocks <= {blocks}"), time(Some((ks, blocks))));
             }
         }
-        let (ks_auto, blocks_auto, tpb_auto) = cuda::gemv_config(rows, cols, bits as usize, sm, true);
-        line(format!("(auto = ks_log2 {ks_auto}, {blocks_auto} blocks of {tpb_auto} tiles)"), f64::NAN);
+        let (ks_auto, blocks_auto) = cuda::gemv_config(rows, cols, bits as usize, sm);
+        line(format!("(auto = ks_log2 {ks_auto}, {blocks_auto} blocks)"), f64::NAN);
     }
 }
 
