@@ -181,6 +181,7 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_fused_r8_e4",
             "moe_fused_r8_e8",
             "moe_grid_barrier_probe",
+            "moe_flag_barrier_probe",
         ],
     },
 ];

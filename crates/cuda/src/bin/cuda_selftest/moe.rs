@@ -436,6 +436,12 @@ fn vname(f: MoeFlags) -> String {
     )
 }
 
+/// The synchronisation probes alone (section `sync`): a grid barrier with an arrival counter,
+/// one without atomics, and the kernel boundary they would replace.
+pub fn run_sync(s: &mut Suite) {
+    barrier_probe(s);
+}
+
 /// Runs the MoE checks and timings.
 pub fn run(s: &mut Suite) {
     barrier_probe(s);
@@ -544,6 +550,24 @@ fn barrier_probe(s: &mut Suite) {
     let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok, msg: format!("arrivals left {}", bar[0]) };
     s.record(SEC, "grid barrier probe: every block released, counter back to 0", &c, "");
     println!("{SEC:<10} grid barrier: {:.2} us each ({n} in one launch {:.2} us, empty launch {:.2} us)", per * 1e6, t[1] * 1e6, t[0] * 1e6);
+    // the barrier without atomics: a word per block, every block polls them all
+    let mut base = 0u32;
+    let mut tf = [0f64; 2];
+    for (i, k) in [0, n].into_iter().enumerate() {
+        cx.moe_flag_barrier_probe(&mut scratch, k, base).expect("flag barrier probe");
+        base += k as u32;
+        tf[i] = s.median_timed(20, 1, || {
+            cx.moe_flag_barrier_probe(&mut scratch, k, base).unwrap();
+            base += k as u32;
+        });
+    }
+    let per_flag = (tf[1] - tf[0]) / f64::from(n);
+    // every block of the last launch reached its last epoch (the words after the grid stay 0)
+    let flags: Vec<u32> = cx.stream().clone_dtoh(&scratch.flag_state()).unwrap();
+    let reached = flags.iter().filter(|&&f| f == base).count();
+    let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: reached > 0 && flags.iter().all(|&f| f == base || f == 0), msg: format!("{reached} blocks at epoch {base}, words {flags:?}") };
+    s.record(SEC, "flag barrier probe: every block reached the last epoch", &c, "");
+    println!("{SEC:<10} flag barrier: {:.2} us each ({n} in one launch {:.2} us)", per_flag * 1e6, tf[1] * 1e6);
     // what a barrier would replace: the boundary between two dependent kernels of the same grid,
     // from a graph of 64 empty launches, with plain and with programmatic (PDL) edges
     let mut edge = [0f64; 2];
@@ -558,8 +582,9 @@ fn barrier_probe(s: &mut Suite) {
     s.json.push((
         SEC.into(),
         format!(
-            "{{\"grid_barrier_us\":{:.3},\"launch_us\":{:.3},\"graph_kernel_us\":{:.3},\"graph_kernel_pdl_us\":{:.3}}}",
+            "{{\"grid_barrier_us\":{:.3},\"flag_barrier_us\":{:.3},\"launch_us\":{:.3},\"graph_kernel_us\":{:.3},\"graph_kernel_pdl_us\":{:.3}}}",
             per * 1e6,
+            per_flag * 1e6,
             t[0] * 1e6,
             edge[0] * 1e6,
             edge[1] * 1e6
