@@ -9,50 +9,11 @@
 //! repeatedly (cache-resident when it fits). Each figure is the best of many ~2 ms batches,
 //! which filters out most interference from other processes; still noisy on a shared machine.
 
-use half::bf16;
 use quant::fast::{self, Level};
 use quant::{Bits, QMat, QuantSpec};
-use std::time::Instant;
 
-fn random_qmat(seed: &mut u64, rows: usize, cols: usize, spec: QuantSpec) -> QMat {
-    let mut next = || sampler::splitmix64(seed);
-    let words = rows * spec.words_per_row(cols);
-    let groups = rows * spec.groups_per_row(cols);
-    let packed = (0..words).map(|_| next() as u32).collect();
-    let scales = (0..groups)
-        .map(|_| bf16::from_f32(0.01 * ((next() % 100) as f32 / 100.0 - 0.5)))
-        .collect();
-    let biases = (0..groups)
-        .map(|_| bf16::from_f32(-0.05 * ((next() % 100) as f32 / 100.0)))
-        .collect();
-    QMat {
-        rows,
-        cols,
-        spec,
-        packed,
-        scales,
-        biases,
-    }
-}
-
-/// Seconds per call: the best of several batches (the minimum is the least disturbed by other
-/// processes sharing the CPU), each batch ~2 ms or at least one call, for at least `min_secs`
-/// in total.
-fn time_it(mut f: impl FnMut(), min_secs: f64) -> f64 {
-    f();
-    let start = Instant::now();
-    let mut best = f64::INFINITY;
-    while start.elapsed().as_secs_f64() < min_secs || best == f64::INFINITY {
-        let b = Instant::now();
-        let mut n = 0u32;
-        while n < 1 || b.elapsed().as_secs_f64() < 0.002 {
-            f();
-            n += 1;
-        }
-        best = best.min(b.elapsed().as_secs_f64() / f64::from(n));
-    }
-    best
-}
+mod common;
+use common::{random_qmat, time_it};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

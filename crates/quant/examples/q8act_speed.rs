@@ -5,44 +5,11 @@
 //! FLOPs = 2·rows·cols·t per call; each figure is the best of ~2 ms batches (least disturbed
 //! by other processes). The q8act time includes quantizing the activations.
 
-use half::bf16;
 use quant::fast;
-use quant::{Bits, QMat, QuantSpec};
-use std::time::Instant;
+use quant::{Bits, QuantSpec};
 
-fn random_qmat(seed: &mut u64, rows: usize, cols: usize, spec: QuantSpec) -> QMat {
-    let mut next = || sampler::splitmix64(seed);
-    let words = rows * spec.words_per_row(cols);
-    let groups = rows * spec.groups_per_row(cols);
-    QMat {
-        rows,
-        cols,
-        spec,
-        packed: (0..words).map(|_| next() as u32).collect(),
-        scales: (0..groups)
-            .map(|_| bf16::from_f32(0.01 * ((next() % 100) as f32 / 100.0 - 0.5)))
-            .collect(),
-        biases: (0..groups)
-            .map(|_| bf16::from_f32(-0.05 * ((next() % 100) as f32 / 100.0)))
-            .collect(),
-    }
-}
-
-fn time_it(mut f: impl FnMut(), min_secs: f64) -> f64 {
-    f();
-    let start = Instant::now();
-    let mut best = f64::INFINITY;
-    while start.elapsed().as_secs_f64() < min_secs || best == f64::INFINITY {
-        let b = Instant::now();
-        let mut n = 0u32;
-        while n < 1 || b.elapsed().as_secs_f64() < 0.002 {
-            f();
-            n += 1;
-        }
-        best = best.min(b.elapsed().as_secs_f64() / f64::from(n));
-    }
-    best
-}
+mod common;
+use common::{random_qmat, time_it};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
