@@ -235,12 +235,17 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
     }
 }
 
-template <int BITS, int K, bool RESID, bool NORM>
+// CHAIN: one GEMV of the persistent chain kernel below (gemv_chain_*): x comes from the
+// previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
+// barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
+// are issued before, as before a PDL wait.
+template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
-                                          float eps, int rows, int ks_log2, int flags) {
+                                          float eps, int rows, int ks_log2, int flags,
+                                          const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0) {
     using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
@@ -314,7 +319,10 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     }
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
-    calla_pdl_wait();
+    if (CHAIN)
+        calla_flag_wait(chain_flags, chain_epoch);
+    else
+        calla_pdl_wait();
     const bool early = flags & GEMV_EARLY_TRIGGER;
     if (early) calla_pdl_launch_dependents();
     build_x_table<BITS, K, NORM>(smem, x, nw, eps, ss_red);
@@ -467,3 +475,35 @@ CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_RE
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)
+
+// Measurement only (cuda_selftest section `chain`): `layers` 4-bit GEMVs in ONE persistent
+// launch, alternating W_a [ATTN_OUT, D_MODEL] (xb -> xa) and W_b [D_MODEL, ATTN_OUT] (xa -> xb),
+// copy (l / 2) % copies of each (stacked: copy c's rows follow copy c-1's), separated by split
+// flag barriers (calla_flag_arrive after a GEMV's outputs, calla_flag_wait before the next one
+// reads them; its weight copies are issued in between). Against the same GEMVs as separate
+// kernels under PDL, it prices the persistent decode kernel of docs/CUDA.md: a phase boundary
+// as a flag barrier with the weights already requested, instead of a launch. Launch: a
+// cooperative grid (every block resident) of THREADS threads, Cfg<4, ATTN_OUT>::SMEM bytes of
+// dynamic shared memory; ks_a / ks_b as the host's GEMV split for the two shapes on that grid;
+// flags[gridDim.x] all <= base, left at base + layers.
+extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)
+    gemv_chain_q4(float* __restrict__ xa, float* __restrict__ xb, const unsigned char* __restrict__ pa,
+                  const unsigned short* __restrict__ sa, const unsigned short* __restrict__ ba,
+                  const unsigned char* __restrict__ pb, const unsigned short* __restrict__ sb,
+                  const unsigned short* __restrict__ bb, int copies, int layers, int ks_a, int ks_b,
+                  unsigned* flags, unsigned base) {
+    constexpr int D = CALLA_D_MODEL, E = CALLA_ATTN_OUT;
+    constexpr size_t W_BYTES = (size_t)D * E / 2;   // codes of one copy (either shape)
+    constexpr size_t W_GROUPS = (size_t)D * E / 64; // scales (or biases) of one copy
+    calla_pdl_wait();
+    for (int l = 0; l < layers; ++l) {
+        const size_t c = (size_t)((l / 2) % copies);
+        if (l % 2 == 0)
+            calla_gemv::gemv_body<4, D, false, false, true>(xa, pa + c * W_BYTES, sa + c * W_GROUPS, ba + c * W_GROUPS, xb,
+                                                            nullptr, nullptr, 0.f, E, ks_a, 0, flags, base + l);
+        else
+            calla_gemv::gemv_body<4, E, false, false, true>(xb, pb + c * W_BYTES, sb + c * W_GROUPS, bb + c * W_GROUPS, xa,
+                                                            nullptr, nullptr, 0.f, D, ks_b, 0, flags, base + l);
+        calla_flag_arrive(flags, base + l + 1);
+    }
+}

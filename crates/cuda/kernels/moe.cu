@@ -714,30 +714,6 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
     __syncthreads();
 }
 
-// Grid-wide barrier without atomics (measured against grid_sync for a persistent decode kernel;
-// used by flag_barrier_probe only): each block publishes `epoch` in its own word of flags[grid]
-// (st.release), and warp 0 of every block polls all the words (relaxed loads, 32 lanes side by
-// side) until each has reached `epoch`, then one acquire fence. No serialisation on one address;
-// epochs only grow (the caller passes a new base per launch), so no reset is needed.
-__device__ __forceinline__ void flag_sync(unsigned* flags, unsigned epoch) {
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(epoch) : "memory");
-        bool done = false;
-        while (!done) {
-            bool mine = true;
-            for (unsigned i = threadIdx.x; i < gridDim.x; i += 32) {
-                unsigned v;
-                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + i) : "memory");
-                mine &= (int)(v - epoch) >= 0;
-            }
-            done = __all_sync(0xffffffffu, mine);
-        }
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    }
-    __syncthreads();
-}
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
                  : "memory");
@@ -1036,11 +1012,14 @@ CALLA_MOE_FUSED(moe_fused_r4_e8, 4, 8)
 CALLA_MOE_FUSED(moe_fused_r8_e4, 8, 4)
 CALLA_MOE_FUSED(moe_fused_r8_e8, 8, 8)
 
-// Measurement only (cuda_selftest): n flag barriers (flag_sync, epochs base + 1 .. base + n) in a
-// row on the fused kernel's block shape.
+// Measurement only (cuda_selftest): n flag barriers (calla_flag_arrive + calla_flag_wait in
+// prelude.cuh, epochs base + 1 .. base + n) in a row on the fused kernel's block shape.
 extern "C" __global__ void __launch_bounds__(calla_moe::FU_THREADS, 1) moe_flag_barrier_probe(unsigned* flags, int n, unsigned base) {
     calla_pdl_wait();
-    for (int i = 0; i < n; ++i) calla_moe::flag_sync(flags, base + 1u + (unsigned)i);
+    for (int i = 0; i < n; ++i) {
+        calla_flag_arrive(flags, base + 1u + (unsigned)i);
+        calla_flag_wait(flags, base + 1u + (unsigned)i);
+    }
 }
 
 // Measurement only (cuda_selftest): n grid barriers in a row on the fused kernel's block shape,

@@ -82,6 +82,7 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_q8_k2048",
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
+            "gemv_chain_q4",
         ],
     },
     KernelSource {
@@ -685,6 +686,90 @@ impl CudaContext {
         // SAFETY: argument types and lengths match the kernel's signature (checked in
         // gemv_prepare); the grid never exceeds the blocks with work.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Measurement: `layers` 4-bit GEMVs in one persistent launch (`gemv_chain_q4` in
+    /// `kernels/gemv.cu`), alternating `xa = W_a·xb` and `xb = W_b·xa`, layer `l` on copy
+    /// `(l / 2) % copies` of each, separated by split flag barriers; to price the persistent
+    /// decode kernel against the same GEMVs launched one by one ([`Self::gemv`] under PDL gives
+    /// the same bits). `wa`: `copies` stacked `[N_Q_HEADS·HEAD_DIM, D_MODEL]` matrices, `wb`:
+    /// `copies` stacked `[D_MODEL, N_Q_HEADS·HEAD_DIM]` ([`Self::upload_qmat_rows`]); `xa`, `xb`
+    /// the two activations; `flags`: one word per SM, every word `<= base` (they end at
+    /// `base + layers`).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] on other shapes or bits, or when the two shapes' GEMV splits
+    /// use different grids; driver errors (a cooperative launch: refused when the grid cannot be
+    /// resident at once).
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_chain_probe(
+        &self,
+        xa: &mut CudaSlice<f32>,
+        xb: &mut CudaSlice<f32>,
+        wa: &DeviceQMat,
+        wb: &DeviceQMat,
+        copies: usize,
+        layers: usize,
+        flags: &mut CudaSlice<u32>,
+        base: u32,
+    ) -> Result<(), CudaError> {
+        let (d, e) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
+        let (ks_a, blocks_a) = gemv_split(e, d, self.sm_count);
+        let (ks_b, blocks_b) = gemv_split(d, e, self.sm_count);
+        if copies == 0
+            || wa.bits != Bits::B4
+            || wb.bits != Bits::B4
+            || (wa.rows, wa.cols) != (copies * e, d)
+            || (wb.rows, wb.cols) != (copies * d, e)
+            || xa.len() != e
+            || xb.len() != d
+            || blocks_a != blocks_b
+            || flags.len() < blocks_a
+            || layers > i32::MAX as usize
+        {
+            return Err(CudaError::Unsupported(format!(
+                "gemv_chain_probe: W_a [{}, {}] q{}, W_b [{}, {}] q{}, {copies} copies, xa {} xb {}, grids {blocks_a}/{blocks_b}, {} flags",
+                wa.rows,
+                wa.cols,
+                wa.bits.bits(),
+                wb.rows,
+                wb.cols,
+                wb.bits.bits(),
+                xa.len(),
+                xb.len(),
+                flags.len()
+            )));
+        }
+        let f = self.func("gemv_chain_q4")?;
+        let smem = gemv_smem_bytes(4, d).max(gemv_smem_bytes(4, e));
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_a as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (copies_i, layers_i, ks_a, ks_b) = (copies as i32, layers as i32, ks_a, ks_b);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(xa)
+            .arg(xb)
+            .arg(&wa.packed)
+            .arg(&wa.scales)
+            .arg(&wa.biases)
+            .arg(&wb.packed)
+            .arg(&wb.scales)
+            .arg(&wb.biases)
+            .arg(&copies_i)
+            .arg(&layers_i)
+            .arg(&ks_a)
+            .arg(&ks_b)
+            .arg(flags)
+            .arg(&base);
+        // SAFETY: shapes checked above (copies stacked as the kernel indexes them); flags has a
+        // word per block; a cooperative launch, so every block is resident and the barriers end.
+        unsafe { b.launch_cooperative(cfg) }?;
         Ok(())
     }
 

@@ -8,6 +8,7 @@
 //! Usage: `cuda_selftest [--quick] [--only SECTION[,SECTION...]]`; sections: see `SECTIONS`.
 
 mod attention;
+mod chain;
 mod attn_prefill;
 mod common;
 mod gdn;
@@ -25,7 +26,7 @@ use cuda::CudaContext;
 use common::Suite;
 
 /// Every section: name and entry point.
-const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("step", step::run), ("gdn", gdn::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
+const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("step", step::run), ("gdn", gdn::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

@@ -1,0 +1,109 @@
+//! The persistent GEMV chain (`CudaContext::gemv_chain_probe`, `gemv_chain_q4` in
+//! `kernels/gemv.cu`) against the same GEMVs launched one by one.
+//!
+//! Random 4-bit `W_a` `[N_Q_HEADS·HEAD_DIM, D_MODEL]` and `W_b` `[D_MODEL, N_Q_HEADS·HEAD_DIM]`
+//! (the output projection's shapes, 4.7 MB each), enough copies of each to defeat the 60 MB L2,
+//! and a chain `xa = W_a·xb`, `xb = W_b·xa`, ... of `LAYERS` GEMVs:
+//! * as one persistent launch, GEMVs separated by split flag barriers (the next GEMV's weights
+//!   requested before the barrier);
+//! * as `LAYERS` kernels in a graph with programmatic dependent launch, as the decode step runs.
+//!
+//! Both must end with the same bits in `xb` (the same arithmetic in the same order); then the
+//! time per GEMV of each. This prices the persistent decode kernel of docs/CUDA.md: a phase
+//! boundary as a flag barrier with the weights already requested, instead of a launch.
+
+use cuda::graph::StepGraph;
+use quant::{QMatRef, QuantSpec};
+use spec::production as p;
+
+use crate::common::{check, rand_f32s, rand_u32s, Cmp, Suite, Tol};
+
+const SEC: &str = "chain";
+/// GEMVs per chain (even: one W_a and one W_b each round).
+const LAYERS: usize = 80;
+
+/// Random 4-bit `[rows, cols]` codes with small scales and biases (values stay O(1) along the
+/// chain: each GEMV sums `cols` terms of ~1e-3·x).
+fn host_matrix(rows: usize, cols: usize, seed: u64) -> (Vec<u32>, Vec<half::bf16>, Vec<half::bf16>) {
+    let spec = QuantSpec::new(4, cuda::QUANT_GROUP).unwrap();
+    let packed = rand_u32s(rows * spec.words_per_row(cols), seed);
+    let groups = rows * spec.groups_per_row(cols);
+    let scales = rand_f32s(groups, seed ^ 0x5C, 0.004).into_iter().map(half::bf16::from_f32).collect();
+    let biases = rand_f32s(groups, seed ^ 0xB1, 0.01).into_iter().map(|v| half::bf16::from_f32(v - 0.03)).collect();
+    (packed, scales, biases)
+}
+
+/// Runs the chain check and timing.
+pub fn run(s: &mut Suite) {
+    let cx = s.cx;
+    let (d, e) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
+    let spec = QuantSpec::new(4, cuda::QUANT_GROUP).unwrap();
+    let (pa, sa, ba) = host_matrix(e, d, 0xC4A1);
+    let (pb, sb, bb) = host_matrix(d, e, 0xC4A2);
+    let ma = QMatRef::new(e, d, spec, &pa, &sa, &ba).unwrap();
+    let mb = QMatRef::new(d, e, spec, &pb, &sb, &bb).unwrap();
+    let bytes = ma.stored_bytes();
+    let copies = (256usize << 20).div_ceil(bytes).min(LAYERS / 2);
+    let single_a: Vec<_> = (0..copies).map(|_| cx.upload_qmat(ma).expect("upload W_a")).collect();
+    let single_b: Vec<_> = (0..copies).map(|_| cx.upload_qmat(mb).expect("upload W_b")).collect();
+    let stacked_a = cx.upload_qmat_rows(&vec![ma; copies]).expect("upload stacked W_a");
+    let stacked_b = cx.upload_qmat_rows(&vec![mb; copies]).expect("upload stacked W_b");
+    let x0 = rand_f32s(d, 0xC4A3, 1.0);
+    let stream = cx.stream().clone();
+
+    // one by one (PDL graph): the reference bits and time
+    let mut xa = cx.upload_f32(&vec![0f32; e]).unwrap();
+    let mut xb = cx.upload_f32(&x0).unwrap();
+    let enqueue = |xa: &mut cuda::cudarc::driver::CudaSlice<f32>, xb: &mut cuda::cudarc::driver::CudaSlice<f32>| -> Result<(), cuda::CudaError> {
+        for l in 0..LAYERS {
+            let c = (l / 2) % copies;
+            if l % 2 == 0 {
+                cx.gemv(&mut xa.slice_mut(..), &single_a[c], &xb.slice(..))?;
+            } else {
+                cx.gemv(&mut xb.slice_mut(..), &single_b[c], &xa.slice(..))?;
+            }
+        }
+        Ok(())
+    };
+    enqueue(&mut xa, &mut xb).expect("gemv chain (launches)");
+    let want = cx.download_f32(&xb).unwrap();
+    let graph = StepGraph::capture(&stream, true, || enqueue(&mut xa, &mut xb)).expect("PDL graph");
+    graph.launch().unwrap();
+    let us_pdl = s.median_timed(7, LAYERS, || graph.launch().unwrap()) * 1e6;
+    drop(graph);
+
+    // one persistent launch
+    let mut flags = stream.alloc_zeros::<u32>(cx.sm_count() as usize).unwrap();
+    let mut base = 0u32;
+    let mut xa2 = cx.upload_f32(&vec![0f32; e]).unwrap();
+    let mut xb2 = cx.upload_f32(&x0).unwrap();
+    cx.gemv_chain_probe(&mut xa2, &mut xb2, &stacked_a, &stacked_b, copies, LAYERS, &mut flags, base).expect("gemv_chain_probe");
+    base += LAYERS as u32;
+    let got = cx.download_f32(&xb2).unwrap();
+    let reference: Vec<f64> = want.iter().map(|v| f64::from(*v)).collect();
+    let mut c = check(&got, &reference, Tol::F32, String::new());
+    let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    if differ > 0 || got.iter().any(|v| !v.is_finite()) {
+        c.ok = false;
+        c.msg.push_str(&format!("{differ} of {d} words differ from the launches; "));
+    }
+    s.record(SEC, &format!("{LAYERS} GEMVs in one persistent launch = the same as {LAYERS} launches, bit for bit"), &c, "");
+    let us_chain = s.median_timed(7, LAYERS, || {
+        cx.gemv_chain_probe(&mut xa2, &mut xb2, &stacked_a, &stacked_b, copies, LAYERS, &mut flags, base).unwrap();
+        base += LAYERS as u32;
+    }) * 1e6;
+    let flags_now: Vec<u32> = stream.clone_dtoh(&flags).unwrap();
+    let ok = flags_now.iter().all(|&f| f == base || f == 0) && flags_now.contains(&base);
+    let cf = Cmp { rel: 0.0, max_over_rms: 0.0, ok, msg: format!("flags {flags_now:?}, last epoch {base}") };
+    s.record(SEC, "every block reached the last barrier", &cf, "");
+    let gbs = |us: f64| bytes as f64 / (us * 1e-6) / 1e9;
+    println!(
+        "{SEC:<10} 4-bit [{e}x{d}] / [{d}x{e}], {copies} copies: {us_pdl:.2} us per GEMV as PDL launches ({:.0} GB/s), {us_chain:.2} us in one persistent launch ({:.0} GB/s)",
+        gbs(us_pdl),
+        gbs(us_chain)
+    );
+    s.json.push((
+        SEC.into(),
+        format!("{{\"layers\":{LAYERS},\"copies\":{copies},\"bytes_per_gemv\":{bytes},\"us_per_gemv_pdl\":{us_pdl:.3},\"us_per_gemv_chain\":{us_chain:.3}}}"),
+    ));
+}
