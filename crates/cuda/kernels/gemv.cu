@@ -319,10 +319,10 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     }
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
-    if (CHAIN)
-        calla_flag_wait(chain_flags, chain_epoch);
-    else
+    if (!CHAIN)
         calla_pdl_wait();
+    else if (chain_flags != nullptr)  // null: the chain's first GEMV (its input predates the launch)
+        calla_flag_wait(chain_flags, chain_epoch);
     const bool early = flags & GEMV_EARLY_TRIGGER;
     if (early) calla_pdl_launch_dependents();
     build_x_table<BITS, K, NORM>(smem, x, nw, eps, ss_red);
@@ -485,7 +485,9 @@ CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)
 // as a flag barrier with the weights already requested, instead of a launch. Launch: a
 // cooperative grid (every block resident) of THREADS threads, Cfg<4, ATTN_OUT>::SMEM bytes of
 // dynamic shared memory; ks_a / ks_b as the host's GEMV split for the two shapes on that grid;
-// flags[gridDim.x] all <= base, left at base + layers.
+// flags[gridDim.x] all <= base, left at base + layers (GEMV l > 0 waits for epoch base + l,
+// which every block's arrival after GEMV l - 1 publishes; GEMV 0 waits for nothing more than
+// the launch's own PDL wait).
 extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)
     gemv_chain_q4(float* __restrict__ xa, float* __restrict__ xb, const unsigned char* __restrict__ pa,
                   const unsigned short* __restrict__ sa, const unsigned short* __restrict__ ba,
@@ -500,10 +502,10 @@ extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)
         const size_t c = (size_t)((l / 2) % copies);
         if (l % 2 == 0)
             calla_gemv::gemv_body<4, D, false, false, true>(xa, pa + c * W_BYTES, sa + c * W_GROUPS, ba + c * W_GROUPS, xb,
-                                                            nullptr, nullptr, 0.f, E, ks_a, 0, flags, base + l);
+                                                            nullptr, nullptr, 0.f, E, ks_a, 0, l ? flags : nullptr, base + l);
         else
             calla_gemv::gemv_body<4, E, false, false, true>(xb, pb + c * W_BYTES, sb + c * W_GROUPS, bb + c * W_GROUPS, xa,
-                                                            nullptr, nullptr, 0.f, D, ks_b, 0, flags, base + l);
+                                                            nullptr, nullptr, 0.f, D, ks_b, 0, l ? flags : nullptr, base + l);
         calla_flag_arrive(flags, base + l + 1);
     }
 }

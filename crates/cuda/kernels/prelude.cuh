@@ -122,10 +122,13 @@ __device__ __forceinline__ float calla_silu(float x) { return x / (1.0f + __expf
 // launch): calla_flag_arrive publishes `epoch` in this block's word of flags[gridDim.x] once
 // every thread of the block is done (st.release); calla_flag_wait returns once every block's
 // word has reached `epoch` (warp 0 polls them all with relaxed loads, then one acquire fence).
-// Epochs only grow, so no reset: the caller starts above the words' current values. Between
-// the two a block may do work that does not read the other blocks' results (issue loads of
-// constant weights). Every thread of the block calls both. Used by the measurement kernels
-// moe_flag_barrier_probe and gemv_chain_* (1.48 us per arrive + wait on the H200).
+// Epochs only grow, so no reset: a launch's first wait must be for an epoch its own arrivals
+// reach (each word starts at most there). Between the two a block may do work that does not
+// read the other blocks' results (issue loads of constant weights). Every thread of the block
+// calls both. A wait that has not ended after 2 s of %globaltimer traps (a broken epoch
+// contract or a grid that is not resident must fail the launch, not hang the GPU). Used by the
+// measurement kernels moe_flag_barrier_probe and gemv_chain_* (1.48 us per arrive + wait on the
+// H200).
 __device__ __forceinline__ void calla_flag_arrive(unsigned* flags, unsigned epoch) {
     __syncthreads();
     if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(epoch) : "memory");
@@ -133,7 +136,15 @@ __device__ __forceinline__ void calla_flag_arrive(unsigned* flags, unsigned epoc
 __device__ __forceinline__ void calla_flag_wait(const unsigned* flags, unsigned epoch) {
     if (threadIdx.x < 32) {
         bool done = false;
+        unsigned long long t0;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        unsigned spins = 0;
         while (!done) {
+            if ((++spins & 1023u) == 0u) {
+                unsigned long long t;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+                if (t - t0 > 2000000000ull) __trap();
+            }
             bool mine = true;
             for (unsigned i = threadIdx.x; i < gridDim.x; i += 32) {
                 unsigned v;

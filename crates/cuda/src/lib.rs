@@ -746,6 +746,7 @@ impl CudaContext {
         let smem = gemv_smem_bytes(4, d).max(gemv_smem_bytes(4, e));
         use cudarc::driver::sys::CUfunction_attribute_enum as A;
         f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks_a as u32, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),

@@ -784,8 +784,8 @@ impl CudaContext {
 
     /// Measurement: `n` grid-wide barriers without atomics in a row (`moe_flag_barrier_probe`:
     /// every block stores its epoch in its own word, every block polls all the words), on the
-    /// fused kernel's grid and block shape, one cooperative launch. `base` must exceed the
-    /// previous launch's `base + n` (epochs only grow; the words start at 0). Against
+    /// fused kernel's grid and block shape, one cooperative launch. Every word must be `<= base`
+    /// (epochs only grow: pass the previous launch's `base + n`; the words start at 0). Against
     /// [`Self::moe_grid_barrier_probe`]: the synchronisation a persistent decode kernel would
     /// need per phase.
     ///

@@ -2,8 +2,9 @@
 //! `kernels/gemv.cu`) against the same GEMVs launched one by one.
 //!
 //! Random 4-bit `W_a` `[N_Q_HEADS·HEAD_DIM, D_MODEL]` and `W_b` `[D_MODEL, N_Q_HEADS·HEAD_DIM]`
-//! (the output projection's shapes, 4.7 MB each), enough copies of each to defeat the 60 MB L2,
-//! and a chain `xa = W_a·xb`, `xb = W_b·xa`, ... of `LAYERS` GEMVs:
+//! (the output projection's shapes, 4.7 MB each), enough distinct matrices of each to defeat
+//! the 60 MB L2 (distinct, so that a wrong per-copy offset changes the bits), and a chain
+//! `xa = W_a·xb`, `xb = W_b·xa`, ... of `LAYERS` GEMVs:
 //! * as one persistent launch, GEMVs separated by split flag barriers (the next GEMV's weights
 //!   requested before the barrier);
 //! * as `LAYERS` kernels in a graph with programmatic dependent launch, as the decode step runs.
@@ -22,14 +23,16 @@ const SEC: &str = "chain";
 /// GEMVs per chain (even: one W_a and one W_b each round).
 const LAYERS: usize = 80;
 
-/// Random 4-bit `[rows, cols]` codes with small scales and biases (values stay O(1) along the
-/// chain: each GEMV sums `cols` terms of ~1e-3·x).
+/// Random 4-bit `[rows, cols]` codes with small zero-mean scales and biases: no common offset
+/// in the weights (a rank-one part that would grow the activations by orders of magnitude per
+/// GEMV pair), so the values stay finite over the chain (simulated in f64 over 80 GEMVs: rms
+/// between 0.5 and 5e4). A non-finite input would make every later output NaN.
 fn host_matrix(rows: usize, cols: usize, seed: u64) -> (Vec<u32>, Vec<half::bf16>, Vec<half::bf16>) {
     let spec = QuantSpec::new(4, cuda::QUANT_GROUP).unwrap();
     let packed = rand_u32s(rows * spec.words_per_row(cols), seed);
     let groups = rows * spec.groups_per_row(cols);
-    let scales = rand_f32s(groups, seed ^ 0x5C, 0.004).into_iter().map(half::bf16::from_f32).collect();
-    let biases = rand_f32s(groups, seed ^ 0xB1, 0.01).into_iter().map(|v| half::bf16::from_f32(v - 0.03)).collect();
+    let scales = rand_f32s(groups, seed ^ 0x5C, 0.0036).into_iter().map(half::bf16::from_f32).collect();
+    let biases = rand_f32s(groups, seed ^ 0xB1, 0.009).into_iter().map(half::bf16::from_f32).collect();
     (packed, scales, biases)
 }
 
@@ -38,16 +41,16 @@ pub fn run(s: &mut Suite) {
     let cx = s.cx;
     let (d, e) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
     let spec = QuantSpec::new(4, cuda::QUANT_GROUP).unwrap();
-    let (pa, sa, ba) = host_matrix(e, d, 0xC4A1);
-    let (pb, sb, bb) = host_matrix(d, e, 0xC4A2);
-    let ma = QMatRef::new(e, d, spec, &pa, &sa, &ba).unwrap();
-    let mb = QMatRef::new(d, e, spec, &pb, &sb, &bb).unwrap();
-    let bytes = ma.stored_bytes();
+    let bytes = spec.stored_bytes(e, d);
     let copies = (256usize << 20).div_ceil(bytes).min(LAYERS / 2);
-    let single_a: Vec<_> = (0..copies).map(|_| cx.upload_qmat(ma).expect("upload W_a")).collect();
-    let single_b: Vec<_> = (0..copies).map(|_| cx.upload_qmat(mb).expect("upload W_b")).collect();
-    let stacked_a = cx.upload_qmat_rows(&vec![ma; copies]).expect("upload stacked W_a");
-    let stacked_b = cx.upload_qmat_rows(&vec![mb; copies]).expect("upload stacked W_b");
+    let host_a: Vec<_> = (0..copies as u64).map(|c| host_matrix(e, d, 0xC4A1 ^ (c << 20))).collect();
+    let host_b: Vec<_> = (0..copies as u64).map(|c| host_matrix(d, e, 0xC4A2 ^ (c << 20))).collect();
+    let refs_a: Vec<QMatRef<'_>> = host_a.iter().map(|(p, s, b)| QMatRef::new(e, d, spec, p, s, b).unwrap()).collect();
+    let refs_b: Vec<QMatRef<'_>> = host_b.iter().map(|(p, s, b)| QMatRef::new(d, e, spec, p, s, b).unwrap()).collect();
+    let single_a: Vec<_> = refs_a.iter().map(|m| cx.upload_qmat(*m).expect("upload W_a")).collect();
+    let single_b: Vec<_> = refs_b.iter().map(|m| cx.upload_qmat(*m).expect("upload W_b")).collect();
+    let stacked_a = cx.upload_qmat_rows(&refs_a).expect("upload stacked W_a");
+    let stacked_b = cx.upload_qmat_rows(&refs_b).expect("upload stacked W_b");
     let x0 = rand_f32s(d, 0xC4A3, 1.0);
     let stream = cx.stream().clone();
 
@@ -69,7 +72,11 @@ pub fn run(s: &mut Suite) {
     let want = cx.download_f32(&xb).unwrap();
     let graph = StepGraph::capture(&stream, true, || enqueue(&mut xa, &mut xb)).expect("PDL graph");
     graph.launch().unwrap();
-    let us_pdl = s.median_timed(7, LAYERS, || graph.launch().unwrap()) * 1e6;
+    // two replays per timing, so the host's launch overhead weighs less against 2 x LAYERS GEMVs
+    let us_pdl = s.median_timed(7, 2 * LAYERS, || {
+        graph.launch().unwrap();
+        graph.launch().unwrap();
+    }) * 1e6;
     drop(graph);
 
     // one persistent launch
@@ -88,9 +95,11 @@ pub fn run(s: &mut Suite) {
         c.msg.push_str(&format!("{differ} of {d} words differ from the launches; "));
     }
     s.record(SEC, &format!("{LAYERS} GEMVs in one persistent launch = the same as {LAYERS} launches, bit for bit"), &c, "");
-    let us_chain = s.median_timed(7, LAYERS, || {
-        cx.gemv_chain_probe(&mut xa2, &mut xb2, &stacked_a, &stacked_b, copies, LAYERS, &mut flags, base).unwrap();
-        base += LAYERS as u32;
+    let us_chain = s.median_timed(7, 2 * LAYERS, || {
+        for _ in 0..2 {
+            cx.gemv_chain_probe(&mut xa2, &mut xb2, &stacked_a, &stacked_b, copies, LAYERS, &mut flags, base).unwrap();
+            base += LAYERS as u32;
+        }
     }) * 1e6;
     let flags_now: Vec<u32> = stream.clone_dtoh(&flags).unwrap();
     let ok = flags_now.iter().all(|&f| f == base || f == 0) && flags_now.contains(&base);
