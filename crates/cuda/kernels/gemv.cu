@@ -48,6 +48,9 @@ constexpr int THREADS = NW * 32;
 // weight copy is queued (the next kernel's launch takes 0.5-3.3 us after the trigger on the
 // H200: cuda::timeline). Measured slower in the decode step; off by default.
 constexpr int GEMV_EARLY_TRIGGER = 1;
+// The chain kernel (gemv_chain_*) only: request a GEMV's weights after its flag barrier instead
+// of before, to measure what requesting them early buys.
+constexpr int GEMV_CHAIN_LATE_WEIGHTS = 2;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
 template <int BITS, int K>
@@ -317,11 +320,14 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         nw[0] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
         nw[1] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
     }
+    // (a null chain_flags: the chain's first GEMV, whose input predates the launch)
+    const bool late = CHAIN && (flags & GEMV_CHAIN_LATE_WEIGHTS);
+    if (late && chain_flags != nullptr) calla_flag_wait(chain_flags, chain_epoch);
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
     if (!CHAIN)
         calla_pdl_wait();
-    else if (chain_flags != nullptr)  // null: the chain's first GEMV (its input predates the launch)
+    else if (!late && chain_flags != nullptr)
         calla_flag_wait(chain_flags, chain_epoch);
     const bool early = flags & GEMV_EARLY_TRIGGER;
     if (early) calla_pdl_launch_dependents();
@@ -487,13 +493,13 @@ CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)
 // dynamic shared memory; ks_a / ks_b as the host's GEMV split for the two shapes on that grid;
 // flags[gridDim.x] all <= base, left at base + layers (GEMV l > 0 waits for epoch base + l,
 // which every block's arrival after GEMV l - 1 publishes; GEMV 0 waits for nothing more than
-// the launch's own PDL wait).
+// the launch's own PDL wait); gemv_flags: calla_gemv::GEMV_CHAIN_LATE_WEIGHTS or 0.
 extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)
     gemv_chain_q4(float* __restrict__ xa, float* __restrict__ xb, const unsigned char* __restrict__ pa,
                   const unsigned short* __restrict__ sa, const unsigned short* __restrict__ ba,
                   const unsigned char* __restrict__ pb, const unsigned short* __restrict__ sb,
                   const unsigned short* __restrict__ bb, int copies, int layers, int ks_a, int ks_b,
-                  unsigned* flags, unsigned base) {
+                  unsigned* flags, unsigned base, int gemv_flags) {
     constexpr int D = CALLA_D_MODEL, E = CALLA_ATTN_OUT;
     constexpr size_t W_BYTES = (size_t)D * E / 2;   // codes of one copy (either shape)
     constexpr size_t W_GROUPS = (size_t)D * E / 64; // scales (or biases) of one copy
@@ -502,10 +508,10 @@ extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)
         const size_t c = (size_t)((l / 2) % copies);
         if (l % 2 == 0)
             calla_gemv::gemv_body<4, D, false, false, true>(xa, pa + c * W_BYTES, sa + c * W_GROUPS, ba + c * W_GROUPS, xb,
-                                                            nullptr, nullptr, 0.f, E, ks_a, 0, l ? flags : nullptr, base + l);
+                                                            nullptr, nullptr, 0.f, E, ks_a, gemv_flags, l ? flags : nullptr, base + l);
         else
             calla_gemv::gemv_body<4, E, false, false, true>(xb, pb + c * W_BYTES, sb + c * W_GROUPS, bb + c * W_GROUPS, xa,
-                                                            nullptr, nullptr, 0.f, D, ks_b, 0, l ? flags : nullptr, base + l);
+                                                            nullptr, nullptr, 0.f, D, ks_b, gemv_flags, l ? flags : nullptr, base + l);
         calla_flag_arrive(flags, base + l + 1);
     }
 }

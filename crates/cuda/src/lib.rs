@@ -696,7 +696,8 @@ impl CudaContext {
     /// the same bits). `wa`: `copies` stacked `[N_Q_HEADS·HEAD_DIM, D_MODEL]` matrices, `wb`:
     /// `copies` stacked `[D_MODEL, N_Q_HEADS·HEAD_DIM]` ([`Self::upload_qmat_rows`]); `xa`, `xb`
     /// the two activations; `flags`: one word per SM, every word `<= base` (they end at
-    /// `base + layers`).
+    /// `base + layers`); `late_weights`: request each GEMV's weights after its barrier instead
+    /// of before (what requesting them early buys).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] on other shapes or bits, or when the two shapes' GEMV splits
@@ -714,6 +715,7 @@ impl CudaContext {
         layers: usize,
         flags: &mut CudaSlice<u32>,
         base: u32,
+        late_weights: bool,
     ) -> Result<(), CudaError> {
         let (d, e) = (p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM);
         let (ks_a, blocks_a) = gemv_split(e, d, self.sm_count);
@@ -753,6 +755,7 @@ impl CudaContext {
             shared_mem_bytes: smem as u32,
         };
         let (copies_i, layers_i, ks_a, ks_b) = (copies as i32, layers as i32, ks_a, ks_b);
+        let gemv_flags = if late_weights { GEMV_CHAIN_LATE_WEIGHTS } else { 0 };
         let mut b = self.stream.launch_builder(f);
         b.arg(xa)
             .arg(xb)
@@ -767,7 +770,8 @@ impl CudaContext {
             .arg(&ks_a)
             .arg(&ks_b)
             .arg(flags)
-            .arg(&base);
+            .arg(&base)
+            .arg(&gemv_flags);
         // SAFETY: shapes checked above (copies stacked as the kernel indexes them); flags has a
         // word per block; a cooperative launch, so every block is resident and the barriers end.
         unsafe { b.launch_cooperative(cfg) }?;
@@ -989,6 +993,9 @@ const GEMV_WARPS: usize = 16;
 /// `flags` bit of every GEMV entry point: trigger the dependent launch right after the PDL
 /// wait (`calla_gemv::GEMV_EARLY_TRIGGER` in `kernels/gemv.cu`).
 const GEMV_EARLY_TRIGGER: i32 = 1;
+/// `flags` bit of the chain kernel's GEMVs: weights requested after the barrier
+/// (`calla_gemv::GEMV_CHAIN_LATE_WEIGHTS`).
+const GEMV_CHAIN_LATE_WEIGHTS: i32 = 2;
 
 fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     let nss = cols / 128;
