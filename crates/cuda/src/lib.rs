@@ -754,7 +754,7 @@ impl CudaContext {
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (copies_i, layers_i, ks_a, ks_b) = (copies as i32, layers as i32, ks_a, ks_b);
+        let (copies_i, layers_i) = (copies as i32, layers as i32);
         let gemv_flags = if late_weights { GEMV_CHAIN_LATE_WEIGHTS } else { 0 };
         let mut b = self.stream.launch_builder(f);
         b.arg(xa)

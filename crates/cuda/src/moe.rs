@@ -152,13 +152,6 @@ impl MoeScratch {
     pub fn bar_state(&self) -> CudaView<'_, u32> {
         self.bar.slice(..)
     }
-
-    /// The flag barrier probe's words (one per SM; the blocks of the probe's grid first), for
-    /// checks.
-    #[doc(hidden)]
-    pub fn flag_state(&self) -> CudaView<'_, u32> {
-        self.flags.slice(..)
-    }
 }
 
 impl DeviceMoe {
@@ -219,9 +212,6 @@ pub struct MoeScratch {
     counter: CudaSlice<u32>,
     /// Grid barrier of the fused kernel: arrivals (zero between barriers), generation.
     bar: CudaSlice<u32>,
-    /// One word per block of the flag barrier probe ([`CudaContext::moe_flag_barrier_probe`]):
-    /// the last epoch each block reached.
-    flags: CudaSlice<u32>,
     /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
     /// blocks cannot all be resident at once (it then never launches).
     fused_grid: [u32; 2],
@@ -505,7 +495,6 @@ impl CudaContext {
             act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
             counter: s.alloc_zeros::<u32>(1)?,
             bar: s.alloc_zeros::<u32>(2)?,
-            flags: s.alloc_zeros::<u32>(self.sm_count().max(1) as usize)?,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
@@ -784,22 +773,26 @@ impl CudaContext {
 
     /// Measurement: `n` grid-wide barriers without atomics in a row (`moe_flag_barrier_probe`:
     /// every block stores its epoch in its own word, every block polls all the words), on the
-    /// fused kernel's grid and block shape, one cooperative launch. Every word must be `<= base`
-    /// (epochs only grow: pass the previous launch's `base + n`; the words start at 0). Against
+    /// fused kernel's grid and block shape, one cooperative launch. `flags`: a word per block of
+    /// that grid (e.g. one per SM), every word `<= base` (epochs only grow: pass the previous
+    /// launch's `base + n`; zeroed words start at 0), left at `base + n`. Against
     /// [`Self::moe_grid_barrier_probe`]: the synchronisation a persistent decode kernel would
     /// need per phase.
     ///
     /// # Errors
     /// As [`Self::moe_grid_barrier_probe`].
     #[doc(hidden)]
-    pub fn moe_flag_barrier_probe(&self, scratch: &mut MoeScratch, n: i32, base: u32) -> Result<(), CudaError> {
+    pub fn moe_flag_barrier_probe(&self, scratch: &MoeScratch, flags: &mut CudaSlice<u32>, n: i32, base: u32) -> Result<(), CudaError> {
         let grid = scratch.fused_grid[0];
-        if grid == 0 || grid as usize > scratch.flags.len() {
+        if grid == 0 {
             return Err(unsupported("the fused MoE grid does not fit on this GPU at once".into()));
+        }
+        if (grid as usize) > flags.len() {
+            return Err(unsupported(format!("moe_flag_barrier_probe: {} flag words for a grid of {grid}", flags.len())));
         }
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((FU_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream().launch_builder(self.func("moe_flag_barrier_probe")?);
-        b.arg(&mut scratch.flags).arg(&n).arg(&base);
+        b.arg(flags).arg(&n).arg(&base);
         // SAFETY: flags holds a word per SM (>= grid); a cooperative launch (every block
         // resident, or the driver refuses it), so the polling ends.
         unsafe { b.launch_cooperative(cfg) }?;

@@ -8,8 +8,8 @@
 //! Usage: `cuda_selftest [--quick] [--only SECTION[,SECTION...]]`; sections: see `SECTIONS`.
 
 mod attention;
-mod chain;
 mod attn_prefill;
+mod chain;
 mod common;
 mod gdn;
 mod gdn_prefill;

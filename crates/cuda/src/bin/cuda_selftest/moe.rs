@@ -551,19 +551,20 @@ fn barrier_probe(s: &mut Suite) {
     s.record(SEC, "grid barrier probe: every block released, counter back to 0", &c, "");
     println!("{SEC:<10} grid barrier: {:.2} us each ({n} in one launch {:.2} us, empty launch {:.2} us)", per * 1e6, t[1] * 1e6, t[0] * 1e6);
     // the barrier without atomics: a word per block, every block polls them all
+    let mut flags_d = cx.stream().alloc_zeros::<u32>(cx.sm_count() as usize).unwrap();
     let mut base = 0u32;
     let mut tf = [0f64; 2];
     for (i, k) in [0, n].into_iter().enumerate() {
-        cx.moe_flag_barrier_probe(&mut scratch, k, base).expect("flag barrier probe");
+        cx.moe_flag_barrier_probe(&scratch, &mut flags_d, k, base).expect("flag barrier probe");
         base += k as u32;
         tf[i] = s.median_timed(20, 1, || {
-            cx.moe_flag_barrier_probe(&mut scratch, k, base).unwrap();
+            cx.moe_flag_barrier_probe(&scratch, &mut flags_d, k, base).unwrap();
             base += k as u32;
         });
     }
     let per_flag = (tf[1] - tf[0]) / f64::from(n);
     // every block of the last launch reached its last epoch (the words after the grid stay 0)
-    let flags: Vec<u32> = cx.stream().clone_dtoh(&scratch.flag_state()).unwrap();
+    let flags: Vec<u32> = cx.stream().clone_dtoh(&flags_d).unwrap();
     let reached = flags.iter().filter(|&&f| f == base).count();
     let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: reached > 0 && flags.iter().all(|&f| f == base || f == 0), msg: format!("{reached} blocks at epoch {base}, words {flags:?}") };
     s.record(SEC, "flag barrier probe: every block reached the last epoch", &c, "");
