@@ -5,7 +5,9 @@
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
 #      (also with the fused MoE kernel),
-#   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`
+#      and `calla serve --device cuda` over HTTP (scripts/gpu_serve_check.py),
+#   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`, then
+#      the engine on the GPU (`calla generate --device cuda`, `calla serve --device cuda`)
 #      (with --ablate: also each decode kernel class's share of the step; with --ablate or
 #      --compare: the decode step variants in one process),
 #   4. with --mlx: MLX-LM's CUDA backend on the same full-size folder (bench/mlx_bench.py), from
@@ -82,6 +84,9 @@ if [ "$check" = 1 ]; then
   step "cuda-check with PDL and the fused MoE kernel"
   $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe-fused > "$out/cuda-check-moe-fused.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check-moe-fused.txt"
+  step "calla serve --device cuda over HTTP (scripts/gpu_serve_check.py)"
+  $to python3 scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1
+  cat "$out/serve-check.txt"
 fi
 
 if [ "$bench" = 1 ]; then
@@ -92,6 +97,15 @@ if [ "$bench" = 1 ]; then
     step "cuda-bench"
     $to $b/calla cuda-bench --model "$work/full-q4" --pdl ${CALLA_BENCH_FLAGS:-} $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
     cat "$out/cuda-bench.txt" | grep -v '^JSON'
+    # the same model through the engine (what `calla run|serve --device cuda` run): the
+    # decode speed a caller sees, token by token back to the host, and over HTTP
+    step "calla generate --device cuda (engine on the accelerator)"
+    ids=$(python3 -c "import random; random.seed(5); print(','.join(str(random.randrange(1000, 200000)) for _ in range(1024)))")
+    $to $b/calla generate --model "$work/full-q4" --device cuda --ids "$ids" --max-tokens 512 --greedy --ignore-eos 2>"$out/engine-generate.txt" >/dev/null || status=1
+    tail -1 "$out/engine-generate.txt"
+    step "calla serve --device cuda, full size"
+    $to python3 scripts/gpu_serve_check.py $b/calla "$work/full-q4" --long-tokens 512 > "$out/serve-check-full.txt" 2>&1 || status=1
+    cat "$out/serve-check-full.txt"
   fi
   if [ "$timeline" != 0 ]; then
     step "cuda-bench --timeline (kernels with the probe)"

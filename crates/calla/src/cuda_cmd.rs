@@ -162,6 +162,20 @@ fn open(model: &std::path::Path, device: usize) -> Result<(Model, CudaContext, C
     Ok((m, cx, gm, t.elapsed().as_secs_f64()))
 }
 
+/// The CUDA backend as the engine's accelerator (`calla run|serve --device cuda`): device
+/// `ordinal`, the engine's model, context limit and vocabulary limit, prefill chunks of up to
+/// `prefill_chunk` tokens.
+///
+/// # Errors
+/// As [`cuda::accel::CudaAccelerator::new`], with the model folder named.
+pub fn accelerator(eng: &engine::Engine, ordinal: usize, prefill_chunk: usize) -> Result<Box<dyn engine::Accelerator>> {
+    let t = Instant::now();
+    let acc = cuda::accel::CudaAccelerator::new(ordinal, &eng.model, eng.max_ctx, eng.vocab_limit(), prefill_chunk)
+        .with_context(|| format!("cannot run {} on CUDA device {ordinal}", eng.dir().display()))?;
+    tracing::info!(target: "calla::cuda", seconds = t.elapsed().as_secs_f64(), "model uploaded to the GPU");
+    Ok(Box::new(acc))
+}
+
 /// Bytes one decode step at context `ctx` reads: weights, GDN state (read + written, f32), KV
 /// cache (bf16 K and V of every earlier position).
 fn step_bytes(gm: &CudaModel, ctx: usize) -> usize {
@@ -748,6 +762,53 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         );
     }
     sess.set_sampling(&cx, &gm, None)?;
+    // The engine on the CUDA accelerator (what `calla run|serve --device cuda` run): its
+    // tokens equal the session's own for the same prompt and sampler, greedy and sampled,
+    // and a request after another one starts from a clean state.
+    {
+        let mut eng = engine::Engine::open(&a.model, max_ctx)?;
+        let acc = accelerator(&eng, a.device, a.prefill_chunk)?;
+        eng.set_accelerator(acc);
+        let mut cases = vec![sampler::SamplingParams::greedy()];
+        cases.extend(sampling_cases().into_iter().map(|mut c| {
+            c.seed = Some(c.seed.unwrap_or(0x5EED));
+            c
+        }));
+        let n = a.prompt_tokens.iter().copied().max().unwrap_or(1).max(1);
+        let run_engine = |prompt: &[u32], params: &sampler::SamplingParams| -> Result<Vec<u32>> {
+            let gp = engine::GenerateParams { sampling: params.clone(), max_tokens: a.steps + 1, stop_on_eos: false };
+            let mut out = Vec::new();
+            eng.generate(prompt, &gp, |id| {
+                out.push(id);
+                true
+            })?;
+            Ok(out)
+        };
+        for (k, params) in cases.iter().enumerate() {
+            let prompt = random_prompt(n, vocab, 311 + k as u64);
+            let other = random_prompt(n.div_ceil(2), vocab, 977 + k as u64);
+            let first = run_engine(&prompt, params)?;
+            run_engine(&other, params)?;
+            let again = run_engine(&prompt, params)?;
+            sess.set_sampling(&cx, &gm, if params.is_greedy() { None } else { Some(params) })?;
+            sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
+            sess.decode(&gm, a.steps)?;
+            let want = sess.generated(&cx)?;
+            checks += 1;
+            let ok = first == want && again == want;
+            if !ok {
+                failures += 1;
+            }
+            println!(
+                "engine on the accelerator, {}: {} tokens equal the session's, and again after another request{} {}",
+                sampling_label(params),
+                want.len(),
+                if ok { String::new() } else { format!(" (engine {first:?}, again {again:?}, session {want:?})") },
+                if ok { "ok" } else { "FAIL" }
+            );
+        }
+        sess.set_sampling(&cx, &gm, None)?;
+    }
     println!("JSON {}", serde_json::json!({"checks": checks, "failures": failures, "worst_rel": worst_rel, "layers": m.cfg.num_hidden_layers}));
     if failures > 0 {
         bail!("{failures} of {checks} GPU/CPU comparisons failed");

@@ -88,6 +88,8 @@ enum Cmd {
         /// Keep going past end-of-turn / end-of-text ids.
         #[arg(long)]
         ignore_eos: bool,
+        #[command(flatten)]
+        device: DeviceArg,
     },
 }
 
@@ -97,6 +99,51 @@ struct ModelArg {
     /// Without it, calla uses its built-in default model.
     #[arg(long, env = "CALLA_MODEL")]
     model: Option<PathBuf>,
+}
+
+/// Where generations run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Device {
+    /// The CPU path (every build).
+    Cpu,
+    /// An NVIDIA Hopper GPU (H100/H200; builds with `--features cuda`, see docs/CUDA.md).
+    Cuda,
+}
+
+#[derive(Args, Clone)]
+struct DeviceArg {
+    /// Where generations run: `cpu`, or `cuda` (the GPU backend: batched prefill, decode-step
+    /// graphs, sampling on the device).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// CUDA device ordinal (with `--device cuda`).
+    #[arg(long, default_value_t = 0)]
+    cuda_device: usize,
+    /// Longest batched-prefill chunk in tokens (with `--device cuda`; its buffers take about
+    /// 260 kB per token).
+    #[arg(long, default_value_t = 8192)]
+    prefill_chunk: usize,
+}
+
+impl DeviceArg {
+    /// The accelerator factory for the engine thread (`None` on the CPU).
+    ///
+    /// # Errors
+    /// `--device cuda` in a build without the `cuda` feature.
+    fn factory(&self) -> Result<Option<engine::worker::AcceleratorFactory>> {
+        match self.device {
+            Device::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                let (ordinal, chunk) = (self.cuda_device, self.prefill_chunk);
+                Ok(Some(Box::new(move |eng: &Engine| cuda_cmd::accelerator(eng, ordinal, chunk).map_err(|e| format!("{e:#}")))))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => bail!(
+                "this calla was built without the CUDA backend: build it with `cargo build --release --features cuda` (docs/CUDA.md)"
+            ),
+        }
+    }
 }
 
 #[derive(Args, Clone)]
@@ -181,6 +228,8 @@ struct RunArgs {
     no_think: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    device: DeviceArg,
 }
 
 fn main() {
@@ -242,21 +291,34 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 .with_context(|| format!("cannot write {}", out.display()))?;
             Ok(())
         }
-        Cmd::Generate { model, ids, max_tokens, sampling, ignore_eos } => {
+        Cmd::Generate { model, ids, max_tokens, sampling, ignore_eos, device } => {
             let dir = model_dir(&model)?;
             let ids = parse_ids(&ids)?;
-            let eng = Engine::open(&dir, usize::MAX)?;
+            let factory = device.factory()?;
+            let mut eng = Engine::open(&dir, usize::MAX)?;
+            if let Some(make) = factory {
+                eng.set_accelerator(make(&eng).map_err(anyhow::Error::msg)?);
+            }
             let params = GenerateParams {
                 sampling: sampling.apply(eng.default_sampling()),
                 max_tokens,
                 stop_on_eos: !ignore_eos,
             };
             let mut out = Vec::new();
-            eng.generate(&ids, &params, |id| {
+            let stats = eng.generate(&ids, &params, |id| {
                 out.push(id);
                 true
             })?;
             println!("{}", serde_json::json!({ "ids": out }));
+            eprintln!(
+                "prompt {} tokens · TTFT {:.1} ms · decode {:.1} tok/s · {} tokens ({}) · {}",
+                stats.prompt_tokens,
+                stats.ttft.as_secs_f64() * 1e3,
+                stats.decode_tokens_per_s(),
+                stats.generated_tokens,
+                stats.finish.as_str(),
+                eng.backend_name()
+            );
             Ok(())
         }
     }
@@ -278,7 +340,12 @@ fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let t_load = Instant::now();
-    let eng = Engine::open(&dir, a.max_context.unwrap_or(usize::MAX))?;
+    let factory = a.device.factory()?;
+    let mut eng = Engine::open(&dir, a.max_context.unwrap_or(usize::MAX))?;
+    if let Some(make) = factory {
+        let acc = make(&eng).map_err(anyhow::Error::msg)?;
+        eng.set_accelerator(acc);
+    }
     let load_s = t_load.elapsed().as_secs_f64();
     let mut messages = Vec::new();
     if let Some(s) = &a.system {
@@ -307,13 +374,14 @@ fn run(a: RunArgs) -> Result<()> {
     }
     writeln!(so)?;
     eprintln!(
-        "prompt {} tokens · TTFT {:.1} ms · decode {:.1} tok/s · {} tokens ({}) · load {:.2} s",
+        "prompt {} tokens · TTFT {:.1} ms · decode {:.1} tok/s · {} tokens ({}) · load {:.2} s · {}",
         stats.prompt_tokens,
         stats.ttft.as_secs_f64() * 1e3,
         stats.decode_tokens_per_s(),
         stats.generated_tokens,
         stats.finish.as_str(),
-        load_s
+        load_s,
+        eng.backend_name()
     );
     Ok(())
 }

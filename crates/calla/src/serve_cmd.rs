@@ -25,6 +25,8 @@ pub struct ServeArgs {
     /// Serve /admin/* (fault injection, breaker control). Loopback drills and tests only.
     #[arg(long)]
     admin: bool,
+    #[command(flatten)]
+    device: crate::DeviceArg,
 }
 
 /// `calla probe`.
@@ -127,7 +129,14 @@ pub fn serve_cmd(a: ServeArgs) -> Result<()> {
     let rt =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     rt.block_on(server::serve(
-        server::ServeOptions { model_dir: dir, config: cfg, admin: a.admin, local, local_off_reason: off_reason },
+        server::ServeOptions {
+            model_dir: dir,
+            config: cfg,
+            admin: a.admin,
+            local,
+            local_off_reason: off_reason,
+            accelerator: a.device.factory()?,
+        },
         addr,
     ))
 }

@@ -143,6 +143,11 @@ fn bad_prompts_are_refused() {
     assert_fails(&o, &["99999", "vocabulary"]);
     let o = calla(&["run", "--model", "/nonexistent/model", "--prompt", "hi"], home.path());
     assert_fails(&o, &["/nonexistent/model"]);
+    // the tests build without the CUDA backend: asking for it says how to get it
+    let o = calla(&["generate", "--model", fixture("tiny-a").to_str().unwrap(), "--ids", "1,2", "--device", "cuda"], home.path());
+    assert_fails(&o, &["without the CUDA backend", "--features cuda"]);
+    let o = calla(&["run", "--prompt", "hi", "--device", "tpu"], home.path());
+    assert_fails(&o, &["tpu", "cpu", "cuda"]);
 }
 
 /// Copies tiny-a into a temp folder so it can be damaged.

@@ -11,6 +11,7 @@
 //!
 //! See `docs/CUDA.md` for how to build, test and benchmark.
 
+pub mod accel;
 pub mod attention;
 pub mod attn_prefill;
 pub mod gdn;

@@ -48,6 +48,55 @@ pub enum EngineError {
     /// A fault injected through [`worker::Faults`] (tests and drills).
     #[error("injected engine fault: {0}")]
     Injected(String),
+    /// The request asks for something the accelerator cannot do (e.g. a `top_k` beyond what
+    /// its device sampler takes): the request's fault, not the engine's.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The accelerator failed (driver error, out of device memory).
+    #[error("accelerator error: {0}")]
+    Accelerator(String),
+}
+
+impl EngineError {
+    /// Whether the request itself is at fault (HTTP 400) rather than the engine (HTTP 500).
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt | EngineError::Sampler(_) | EngineError::Unsupported(_)
+        )
+    }
+}
+
+/// A device that runs whole sequences with its own sampler, so that a decode step's token
+/// never has to come back to the host before the next step is queued (the CUDA backend;
+/// Apple Metal later). [`Engine::set_accelerator`] routes every generation through it; the
+/// engine keeps the tokenizer, the template, the stop ids and the loop.
+///
+/// One sequence at a time: [`Accelerator::start`] begins a new one (dropping the old),
+/// [`Accelerator::step`] continues it. Sampling must follow [`sampler::Sampler`]'s arithmetic
+/// and random stream, so that a seed means the same on every backend.
+pub trait Accelerator: Send {
+    /// One line for logs: the backend and the device, e.g. `cuda · NVIDIA H200`.
+    fn describe(&self) -> String;
+    /// Checks `params` before any work is done (called after [`SamplingParams::validate`]).
+    ///
+    /// # Errors
+    /// [`EngineError::Unsupported`] naming the parameter the device sampler cannot take.
+    fn check_sampling(&self, params: &SamplingParams) -> Result<(), EngineError>;
+    /// Starts a sequence from an empty state: prefills `prompt` (`1 <= len < max_ctx` of the
+    /// engine, ids below the vocabulary: the engine checks) and samples the first token with
+    /// `params`.
+    ///
+    /// # Errors
+    /// [`EngineError::Accelerator`] on device errors; [`EngineError::Unsupported`] for
+    /// parameters [`Accelerator::check_sampling`] would refuse.
+    fn start(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<u32, EngineError>;
+    /// Runs one decode step on the token returned last and returns the next one. The engine
+    /// calls it only while the context has room (prompt plus generated tokens `<= max_ctx`).
+    ///
+    /// # Errors
+    /// [`EngineError::Accelerator`] on device errors, or when no sequence was started.
+    fn step(&mut self) -> Result<u32, EngineError>;
 }
 
 /// Why generation stopped.
@@ -130,6 +179,8 @@ pub struct Engine {
     /// Context limit in tokens for a sequence.
     pub max_ctx: usize,
     dir: PathBuf,
+    /// Runs the generations when set (see [`Engine::set_accelerator`]).
+    accel: Option<std::sync::Mutex<Box<dyn Accelerator>>>,
 }
 
 impl Engine {
@@ -152,7 +203,22 @@ impl Engine {
         stop_ids.sort_unstable();
         stop_ids.dedup();
         let max_ctx = max_ctx.min(model.cfg.max_position_embeddings);
-        Ok(Engine { model, tokenizer, template, generation, stop_ids, max_ctx, dir: dir.to_path_buf() })
+        Ok(Engine { model, tokenizer, template, generation, stop_ids, max_ctx, dir: dir.to_path_buf(), accel: None })
+    }
+
+    /// Runs every later generation on `acc` instead of the CPU model (which stays loaded: the
+    /// accelerator is built from its weights). The prefix cache is not used then: each
+    /// request is prefilled in full on the device (its batched prefill).
+    pub fn set_accelerator(&mut self, acc: Box<dyn Accelerator>) {
+        self.accel = Some(std::sync::Mutex::new(acc));
+    }
+
+    /// The accelerator's [`Accelerator::describe`], or `cpu` when generations run on the CPU.
+    pub fn backend_name(&self) -> String {
+        match &self.accel {
+            Some(a) => a.lock().unwrap_or_else(|e| e.into_inner()).describe(),
+            None => format!("cpu · {:?}", self.model.backend),
+        }
     }
 
     /// The snapshot folder.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use model::{Logits, State};
 use sampler::Sampler;
 
-use crate::{Engine, EngineError, FinishReason, GenerateParams, GenerationStats};
+use crate::{Accelerator, Engine, EngineError, FinishReason, GenerateParams, GenerationStats};
 
 /// One snapshot: the state after `tokens`, and the (unprocessed) logits that followed them.
 struct Entry {
@@ -181,6 +181,8 @@ impl Engine {
 
     /// [`Engine::generate`] with prefix reuse and an [`Observer`]. After the run, `cache` holds
     /// the state after the prompt and after prompt + generated tokens, for the next request.
+    /// With an accelerator ([`Engine::set_accelerator`]) the generation runs there and `cache`
+    /// only counts a miss.
     ///
     /// # Errors
     /// As [`Engine::generate`], plus whatever the observer injects.
@@ -190,58 +192,109 @@ impl Engine {
         prompt: &[u32],
         params: &GenerateParams,
         obs: &mut dyn Observer,
-        mut on_token: impl FnMut(u32) -> bool,
+        on_token: impl FnMut(u32) -> bool,
     ) -> Result<RunOutcome, EngineError> {
+        if let Some(acc) = &self.accel {
+            let mut acc = acc.lock().unwrap_or_else(|e| e.into_inner());
+            return self.generate_accel(&mut **acc, cache, prompt, params, obs, on_token);
+        }
         let mut sampler = Sampler::new(params.sampling.clone())?;
         let limit = self.vocab_limit();
         let t0 = Instant::now();
         let (mut state, mut logits, cached_tokens) = self.prefill_cached(cache, prompt, obs)?;
-        let mut stats = GenerationStats {
-            prompt_tokens: prompt.len(),
-            generated_tokens: 0,
-            ttft: Duration::ZERO,
-            decode_time: Duration::ZERO,
-            finish: FinishReason::Length,
-        };
-        let mut t_first = None;
         // Tokens fed to the model after the prompt, and the pristine logits after the last one.
         let mut fed: Vec<u32> = Vec::new();
         let mut last_logits: Option<Vec<f32>> = None;
-        while stats.generated_tokens < params.max_tokens {
-            let id = sampler.sample(&mut logits, limit);
-            if t_first.is_none() {
-                stats.ttft = t0.elapsed();
-                t_first = Some(Instant::now());
-                obs.decode_start();
-            }
-            if params.stop_on_eos && self.stop_ids.contains(&id) {
-                stats.finish = FinishReason::Stop;
-                break;
-            }
+        let first = sampler.sample(&mut logits, limit);
+        let stats = self.run_loop(t0, prompt.len(), params, obs, on_token, first, &mut |obs, id| {
             sampler.accept(id);
-            stats.generated_tokens += 1;
-            if !on_token(id) {
-                stats.finish = FinishReason::Cancelled;
-                break;
-            }
-            if stats.generated_tokens == params.max_tokens || state.pos + 1 > state.max_ctx {
-                break;
-            }
-            obs.before_step()?;
             logits = self.forward_observed(&mut state, &[id], obs)?;
             fed.push(id);
             if cache.capacity > 0 {
                 last_logits = Some(logits.clone());
             }
-        }
-        if let Some(t1) = t_first {
-            stats.decode_time = t1.elapsed();
-        }
+            Ok(sampler.sample(&mut logits, limit))
+        })?;
         if let Some(l) = last_logits {
             let mut toks = prompt.to_vec();
             toks.extend_from_slice(&fed);
             cache.insert(toks, state, l);
         }
         Ok(RunOutcome { stats, cached_tokens })
+    }
+
+    /// [`Engine::generate_cached`] on an accelerator: the same checks, observer calls and loop.
+    fn generate_accel(
+        &self,
+        acc: &mut dyn Accelerator,
+        cache: &mut PrefixCache,
+        prompt: &[u32],
+        params: &GenerateParams,
+        obs: &mut dyn Observer,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<RunOutcome, EngineError> {
+        params.sampling.validate()?;
+        acc.check_sampling(&params.sampling)?;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() >= self.max_ctx {
+            return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
+        }
+        let vocab = self.model.cfg.vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::Unsupported(format!("token id {id} is outside the vocabulary of {vocab}")));
+        }
+        let t0 = Instant::now();
+        cache.misses += 1;
+        obs.prefill_start(0, prompt.len())?;
+        let first = acc.start(prompt, &params.sampling)?;
+        let stats = self.run_loop(t0, prompt.len(), params, obs, on_token, first, &mut |_, _| acc.step())?;
+        Ok(RunOutcome { stats, cached_tokens: 0 })
+    }
+
+    /// The generation loop both paths share: `first` is the token sampled after the prompt,
+    /// `step(obs, id)` feeds `id` and returns the next sampled token. Stops at a stop id (not
+    /// reported), at `max_tokens`, when `on_token` returns `false`, or when the context is full.
+    #[allow(clippy::too_many_arguments)]
+    fn run_loop(
+        &self,
+        t0: Instant,
+        prompt_len: usize,
+        params: &GenerateParams,
+        obs: &mut dyn Observer,
+        mut on_token: impl FnMut(u32) -> bool,
+        first: u32,
+        step: &mut dyn FnMut(&mut dyn Observer, u32) -> Result<u32, EngineError>,
+    ) -> Result<GenerationStats, EngineError> {
+        let mut stats = GenerationStats {
+            prompt_tokens: prompt_len,
+            generated_tokens: 0,
+            ttft: t0.elapsed(),
+            decode_time: Duration::ZERO,
+            finish: FinishReason::Length,
+        };
+        let t_first = Instant::now();
+        obs.decode_start();
+        let mut id = first;
+        while stats.generated_tokens < params.max_tokens {
+            if params.stop_on_eos && self.stop_ids.contains(&id) {
+                stats.finish = FinishReason::Stop;
+                break;
+            }
+            stats.generated_tokens += 1;
+            if !on_token(id) {
+                stats.finish = FinishReason::Cancelled;
+                break;
+            }
+            // feeding the token just generated needs position prompt_len + generated - 1 < max_ctx
+            if stats.generated_tokens == params.max_tokens || prompt_len + stats.generated_tokens > self.max_ctx {
+                break;
+            }
+            obs.before_step()?;
+            id = step(obs, id)?;
+        }
+        stats.decode_time = t_first.elapsed();
+        Ok(stats)
     }
 }

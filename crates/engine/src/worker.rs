@@ -100,6 +100,8 @@ pub struct Shared {
     pub errors: AtomicU64,
     /// The loaded model's vocabulary limit, once loaded (0 before).
     pub vocab_limit: AtomicUsize,
+    /// Where generations run ([`Engine::backend_name`]), once loaded (empty before).
+    pub backend: Mutex<String>,
 }
 
 /// Settings of the engine thread.
@@ -114,7 +116,14 @@ pub struct WorkerConfig {
     pub prefix_cache: usize,
     /// Called on the engine thread at each phase change.
     pub on_phase: Arc<dyn Fn(Phase) + Send + Sync>,
+    /// Builds the accelerator on the engine thread once the model is loaded (`None`: the CPU
+    /// runs the generations). A failure fails the load like a missing tensor would.
+    pub accelerator: Option<AcceleratorFactory>,
 }
+
+/// Builds an [`crate::Accelerator`] from the loaded engine (its model's weights and context
+/// limit), on the engine thread; the error is reported as the load failure.
+pub type AcceleratorFactory = Box<dyn FnOnce(&Engine) -> Result<Box<dyn crate::Accelerator>, String> + Send>;
 
 /// Why a job was not queued.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -149,6 +158,7 @@ impl Worker {
             cache_misses: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             vocab_limit: AtomicUsize::new(0),
+            backend: Mutex::new(String::new()),
         });
         let depth = cfg.queue_depth;
         let sh = shared.clone();
@@ -238,7 +248,14 @@ impl Observer for Watch<'_> {
 fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
     let on_phase = cfg.on_phase.clone();
     on_phase(Phase::Loading);
-    let eng = match Engine::open(&cfg.dir, cfg.max_ctx) {
+    let opened = Engine::open(&cfg.dir, cfg.max_ctx).map_err(|e| e.to_string()).and_then(|mut eng| {
+        if let Some(make) = cfg.accelerator {
+            let acc = make(&eng).map_err(|e| format!("cannot start the accelerator: {e}"))?;
+            eng.set_accelerator(acc);
+        }
+        Ok(eng)
+    });
+    let eng = match opened {
         Ok(e) => e,
         Err(e) => {
             on_phase(Phase::Failed(e.to_string()));
@@ -256,6 +273,7 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
     let (n_layers, n_experts) = (eng.model.cfg.layer_types.len(), eng.model.cfg.num_experts);
     *shared.expert_counts.lock().unwrap_or_else(|e| e.into_inner()) = vec![vec![0; n_experts]; n_layers];
     shared.vocab_limit.store(eng.vocab_limit(), Ordering::SeqCst);
+    *shared.backend.lock().unwrap_or_else(|e| e.into_inner()) = eng.backend_name();
     let mut cache = PrefixCache::new(cfg.prefix_cache);
     on_phase(Phase::Idle);
     while let Ok(mut job) = rx.recv() {
@@ -299,8 +317,7 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
                 (job.sink)(Event::Done { stats: out.stats, cached_tokens: out.cached_tokens });
             }
             Err(e) => {
-                let client_error =
-                    matches!(e, EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt | EngineError::Sampler(_));
+                let client_error = e.is_client_error();
                 if !client_error {
                     shared.errors.fetch_add(1, Ordering::SeqCst);
                 }

@@ -30,6 +30,9 @@ pub struct ServeOptions {
     pub local: bool,
     /// Why local mode is off, for `/health` and 503 messages.
     pub local_off_reason: Option<String>,
+    /// Builds the accelerator the local engine runs on (`None`: the CPU; `calla serve
+    /// --device cuda` sets it).
+    pub accelerator: Option<engine::worker::AcceleratorFactory>,
 }
 
 /// Live numbers for `/dashboard/data` (Prometheus has the same, aggregated).
@@ -122,7 +125,8 @@ impl App {
     ///
     /// # Errors
     /// Missing tokenizer/template, bad cloud config, unwritable audit log.
-    pub fn start(opts: ServeOptions) -> anyhow::Result<Arc<App>> {
+    pub fn start(mut opts: ServeOptions) -> anyhow::Result<Arc<App>> {
+        let accelerator = opts.accelerator.take();
         let dir = &opts.model_dir;
         let tokenizer = Tokenizer::from_dir(dir)?
             .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer.json: the server needs one", dir.display()))?;
@@ -172,6 +176,7 @@ impl App {
                         };
                         sm2.update(|i| i.local = local);
                     }),
+                    accelerator,
                 })
             });
             App {
@@ -458,6 +463,7 @@ impl App {
         let m = *self.memory.lock().unwrap_or_else(|e| e.into_inner());
         let local = json!({
             "enabled": self.worker.is_some(),
+            "backend": self.worker.as_ref().map(|w| w.shared.backend.lock().unwrap_or_else(|e| e.into_inner()).clone()),
             "phase": self.sm.inputs().local,
             "off_reason": self.local_off_reason,
             "load_error": *self.load_error.lock().unwrap_or_else(|e| e.into_inner()),

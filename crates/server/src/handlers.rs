@@ -497,7 +497,7 @@ async fn local(app: Arc<App>, p: Prepared, probe: bool, reason: &'static str) ->
         params: GenerateParams {
             sampling: p.params.sampling.clone(),
             max_tokens: p.params.max_tokens,
-            stop_on_eos: true,
+            stop_on_eos: !p.params.ignore_eos,
         },
         cancel: cancel.clone(),
         sink: Box::new(move |ev| tx.send(ev).is_ok()),

@@ -38,6 +38,9 @@ pub struct GenParams {
     pub tool_choice: ToolChoice,
     /// Declared tools: name → parameter name → JSON-schema type (chat only).
     pub tool_schemas: BTreeMap<String, BTreeMap<String, String>>,
+    /// `ignore_eos` (vLLM's extension): keep generating past the end-of-turn / end-of-text
+    /// ids until `max_tokens` (benchmarks); stop strings still apply.
+    pub ignore_eos: bool,
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -186,6 +189,7 @@ pub fn parse_common(
         }
     };
     let stop = stop.into_iter().filter(|x: &String| !x.is_empty()).collect();
+    let ignore_eos = opt_bool(o, "ignore_eos")?.unwrap_or(false);
     for k in ["model", "user"] {
         if let Some(v) = o.get(k) {
             if !v.is_string() && !v.is_null() {
@@ -201,6 +205,7 @@ pub fn parse_common(
         stop,
         tool_choice: ToolChoice::Auto,
         tool_schemas: BTreeMap::new(),
+        ignore_eos,
     })
 }
 
@@ -284,6 +289,7 @@ mod tests {
         let cases = [
             (json!({"temperature": "hot"}), "temperature"),
             (json!({"max_tokens": -1}), "max_tokens"),
+            (json!({"ignore_eos": 1}), "ignore_eos"),
             (json!({"max_tokens": 1.5}), "max_tokens"),
             (json!({"max_completion_tokens": "9"}), "max_completion_tokens"),
             (json!({"stream": 1}), "stream"),

@@ -43,6 +43,7 @@ async fn start(cfg: Config) -> Srv {
         admin: true,
         local: true,
         local_off_reason: None,
+        accelerator: None,
     })
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -209,6 +210,12 @@ async fn chat_whole_stream_and_usage() {
     );
     let h = s.health().await;
     assert!(h["recent_transitions"].as_array().unwrap().iter().any(|t| t == "Prefill->Decoding"), "{h}");
+    // ignore_eos (vLLM's extension): exactly max_tokens, past any end-of-turn id
+    let (st, ie) = s.post("/v1/chat/completions", &chat("Hi", json!({"max_tokens": 24, "ignore_eos": true}))).await;
+    assert_eq!(st, 200, "{ie}");
+    assert_eq!(ie["usage"]["completion_tokens"], 24, "{ie}");
+    assert_eq!(ie["choices"][0]["finish_reason"], "length", "{ie}");
+    assert!(s.health().await["local"]["backend"].as_str().unwrap().starts_with("cpu"));
     drop(s.app);
 }
 

@@ -1,0 +1,134 @@
+//! The CUDA backend as the engine's [`engine::Accelerator`]: `calla run --device cuda` and
+//! `calla serve --device cuda` generate through it.
+//!
+//! One [`CudaSession`] (GDN state, KV cache, token history, the captured step graphs) and one
+//! [`Prefiller`] serve every request in turn: a request's prompt goes through the batched
+//! prefill, then each decode step is one replay of the step graph, which samples on the device
+//! and appends the token to the device history; the host reads back only that token (4 bytes)
+//! to stream it and to test it against the stop ids.
+
+use engine::{Accelerator, EngineError};
+use model::Model;
+use sampler::SamplingParams;
+use spec::production as p;
+
+use crate::decode::{CudaModel, CudaSession};
+use crate::prefill::Prefiller;
+use crate::{CudaContext, CudaError};
+
+/// Longest prefill chunk by default, tokens (the batched prefill's buffers take about 260 kB
+/// per token of chunk: 2.1 GB at 8,192).
+pub const DEFAULT_PREFILL_CHUNK: usize = 8192;
+
+/// The model on one GPU, with one sequence at a time.
+pub struct CudaAccelerator {
+    cx: CudaContext,
+    m: CudaModel,
+    sess: CudaSession,
+    pf: Prefiller,
+    device: String,
+    /// Context limit of the engine, tokens.
+    max_ctx: usize,
+    /// Whether a sequence is running (`step` is valid).
+    running: bool,
+}
+
+impl CudaAccelerator {
+    /// Opens CUDA device `ordinal`, uploads `model`'s weights (the decode layout and the
+    /// prefill layout of the experts), and allocates one sequence of `max_ctx` tokens and
+    /// prefill chunks of `min(prefill_chunk, max_ctx)` tokens. The step graphs run with
+    /// programmatic dependent launch (the measured default of `calla cuda-bench --pdl`).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for a device other than compute capability 9.0, a compact
+    /// vocabulary (`vocab_map.json`: the kernels take the published vocabulary), or a layer
+    /// whose projections the kernels do not take; NVRTC and driver errors (out of memory).
+    pub fn new(ordinal: usize, model: &Model, max_ctx: usize, vocab_limit: usize, prefill_chunk: usize) -> Result<Self, CudaError> {
+        if model.vocab_map.is_some() {
+            return Err(CudaError::Unsupported(format!(
+                "the model has a compact vocabulary ({}); the CUDA backend runs the published vocabulary only",
+                spec::VOCAB_MAP_FILE
+            )));
+        }
+        if max_ctx < 2 {
+            return Err(CudaError::Unsupported(format!("a context limit of {max_ctx} tokens leaves no room to generate")));
+        }
+        let cx = CudaContext::new(ordinal)?;
+        let device = cx.raw().name().unwrap_or_else(|_| format!("device {ordinal}"));
+        // rows past the real tokenizer's ids are padding: never picked (MODEL.md §3.3)
+        let vocab_limit = vocab_limit.min(p::VOCAB_REAL).min(model.cfg.vocab_size);
+        let m = CudaModel::upload(&cx, &model.cfg, &model.weights, vocab_limit)?;
+        // one slot more than the engine's limit: the session keeps the last slot of its token
+        // history for the token sampled after the final position
+        let mut sess = CudaSession::new(&cx, &m, max_ctx + 1)?;
+        sess.set_pdl(true);
+        let pf = Prefiller::new(&cx, &m, &model.weights, prefill_chunk.clamp(1, max_ctx))?;
+        cx.synchronize()?;
+        Ok(CudaAccelerator { cx, m, sess, pf, device, max_ctx, running: false })
+    }
+
+    /// The device sampler for `params`: `None` (the greedy `argmax_step`) when they ask for
+    /// the plain argmax, which is what the device sampler would pick too.
+    fn sampler_for(params: &SamplingParams) -> Option<&SamplingParams> {
+        let plain_greedy = params.is_greedy()
+            && params.presence_penalty == 0.0
+            && params.frequency_penalty == 0.0
+            && params.repetition_penalty == 1.0;
+        (!plain_greedy).then_some(params)
+    }
+
+    /// Waits for the queued work and reads the token the last step appended.
+    fn last_token(&self) -> Result<u32, CudaError> {
+        let pos = self.sess.pos();
+        let v = self.cx.stream().clone_dtoh(&self.sess.ids.slice(pos..pos + 1))?;
+        Ok(v[0] as u32)
+    }
+}
+
+fn device_err(e: CudaError) -> EngineError {
+    match e {
+        CudaError::Unsupported(msg) => EngineError::Unsupported(msg),
+        e => EngineError::Accelerator(e.to_string()),
+    }
+}
+
+impl Accelerator for CudaAccelerator {
+    fn describe(&self) -> String {
+        format!("cuda · {}", self.device)
+    }
+
+    fn check_sampling(&self, params: &SamplingParams) -> Result<(), EngineError> {
+        crate::sample::check_params(params, self.m.vocab_limit).map(|_| ()).map_err(device_err)
+    }
+
+    fn start(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<u32, EngineError> {
+        self.running = false;
+        if prompt.is_empty() || prompt.len() >= self.max_ctx {
+            return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
+        }
+        self.sess.set_sampling(&self.cx, &self.m, Self::sampler_for(params)).map_err(device_err)?;
+        // The device errors below leave the session to the next start, which resets it.
+        self.sess.start_batched(&self.cx, &self.m, &mut self.pf, prompt).map_err(device_err)?;
+        let id = self.last_token().map_err(device_err)?;
+        self.running = true;
+        Ok(id)
+    }
+
+    fn step(&mut self) -> Result<u32, EngineError> {
+        if !self.running {
+            return Err(EngineError::Accelerator("decode step before a sequence was started".into()));
+        }
+        let n = self.sess.decode(&self.m, 1).map_err(|e| {
+            self.running = false;
+            device_err(e)
+        })?;
+        if n == 0 {
+            self.running = false;
+            return Err(EngineError::Accelerator(format!("the context of {} tokens is full", self.max_ctx)));
+        }
+        self.last_token().map_err(|e| {
+            self.running = false;
+            device_err(e)
+        })
+    }
+}
