@@ -22,14 +22,16 @@
 # alone (no plain cuda-bench). $CALLA_BENCH_FLAGS (e.g. --carveout-before-gemv) go to every
 # cuda-bench run.
 #
-#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--timeline | --timeline-only] [--mlx | --only-mlx] [--no-check]
+# With --no-cuda-bench, step 3 skips `calla cuda-bench` (the engine steps still run).
+#
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--no-cuda-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--timeline | --timeline-only] [--mlx | --only-mlx] [--no-check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   --*|"") out=gpu-out ;;
   *) out=$1; shift ;;
 esac
-bench=1; quick=""; ablate=""; mlx=0; check=1; timeline=0
+bench=1; quick=""; ablate=""; mlx=0; check=1; timeline=0; cudabench=1
 for a in "$@"; do
   case "$a" in
     --no-bench) bench=0 ;;
@@ -40,6 +42,7 @@ for a in "$@"; do
     --mlx) mlx=1 ;;
     --only-mlx) mlx=1; bench=0; check=0 ;;
     --no-check) check=0 ;;
+    --no-cuda-bench) cudabench=0 ;;
     --timeline) timeline=1 ;;
     --timeline-only) timeline=2 ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
@@ -85,7 +88,7 @@ if [ "$check" = 1 ]; then
   $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe-fused > "$out/cuda-check-moe-fused.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check-moe-fused.txt"
   step "calla serve --device cuda over HTTP (scripts/gpu_serve_check.py)"
-  $to python3 scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1
+  $to python3 -u scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1
   cat "$out/serve-check.txt"
 fi
 
@@ -93,10 +96,12 @@ if [ "$bench" = 1 ]; then
   step "synth full size, 4-bit"
   [ -f "$work/full-q4/config.json" ] || $b/calla synth --out "$work/full-q4" --bits 4 > "$out/synth-full.txt" 2>&1 || status=1
   tail -1 "$out/synth-full.txt"
-  if [ "$timeline" != 2 ]; then
+  if [ "$timeline" != 2 ] && [ "$cudabench" = 1 ]; then
     step "cuda-bench"
     $to $b/calla cuda-bench --model "$work/full-q4" --pdl ${CALLA_BENCH_FLAGS:-} $ablate --prompt-tokens 512,1024,2048,8192 --json "$out/cuda-bench.json" > "$out/cuda-bench.txt" 2>&1 || status=1
     cat "$out/cuda-bench.txt" | grep -v '^JSON'
+  fi
+  if [ "$timeline" != 2 ]; then
     # the same model through the engine (what `calla run|serve --device cuda` run): the
     # decode speed a caller sees, token by token back to the host, and over HTTP
     step "calla generate --device cuda (engine on the accelerator)"
@@ -104,7 +109,7 @@ if [ "$bench" = 1 ]; then
     $to $b/calla generate --model "$work/full-q4" --device cuda --ids "$ids" --max-tokens 512 --greedy --ignore-eos 2>"$out/engine-generate.txt" >/dev/null || status=1
     tail -1 "$out/engine-generate.txt"
     step "calla serve --device cuda, full size"
-    $to python3 scripts/gpu_serve_check.py $b/calla "$work/full-q4" --long-tokens 512 > "$out/serve-check-full.txt" 2>&1 || status=1
+    $to python3 -u scripts/gpu_serve_check.py $b/calla "$work/full-q4" --ctx 16384 --long-tokens 512 > "$out/serve-check-full.txt" 2>&1 || status=1
     cat "$out/serve-check-full.txt"
   fi
   if [ "$timeline" != 0 ]; then

@@ -4,7 +4,7 @@ scripts/gpu_run.sh; the standard library only: the GPU machine reaches no packag
 
 Starts the server on a model folder with the CUDA backend, then checks what an OpenAI client
 sees: /health names the cuda backend; a greedy chat completion and the same request streamed
-give the same text, finish reason and token count; a seeded sampled request gives the same text
+give the same text, finish reason and token count, the second from the prefix cache; a seeded sampled request gives the same text
 twice; a `top_k` beyond the device sampler's limit and a prompt beyond the context limit get
 HTTP 400 naming the field or the limit; and a long greedy completion gives the decode speed a
 client sees (completion tokens over the time after the first streamed token).
@@ -113,6 +113,9 @@ def main():
         check(code == 200 and streamed == text and finish == [r["choices"][0]["finish_reason"]]
               and s_usage.get("completion_tokens") == usage.get("completion_tokens"),
               f"streamed greedy = non-streamed ({usage.get('completion_tokens')} tokens, finish {finish}, {len(text)} chars)")
+        cached = s_usage.get("prompt_tokens_details", {}).get("cached_tokens")
+        check(cached == usage.get("prompt_tokens"),
+              f"the same prompt again comes from the prefix cache: cached_tokens {cached} of {usage.get('prompt_tokens')}")
         sampled = {"messages": msgs, "max_tokens": 40, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 1234,
                    "chat_template_kwargs": kw}
         (ca, a), (cb, b) = post(base, "/v1/chat/completions", sampled), post(base, "/v1/chat/completions", sampled)
@@ -125,6 +128,19 @@ def main():
         code, r = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * (ctx + 100)}], "max_tokens": 4})
         msg = json.dumps(r)
         check(code == 400 and str(ctx) in msg, f"prompt beyond the context of {ctx}: HTTP {code} {msg[:160]}")
+        # a long prompt twice: the second is served from the prefix cache (TTFT as a client sees it)
+        words = " ".join(f"w{i % 997}" for i in range(ctx // 5))
+        longp = {"messages": [{"role": "user", "content": words}], "max_tokens": 1, "temperature": 0, "chat_template_kwargs": kw}
+        times = []
+        for _ in range(2):
+            t_req = time.perf_counter()
+            code, r = post(base, "/v1/chat/completions", longp)
+            times.append(round((time.perf_counter() - t_req) * 1e3, 1))
+        pt = r.get("usage", {}).get("prompt_tokens")
+        hit = r.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
+        out["long_prompt_tokens"], out["long_prompt_ms_cold"], out["long_prompt_ms_cached"] = pt, times[0], times[1]
+        check(code == 200 and hit == pt, f"a {pt}-token prompt: {times[0]} ms, again {times[1]} ms from the prefix cache ({hit} cached)"
+                                         + ("" if code == 200 else f": HTTP {code} {json.dumps(r)[:200]}"))
         # decode speed as a client sees it: greedy, long, streamed
         body = {"messages": [{"role": "user", "content": "Count from one to one thousand in words."}], "max_tokens": long_tokens,
                 "temperature": 0, "chat_template_kwargs": kw, "stream": True, "stream_options": {"include_usage": True},

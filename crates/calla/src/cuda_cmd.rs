@@ -627,7 +627,8 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     let (m, cx, gm, upload_s) = open(&a.model, a.device)?;
     eprintln!("uploaded in {upload_s:.1} s; {} layers", m.cfg.num_hidden_layers);
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
-    let max_ctx = a.prompt_tokens.iter().max().copied().unwrap_or(1) + a.steps + 2;
+    // room for the prefix-cache check's second turn: prompt, steps fed back, 23 new tokens, steps
+    let max_ctx = a.prompt_tokens.iter().max().copied().unwrap_or(1) + 2 * a.steps + 32;
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
@@ -808,6 +809,56 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             );
         }
         sess.set_sampling(&cx, &gm, None)?;
+        // The device prefix cache: a second turn that extends the first (its prompt, the
+        // tokens fed back, new tokens) continues from the snapshot kept after the first and
+        // prefills only the new part. Its tokens must equal the session's doing the same by
+        // hand (prefill, decode steps, snapshot, continue); against a fresh prefill of the
+        // whole second prompt they differ only by the bf16 prefill's chunk boundaries
+        // (reported, not gated: on random weights that can flip a routing choice).
+        let greedy = engine::GenerateParams { sampling: sampler::SamplingParams::greedy(), max_tokens: a.steps + 1, stop_on_eos: false };
+        let mut cache = engine::PrefixCache::new(2);
+        let turn = |cache: &mut engine::PrefixCache, prompt: &[u32]| -> Result<(Vec<u32>, usize)> {
+            let mut out = Vec::new();
+            let r = eng.generate_cached(cache, prompt, &greedy, &mut engine::prefix::NoObserver, |id| {
+                out.push(id);
+                true
+            })?;
+            Ok((out, r.cached_tokens))
+        };
+        let p1 = random_prompt(n, vocab, 4242);
+        let (g1, c1) = turn(&mut cache, &p1)?;
+        let mut p2 = p1.clone();
+        p2.extend_from_slice(&g1[..a.steps]);
+        p2.extend(random_prompt(23, vocab, 4343));
+        let (g2, c2) = turn(&mut cache, &p2)?;
+        sess.start_batched(&cx, &gm, &mut pf, &p1)?;
+        sess.decode(&gm, a.steps)?;
+        let snap = sess.snapshot(&cx, &p2[..p1.len() + a.steps])?;
+        sess.start_batched_from(&cx, &gm, &mut pf, Some(&snap), &p2, false)?;
+        sess.decode(&gm, a.steps)?;
+        let want = sess.generated(&cx)?;
+        sess.start_batched(&cx, &gm, &mut pf, &p2)?;
+        sess.decode(&gm, a.steps)?;
+        let fresh = sess.generated(&cx)?;
+        let same_fresh = fresh.iter().zip(&g2).take_while(|(x, y)| x == y).count();
+        // the second prompt again: the snapshot after it kept its logits, so nothing is prefilled
+        let (g3, c3) = turn(&mut cache, &p2)?;
+        checks += 1;
+        let ok = c1 == 0 && c2 == p1.len() + a.steps && g2 == want && c3 == p2.len() && g3 == g2;
+        if !ok {
+            failures += 1;
+        }
+        println!(
+            "prefix cache on the device: second turn of {} tokens reused {c2} (want {}), {} tokens equal the session's continued by hand{}; the same prompt again reused {c3}, same tokens: {}; {same_fresh} of {} leading tokens equal a fresh prefill of the whole prompt (snapshot {:.1} MB) {}",
+            p2.len(),
+            p1.len() + a.steps,
+            want.len(),
+            if g2 == want { String::new() } else { format!(" (engine {g2:?}, session {want:?})") },
+            g3 == g2,
+            g2.len(),
+            snap.bytes() as f64 / 1e6,
+            if ok { "ok" } else { "FAIL" }
+        );
     }
     println!("JSON {}", serde_json::json!({"checks": checks, "failures": failures, "worst_rel": worst_rel, "layers": m.cfg.num_hidden_layers}));
     if failures > 0 {

@@ -6,6 +6,10 @@
 //! prefill, then each decode step is one replay of the step graph, which samples on the device
 //! and appends the token to the device history; the host reads back only that token (4 bytes)
 //! to stream it and to test it against the stop ids.
+//!
+//! The prefix cache lives on the device: snapshots of the session's state
+//! ([`SessionSnapshot`]) after each prompt and after each finished generation; a prompt that
+//! extends a snapshot's tokens continues from it and prefills only the rest.
 
 use engine::{Accelerator, EngineError};
 use model::Model;
@@ -13,7 +17,7 @@ use sampler::SamplingParams;
 use spec::production as p;
 
 use crate::decode::{CudaModel, CudaSession};
-use crate::prefill::Prefiller;
+use crate::prefill::{Prefiller, SessionSnapshot};
 use crate::{CudaContext, CudaError};
 
 /// Longest prefill chunk by default, tokens (the batched prefill's buffers take about 260 kB
@@ -31,6 +35,12 @@ pub struct CudaAccelerator {
     max_ctx: usize,
     /// Whether a sequence is running (`step` is valid).
     running: bool,
+    /// The tokens the session's state holds: the prompt, then each token fed back by `step`.
+    fed: Vec<u32>,
+    /// The token returned last (not yet fed).
+    last: u32,
+    /// The prefix cache: snapshots of the state, most recent first.
+    snapshots: Vec<SessionSnapshot>,
 }
 
 impl CudaAccelerator {
@@ -64,7 +74,7 @@ impl CudaAccelerator {
         sess.set_pdl(true);
         let pf = Prefiller::new(&cx, &m, &model.weights, prefill_chunk.clamp(1, max_ctx))?;
         cx.synchronize()?;
-        Ok(CudaAccelerator { cx, m, sess, pf, device, max_ctx, running: false })
+        Ok(CudaAccelerator { cx, m, sess, pf, device, max_ctx, running: false, fed: Vec::new(), last: 0, snapshots: Vec::new() })
     }
 
     /// The device sampler for `params`: `None` (the greedy `argmax_step`) when they ask for
@@ -75,6 +85,32 @@ impl CudaAccelerator {
             && params.frequency_penalty == 0.0
             && params.repetition_penalty == 1.0;
         (!plain_greedy).then_some(params)
+    }
+
+    /// Index into `snapshots` of the longest one `prompt` extends by at least one token, or
+    /// equals when it kept its logits.
+    fn lookup(&self, prompt: &[u32]) -> Option<usize> {
+        self.snapshots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                let n = s.tokens().len();
+                (n < prompt.len() || (n == prompt.len() && s.has_logits())) && prompt.starts_with(s.tokens())
+            })
+            .max_by_key(|(_, s)| s.tokens().len())
+            .map(|(i, _)| i)
+    }
+
+    /// Puts `snap` first in the cache (replacing one of the same tokens), keeping `keep` at most.
+    fn keep_snapshot(&mut self, snap: SessionSnapshot, keep: usize) {
+        self.snapshots.retain(|s| s.tokens() != snap.tokens());
+        self.snapshots.truncate(keep.saturating_sub(1));
+        self.snapshots.insert(0, snap);
+    }
+
+    /// Device bytes the prefix cache holds.
+    pub fn cache_bytes(&self) -> usize {
+        self.snapshots.iter().map(SessionSnapshot::bytes).sum()
     }
 
     /// Waits for the queued work and reads the token the last step appended.
@@ -101,17 +137,43 @@ impl Accelerator for CudaAccelerator {
         crate::sample::check_params(params, self.m.vocab_limit).map(|_| ()).map_err(device_err)
     }
 
-    fn start(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<u32, EngineError> {
+    fn reusable(&self, prompt: &[u32]) -> usize {
+        self.lookup(prompt).map_or(0, |i| self.snapshots[i].tokens().len())
+    }
+
+    fn start(&mut self, prompt: &[u32], params: &SamplingParams, keep: usize) -> Result<(u32, usize), EngineError> {
         self.running = false;
         if prompt.is_empty() || prompt.len() >= self.max_ctx {
             return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
         }
+        if keep == 0 {
+            self.snapshots.clear();
+        }
         self.sess.set_sampling(&self.cx, &self.m, Self::sampler_for(params)).map_err(device_err)?;
+        let hit = self.lookup(prompt);
+        let cached = hit.map_or(0, |i| self.snapshots[i].tokens().len());
         // The device errors below leave the session to the next start, which resets it.
-        self.sess.start_batched(&self.cx, &self.m, &mut self.pf, prompt).map_err(device_err)?;
+        let snap = hit.map(|i| &self.snapshots[i]);
+        let kept = self.sess.start_batched_from(&self.cx, &self.m, &mut self.pf, snap, prompt, keep > 0).map_err(device_err)?;
+        self.fed.clear();
+        self.fed.extend_from_slice(prompt);
+        if let Some(k) = kept {
+            self.keep_snapshot(k, keep);
+        }
         let id = self.last_token().map_err(device_err)?;
+        self.last = id;
         self.running = true;
-        Ok(id)
+        Ok((id, cached))
+    }
+
+    fn finish(&mut self, keep: usize) -> Result<(), EngineError> {
+        self.running = false;
+        // nothing fed back (stopped at the first token): the snapshot after the prompt is it
+        if keep > 0 && !self.fed.is_empty() && !self.snapshots.iter().any(|s| s.tokens() == self.fed.as_slice()) {
+            let snap = self.sess.snapshot(&self.cx, &self.fed).map_err(device_err)?;
+            self.keep_snapshot(snap, keep);
+        }
+        Ok(())
     }
 
     fn step(&mut self) -> Result<u32, EngineError> {
@@ -126,9 +188,12 @@ impl Accelerator for CudaAccelerator {
             self.running = false;
             return Err(EngineError::Accelerator(format!("the context of {} tokens is full", self.max_ctx)));
         }
-        self.last_token().map_err(|e| {
+        self.fed.push(self.last);
+        let id = self.last_token().map_err(|e| {
             self.running = false;
             device_err(e)
-        })
+        })?;
+        self.last = id;
+        Ok(id)
     }
 }

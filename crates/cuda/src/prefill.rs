@@ -307,6 +307,45 @@ fn embed_rows(cx: &CudaContext, x: &mut CudaSlice<f32>, embed: &DeviceQMat, ids:
     Ok(())
 }
 
+/// A sequence's state on the device after `tokens`: the GDN conv and recurrent state of every
+/// linear-attention layer and the KV rows `0 .. tokens.len()` of every attention layer
+/// (`SessionSnapshot::bytes`: about 63 MB plus 20 kB per token on the production model). The
+/// GPU's prefix cache: Gated DeltaNet state cannot be truncated, so a later prompt reuses it
+/// only when it starts with exactly `tokens` ([`CudaSession::start_batched_from`]).
+pub struct SessionSnapshot {
+    tokens: Vec<u32>,
+    layers: Vec<DeviceLayerState>,
+    /// The logits that followed `tokens` [vocab rows], as the LM head left them (before a
+    /// sampler's penalties and masking): kept for the snapshot after a prompt, so that the same
+    /// prompt again needs no prefill at all.
+    logits: Option<CudaSlice<f32>>,
+}
+
+impl SessionSnapshot {
+    /// The tokens whose state this is.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Whether it holds the logits after its tokens (a prompt equal to `tokens` can use it).
+    pub fn has_logits(&self) -> bool {
+        self.logits.is_some()
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * self.logits.as_ref().map_or(0, |l| l.len())
+            + self
+            .layers
+            .iter()
+            .map(|l| match l {
+                DeviceLayerState::Gdn { conv, s } => 4 * (conv.len() + s.len()),
+                DeviceLayerState::Attn { k, v } => 2 * (k.len() + v.len()),
+            })
+            .sum::<usize>()
+    }
+}
+
 impl CudaSession {
     /// Starts a sequence from scratch like [`CudaSession::start`], but runs the prompt through
     /// the batched prefill in chunks of `pf.max_t()` tokens; leaves the first generated token
@@ -315,9 +354,62 @@ impl CudaSession {
     /// # Errors
     /// As [`CudaSession::start`]; errors of the prefill kernels.
     pub fn start_batched(&mut self, cx: &CudaContext, m: &CudaModel, pf: &mut Prefiller, prompt: &[u32]) -> Result<(), CudaError> {
+        self.start_batched_from(cx, m, pf, None, prompt, false).map(|_| ())
+    }
+
+    /// [`Self::start_batched`] continuing from `snap` (the state after a prefix of `prompt`):
+    /// the state is copied back and only the rest of the prompt is prefilled (nothing at all
+    /// when `prompt` equals the snapshot's tokens and it kept their logits). The result is the
+    /// same as a fresh prefill of `prompt` up to the rounding of the bf16 prefill, whose chunks
+    /// then start at the snapshot's end. With `keep`, returns a snapshot of the state after
+    /// `prompt` with its logits (taken before the first token is picked).
+    ///
+    /// # Errors
+    /// As [`Self::start_batched`]; [`CudaError::Unsupported`] when `prompt` does not start
+    /// with `snap.tokens()`, equals them but the snapshot has no logits, or the snapshot is of
+    /// another model's layout; driver errors (out of memory for the snapshot).
+    pub fn start_batched_from(
+        &mut self,
+        cx: &CudaContext,
+        m: &CudaModel,
+        pf: &mut Prefiller,
+        snap: Option<&SessionSnapshot>,
+        prompt: &[u32],
+        keep: bool,
+    ) -> Result<Option<SessionSnapshot>, CudaError> {
+        let c = snap.map_or(0, |s| s.tokens.len());
+        if let Some(s) = snap {
+            let usable = prompt.len() > c || (prompt.len() == c && s.logits.is_some());
+            if !usable || !prompt.starts_with(&s.tokens) {
+                return Err(CudaError::Unsupported(format!(
+                    "a prompt of {} tokens does not extend the snapshot of {c} tokens{}",
+                    prompt.len(),
+                    if s.logits.is_some() { "" } else { " (which holds no logits)" }
+                )));
+            }
+            if s.layers.len() != self.layers.len() {
+                return Err(CudaError::Unsupported(format!("snapshot of {} layers for a model of {}", s.layers.len(), self.layers.len())));
+            }
+        }
         self.begin(cx, m, prompt)?;
+        if let Some(s) = snap {
+            let st = cx.stream().clone();
+            for (to, from) in self.layers.iter_mut().zip(&s.layers) {
+                match (to, from) {
+                    (DeviceLayerState::Gdn { conv, s }, DeviceLayerState::Gdn { conv: c0, s: s0 }) if c0.len() == conv.len() && s0.len() == s.len() => {
+                        st.memcpy_dtod(c0, conv)?;
+                        st.memcpy_dtod(s0, s)?;
+                    }
+                    (DeviceLayerState::Attn { k, v }, DeviceLayerState::Attn { k: k0, v: v0 }) if k0.len() <= k.len() && v0.len() <= v.len() => {
+                        st.memcpy_dtod(k0, &mut k.slice_mut(..k0.len()))?;
+                        st.memcpy_dtod(v0, &mut v.slice_mut(..v0.len()))?;
+                    }
+                    _ => return Err(CudaError::Unsupported("snapshot layers do not match the session's".into())),
+                }
+            }
+        }
         let n = prompt.len();
-        let mut pos0 = 0;
+        let mut pos0 = c;
         let mut last_t = 0;
         while pos0 < n {
             let t = (n - pos0).min(pf.max_t);
@@ -325,15 +417,54 @@ impl CudaSession {
             pos0 += t;
             last_t = t;
         }
-        // The last token's head, as the decode step ends: final norm, LM head, the pick (greedy or sampled)
-        // (which writes ids[n] and advances pos from n - 1 to n).
-        let d = p::D_MODEL;
-        let last = pf.x.slice((last_t - 1) * d..last_t * d);
-        cx.rms_norm(&mut self.u.slice_mut(..), &last, &m.final_norm.slice(..))?;
-        cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
+        if last_t > 0 {
+            // The last token's head, as the decode step ends: final norm, LM head.
+            let d = p::D_MODEL;
+            let last = pf.x.slice((last_t - 1) * d..last_t * d);
+            cx.rms_norm(&mut self.u.slice_mut(..), &last, &m.final_norm.slice(..))?;
+            cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
+        } else if let Some(l) = snap.and_then(|s| s.logits.as_ref()) {
+            cx.stream().memcpy_dtod(l, &mut self.logits)?;
+        }
+        self.host_pos = n;
+        let kept = if keep { Some(self.snapshot_with(cx, prompt, true)?) } else { None };
+        // The pick (greedy or sampled) writes ids[n] and advances pos from n - 1 to n.
         cx.stream().memcpy_htod(&[(n - 1) as i32], &mut self.pos)?;
         self.pick(cx, m)?;
-        self.host_pos = n;
-        Ok(())
+        Ok(kept)
+    }
+
+    /// Copies the state after the tokens processed so far, which must be `tokens` (the prompt
+    /// and the generated tokens fed back: `pos()` of them). Queued on the stream.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `tokens.len() != pos()`; driver errors (out of memory).
+    pub fn snapshot(&self, cx: &CudaContext, tokens: &[u32]) -> Result<SessionSnapshot, CudaError> {
+        self.snapshot_with(cx, tokens, false)
+    }
+
+    /// [`Self::snapshot`], with a copy of the logits row when `logits` (valid only right after
+    /// the LM head, before the pick modifies it).
+    fn snapshot_with(&self, cx: &CudaContext, tokens: &[u32], logits: bool) -> Result<SessionSnapshot, CudaError> {
+        let n = tokens.len();
+        if n != self.host_pos || n == 0 {
+            return Err(CudaError::Unsupported(format!("snapshot of {n} tokens at position {}", self.host_pos)));
+        }
+        let st = cx.stream();
+        let w = n * p::N_KV_HEADS * p::HEAD_DIM;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    DeviceLayerState::Gdn { conv, s } => DeviceLayerState::Gdn { conv: st.clone_dtod(conv)?, s: st.clone_dtod(s)? },
+                    DeviceLayerState::Attn { k, v } => {
+                        DeviceLayerState::Attn { k: st.clone_dtod(&k.slice(..w))?, v: st.clone_dtod(&v.slice(..w))? }
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let logits = if logits { Some(st.clone_dtod(&self.logits)?) } else { None };
+        Ok(SessionSnapshot { tokens: tokens.to_vec(), layers, logits })
     }
 }

@@ -83,14 +83,27 @@ pub trait Accelerator: Send {
     /// # Errors
     /// [`EngineError::Unsupported`] naming the parameter the device sampler cannot take.
     fn check_sampling(&self, params: &SamplingParams) -> Result<(), EngineError>;
-    /// Starts a sequence from an empty state: prefills `prompt` (`1 <= len < max_ctx` of the
-    /// engine, ids below the vocabulary: the engine checks) and samples the first token with
-    /// `params`.
+    /// Prompt tokens [`Accelerator::start`] would reuse from its prefix cache: the longest
+    /// kept snapshot whose tokens `prompt` extends by at least one token (0: none).
+    fn reusable(&self, prompt: &[u32]) -> usize;
+    /// Starts a sequence: prefills `prompt` (`1 <= len < max_ctx` of the engine, ids below
+    /// the vocabulary: the engine checks), continuing from the snapshot
+    /// [`Accelerator::reusable`] names, and samples the first token with `params`. With
+    /// `keep > 0` it keeps a snapshot of the state after the prompt, and at most `keep`
+    /// snapshots in all (the oldest go first); with 0 it neither reuses nor keeps any.
+    /// Returns the first token and the prompt tokens reused.
     ///
     /// # Errors
     /// [`EngineError::Accelerator`] on device errors; [`EngineError::Unsupported`] for
     /// parameters [`Accelerator::check_sampling`] would refuse.
-    fn start(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<u32, EngineError>;
+    fn start(&mut self, prompt: &[u32], params: &SamplingParams, keep: usize) -> Result<(u32, usize), EngineError>;
+    /// The sequence is over: with `keep > 0`, keeps a snapshot of the state after the prompt
+    /// and every token fed back by [`Accelerator::step`] (the next turn of a chat starts with
+    /// them), at most `keep` in all.
+    ///
+    /// # Errors
+    /// [`EngineError::Accelerator`] on device errors (out of device memory).
+    fn finish(&mut self, keep: usize) -> Result<(), EngineError>;
     /// Runs one decode step on the token returned last and returns the next one. The engine
     /// calls it only while the context has room (prompt plus generated tokens `<= max_ctx`).
     ///
@@ -207,8 +220,9 @@ impl Engine {
     }
 
     /// Runs every later generation on `acc` instead of the CPU model (which stays loaded: the
-    /// accelerator is built from its weights). The prefix cache is not used then: each
-    /// request is prefilled in full on the device (its batched prefill).
+    /// accelerator is built from its weights). The prefix cache then lives on the device
+    /// ([`Accelerator::start`]); the [`PrefixCache`] passed to [`Engine::generate_cached`]
+    /// gives its capacity and counts its hits.
     pub fn set_accelerator(&mut self, acc: Box<dyn Accelerator>) {
         self.accel = Some(std::sync::Mutex::new(acc));
     }

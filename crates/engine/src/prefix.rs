@@ -181,8 +181,8 @@ impl Engine {
 
     /// [`Engine::generate`] with prefix reuse and an [`Observer`]. After the run, `cache` holds
     /// the state after the prompt and after prompt + generated tokens, for the next request.
-    /// With an accelerator ([`Engine::set_accelerator`]) the generation runs there and `cache`
-    /// only counts a miss.
+    /// With an accelerator ([`Engine::set_accelerator`]) the generation runs there, with the
+    /// accelerator's own snapshots on the device; `cache` gives their number and counts hits.
     ///
     /// # Errors
     /// As [`Engine::generate`], plus whatever the observer injects.
@@ -246,11 +246,20 @@ impl Engine {
             return Err(EngineError::Unsupported(format!("token id {id} is outside the vocabulary of {vocab}")));
         }
         let t0 = Instant::now();
-        cache.misses += 1;
-        obs.prefill_start(0, prompt.len())?;
-        let first = acc.start(prompt, &params.sampling)?;
+        let keep = cache.capacity;
+        let reuse = if keep > 0 { acc.reusable(prompt) } else { 0 };
+        obs.prefill_start(reuse, prompt.len() - reuse)?;
+        let (first, cached_tokens) = acc.start(prompt, &params.sampling, keep)?;
+        if cached_tokens > 0 {
+            cache.hits += 1;
+        } else {
+            cache.misses += 1;
+        }
         let stats = self.run_loop(t0, prompt.len(), params, obs, on_token, first, &mut |_, _| acc.step())?;
-        Ok(RunOutcome { stats, cached_tokens: 0 })
+        if keep > 0 {
+            acc.finish(keep)?;
+        }
+        Ok(RunOutcome { stats, cached_tokens })
     }
 
     /// The generation loop both paths share: `first` is the token sampled after the prompt,
