@@ -30,7 +30,8 @@ def post(base, path, body, stream=False):
     try:
         r = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        err = json.loads(e.read() or b"{}")
+        return e.code, (([], None) if stream else err)
     if not stream:
         return r.status, json.loads(r.read())
     events, t_first = [], None
@@ -88,22 +89,28 @@ def main():
         # wait for the engine thread: model load, GPU upload, kernel compile
         health = {}
         while time.time() - t0 < 180:
-            with urllib.request.urlopen(base + "/health", timeout=10) as r:
-                health = json.loads(r.read())
-            if health["local"]["phase"] in ("Idle", "Failed"):
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=10) as r:
+                    health = json.loads(r.read())
+            except urllib.error.HTTPError as e:  # 503 once the engine failed to load
+                health = json.loads(e.read() or b"{}")
+            if health.get("local", {}).get("phase") in ("Idle", "Failed"):
                 break
             time.sleep(0.5)
         out["ready_s"] = round(time.time() - t0, 1)
-        backend = health["local"].get("backend") or ""
-        check(health["local"]["phase"] == "Idle" and backend.startswith(device),
-              f"engine ready in {out['ready_s']} s on backend {backend!r} (phase {health['local']['phase']}, error {health['local'].get('load_error')})")
+        local = health.get("local", {})
+        backend = local.get("backend") or ""
+        check(local.get("phase") == "Idle" and backend.startswith(device),
+              f"engine ready in {out['ready_s']} s on backend {backend!r} (phase {local.get('phase')}, error {local.get('load_error')})")
         if failures:
             return 1
         msgs = [{"role": "user", "content": "Write a haiku about the GPU's memory bandwidth."}]
         kw = {"enable_thinking": False}
         greedy = {"messages": msgs, "max_tokens": 40, "temperature": 0, "chat_template_kwargs": kw}
         code, r = post(base, "/v1/chat/completions", greedy)
-        check(code == 200, f"greedy chat completion: HTTP {code}")
+        check(code == 200, f"greedy chat completion: HTTP {code} {'' if code == 200 else json.dumps(r)[:200]}")
+        if code != 200:
+            return 1
         text = r["choices"][0]["message"].get("content") or ""
         usage = r.get("usage", {})
         code, (events, _) = post(base, "/v1/chat/completions", dict(greedy, stream=True, stream_options={"include_usage": True}), stream=True)
@@ -119,7 +126,7 @@ def main():
         sampled = {"messages": msgs, "max_tokens": 40, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 1234,
                    "chat_template_kwargs": kw}
         (ca, a), (cb, b) = post(base, "/v1/chat/completions", sampled), post(base, "/v1/chat/completions", sampled)
-        same = ca == cb == 200 and a["choices"][0]["message"] == b["choices"][0]["message"] and a["usage"] == b["usage"]
+        same = ca == cb == 200 and a["choices"][0]["message"] == b["choices"][0]["message"] and a.get("usage") == b.get("usage")
         check(same, f"seeded sampling gives the same completion twice ({a.get('usage', {}).get('completion_tokens')} tokens)")
         if device == "cuda":
             code, r = post(base, "/v1/chat/completions", dict(sampled, top_k=5000))

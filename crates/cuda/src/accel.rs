@@ -41,6 +41,9 @@ pub struct CudaAccelerator {
     last: u32,
     /// The prefix cache: snapshots of the state, most recent first.
     snapshots: Vec<SessionSnapshot>,
+    /// Device bytes the snapshots may take together: half the memory free once the model,
+    /// the session and the prefill buffers are in place.
+    cache_budget: usize,
 }
 
 impl CudaAccelerator {
@@ -74,7 +77,21 @@ impl CudaAccelerator {
         sess.set_pdl(true);
         let pf = Prefiller::new(&cx, &m, &model.weights, prefill_chunk.clamp(1, max_ctx))?;
         cx.synchronize()?;
-        Ok(CudaAccelerator { cx, m, sess, pf, device, max_ctx, running: false, fed: Vec::new(), last: 0, snapshots: Vec::new() })
+        cx.raw().bind_to_thread()?;
+        let (free, _total) = cudarc::driver::result::mem_get_info()?;
+        Ok(CudaAccelerator {
+            cx,
+            m,
+            sess,
+            pf,
+            device,
+            max_ctx,
+            running: false,
+            fed: Vec::new(),
+            last: 0,
+            snapshots: Vec::new(),
+            cache_budget: free / 2,
+        })
     }
 
     /// The device sampler for `params`: `None` (the greedy `argmax_step`) when they ask for
@@ -101,11 +118,23 @@ impl CudaAccelerator {
             .map(|(i, _)| i)
     }
 
-    /// Puts `snap` first in the cache (replacing one of the same tokens), keeping `keep` at most.
+    /// Puts `snap` first in the cache (replacing one of the same tokens), keeping `keep` at
+    /// most and the device bytes within the budget (the oldest go first).
     fn keep_snapshot(&mut self, snap: SessionSnapshot, keep: usize) {
         self.snapshots.retain(|s| s.tokens() != snap.tokens());
         self.snapshots.truncate(keep.saturating_sub(1));
-        self.snapshots.insert(0, snap);
+        while !self.snapshots.is_empty() && self.cache_bytes() + snap.bytes() > self.cache_budget {
+            self.snapshots.pop();
+        }
+        if snap.bytes() <= self.cache_budget {
+            self.snapshots.insert(0, snap);
+        }
+    }
+
+    /// Whether a snapshot after `n` tokens is worth keeping: it fits the budget, and a later
+    /// prompt can still extend it within the context.
+    fn worth_keeping(&self, n: usize) -> bool {
+        n + 1 < self.max_ctx && self.sess.snapshot_bytes(n) <= self.cache_budget
     }
 
     /// Device bytes the prefix cache holds.
@@ -121,7 +150,14 @@ impl CudaAccelerator {
     }
 }
 
+/// A device failure: the engine's fault, never the request's (the request's own faults are
+/// caught by [`Accelerator::check_sampling`] and the engine's checks before any device work).
 fn device_err(e: CudaError) -> EngineError {
+    EngineError::Accelerator(e.to_string())
+}
+
+/// The device sampler's refusal of a request's parameters: the request's fault (HTTP 400).
+fn sampling_err(e: CudaError) -> EngineError {
     match e {
         CudaError::Unsupported(msg) => EngineError::Unsupported(msg),
         e => EngineError::Accelerator(e.to_string()),
@@ -134,7 +170,7 @@ impl Accelerator for CudaAccelerator {
     }
 
     fn check_sampling(&self, params: &SamplingParams) -> Result<(), EngineError> {
-        crate::sample::check_params(params, self.m.vocab_limit).map(|_| ()).map_err(device_err)
+        crate::sample::check_params(params, self.m.vocab_limit).map(|_| ()).map_err(sampling_err)
     }
 
     fn reusable(&self, prompt: &[u32]) -> usize {
@@ -143,18 +179,29 @@ impl Accelerator for CudaAccelerator {
 
     fn start(&mut self, prompt: &[u32], params: &SamplingParams, keep: usize) -> Result<(u32, usize), EngineError> {
         self.running = false;
-        if prompt.is_empty() || prompt.len() >= self.max_ctx {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() >= self.max_ctx {
             return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
         }
         if keep == 0 {
             self.snapshots.clear();
         }
-        self.sess.set_sampling(&self.cx, &self.m, Self::sampler_for(params)).map_err(device_err)?;
-        let hit = self.lookup(prompt);
+        self.sess.set_sampling(&self.cx, &self.m, Self::sampler_for(params)).map_err(sampling_err)?;
+        let mut hit = self.lookup(prompt);
         let cached = hit.map_or(0, |i| self.snapshots[i].tokens().len());
+        let exact = cached == prompt.len();
+        if let (true, Some(i)) = (exact, hit) {
+            // the same prompt again: its snapshot moves to the front instead of being copied
+            let s = self.snapshots.remove(i);
+            self.snapshots.insert(0, s);
+            hit = Some(0);
+        }
+        let keep_prompt = keep > 0 && !exact && self.worth_keeping(prompt.len());
         // The device errors below leave the session to the next start, which resets it.
         let snap = hit.map(|i| &self.snapshots[i]);
-        let kept = self.sess.start_batched_from(&self.cx, &self.m, &mut self.pf, snap, prompt, keep > 0).map_err(device_err)?;
+        let kept = self.sess.start_batched_from(&self.cx, &self.m, &mut self.pf, snap, prompt, keep_prompt).map_err(device_err)?;
         self.fed.clear();
         self.fed.extend_from_slice(prompt);
         if let Some(k) = kept {
@@ -166,14 +213,20 @@ impl Accelerator for CudaAccelerator {
         Ok((id, cached))
     }
 
-    fn finish(&mut self, keep: usize) -> Result<(), EngineError> {
+    fn finish(&mut self, keep: usize) {
         self.running = false;
-        // nothing fed back (stopped at the first token): the snapshot after the prompt is it
-        if keep > 0 && !self.fed.is_empty() && !self.snapshots.iter().any(|s| s.tokens() == self.fed.as_slice()) {
-            let snap = self.sess.snapshot(&self.cx, &self.fed).map_err(device_err)?;
-            self.keep_snapshot(snap, keep);
+        // (nothing fed back, i.e. stopped at the first token: the snapshot after the prompt is it)
+        if keep > 0
+            && !self.fed.is_empty()
+            && self.worth_keeping(self.fed.len())
+            && !self.snapshots.iter().any(|s| s.tokens() == self.fed.as_slice())
+        {
+            match self.sess.snapshot(&self.cx, &self.fed) {
+                Ok(snap) => self.keep_snapshot(snap, keep),
+                // out of device memory: the generation stands, the cache gives its memory back
+                Err(_) => self.snapshots.clear(),
+            }
         }
-        Ok(())
     }
 
     fn step(&mut self) -> Result<u32, EngineError> {

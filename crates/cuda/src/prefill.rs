@@ -362,7 +362,8 @@ impl CudaSession {
     /// when `prompt` equals the snapshot's tokens and it kept their logits). The result is the
     /// same as a fresh prefill of `prompt` up to the rounding of the bf16 prefill, whose chunks
     /// then start at the snapshot's end. With `keep`, returns a snapshot of the state after
-    /// `prompt` with its logits (taken before the first token is picked).
+    /// `prompt` with its logits (taken before the first token is picked; `None` when the device
+    /// has no memory left for it).
     ///
     /// # Errors
     /// As [`Self::start_batched`]; [`CudaError::Unsupported`] when `prompt` does not start
@@ -427,7 +428,16 @@ impl CudaSession {
             cx.stream().memcpy_dtod(l, &mut self.logits)?;
         }
         self.host_pos = n;
-        let kept = if keep { Some(self.snapshot_with(cx, prompt, true)?) } else { None };
+        let kept = if keep {
+            match self.snapshot_with(cx, prompt, true) {
+                Ok(s) => Some(s),
+                // no room for the copy: the prompt still runs, without a snapshot
+                Err(CudaError::Driver(e)) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => None,
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
         // The pick (greedy or sampled) writes ids[n] and advances pos from n - 1 to n.
         cx.stream().memcpy_htod(&[(n - 1) as i32], &mut self.pos)?;
         self.pick(cx, m)?;
@@ -441,6 +451,20 @@ impl CudaSession {
     /// [`CudaError::Unsupported`] when `tokens.len() != pos()`; driver errors (out of memory).
     pub fn snapshot(&self, cx: &CudaContext, tokens: &[u32]) -> Result<SessionSnapshot, CudaError> {
         self.snapshot_with(cx, tokens, false)
+    }
+
+    /// Device bytes of a [`SessionSnapshot`] after `n` tokens, its logits included.
+    pub fn snapshot_bytes(&self, n: usize) -> usize {
+        let w = n * p::N_KV_HEADS * p::HEAD_DIM;
+        4 * self.logits.len()
+            + self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    DeviceLayerState::Gdn { conv, s } => 4 * (conv.len() + s.len()),
+                    DeviceLayerState::Attn { .. } => 2 * 2 * w,
+                })
+                .sum::<usize>()
     }
 
     /// [`Self::snapshot`], with a copy of the logits row when `logits` (valid only right after

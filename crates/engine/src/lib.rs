@@ -84,7 +84,8 @@ pub trait Accelerator: Send {
     /// [`EngineError::Unsupported`] naming the parameter the device sampler cannot take.
     fn check_sampling(&self, params: &SamplingParams) -> Result<(), EngineError>;
     /// Prompt tokens [`Accelerator::start`] would reuse from its prefix cache: the longest
-    /// kept snapshot whose tokens `prompt` extends by at least one token (0: none).
+    /// kept snapshot whose tokens `prompt` extends by at least one token, or equals when the
+    /// snapshot kept the logits that followed them (0: none).
     fn reusable(&self, prompt: &[u32]) -> usize;
     /// Starts a sequence: prefills `prompt` (`1 <= len < max_ctx` of the engine, ids below
     /// the vocabulary: the engine checks), continuing from the snapshot
@@ -99,11 +100,9 @@ pub trait Accelerator: Send {
     fn start(&mut self, prompt: &[u32], params: &SamplingParams, keep: usize) -> Result<(u32, usize), EngineError>;
     /// The sequence is over: with `keep > 0`, keeps a snapshot of the state after the prompt
     /// and every token fed back by [`Accelerator::step`] (the next turn of a chat starts with
-    /// them), at most `keep` in all.
-    ///
-    /// # Errors
-    /// [`EngineError::Accelerator`] on device errors (out of device memory).
-    fn finish(&mut self, keep: usize) -> Result<(), EngineError>;
+    /// them), at most `keep` in all. Best effort: a snapshot that does not fit the device is
+    /// not kept, and the generation it follows stands.
+    fn finish(&mut self, keep: usize);
     /// Runs one decode step on the token returned last and returns the next one. The engine
     /// calls it only while the context has room (prompt plus generated tokens `<= max_ctx`).
     ///
@@ -192,8 +191,8 @@ pub struct Engine {
     /// Context limit in tokens for a sequence.
     pub max_ctx: usize,
     dir: PathBuf,
-    /// Runs the generations when set (see [`Engine::set_accelerator`]).
-    accel: Option<std::sync::Mutex<Box<dyn Accelerator>>>,
+    /// Runs the generations when set (see [`Engine::set_accelerator`]), with its description.
+    accel: Option<(std::sync::Mutex<Box<dyn Accelerator>>, String)>,
 }
 
 impl Engine {
@@ -224,13 +223,14 @@ impl Engine {
     /// ([`Accelerator::start`]); the [`PrefixCache`] passed to [`Engine::generate_cached`]
     /// gives its capacity and counts its hits.
     pub fn set_accelerator(&mut self, acc: Box<dyn Accelerator>) {
-        self.accel = Some(std::sync::Mutex::new(acc));
+        let name = acc.describe();
+        self.accel = Some((std::sync::Mutex::new(acc), name));
     }
 
     /// The accelerator's [`Accelerator::describe`], or `cpu` when generations run on the CPU.
     pub fn backend_name(&self) -> String {
         match &self.accel {
-            Some(a) => a.lock().unwrap_or_else(|e| e.into_inner()).describe(),
+            Some((_, name)) => name.clone(),
             None => format!("cpu · {:?}", self.model.backend),
         }
     }

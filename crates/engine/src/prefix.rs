@@ -194,7 +194,7 @@ impl Engine {
         obs: &mut dyn Observer,
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<RunOutcome, EngineError> {
-        if let Some(acc) = &self.accel {
+        if let Some((acc, _)) = &self.accel {
             let mut acc = acc.lock().unwrap_or_else(|e| e.into_inner());
             return self.generate_accel(&mut **acc, cache, prompt, params, obs, on_token);
         }
@@ -257,7 +257,7 @@ impl Engine {
         }
         let stats = self.run_loop(t0, prompt.len(), params, obs, on_token, first, &mut |_, _| acc.step())?;
         if keep > 0 {
-            acc.finish(keep)?;
+            acc.finish(keep);
         }
         Ok(RunOutcome { stats, cached_tokens })
     }
@@ -283,6 +283,11 @@ impl Engine {
             decode_time: Duration::ZERO,
             finish: FinishReason::Length,
         };
+        if params.max_tokens == 0 {
+            // nothing to generate: no first token, no decode phase
+            stats.ttft = Duration::ZERO;
+            return Ok(stats);
+        }
         let t_first = Instant::now();
         obs.decode_start();
         let mut id = first;

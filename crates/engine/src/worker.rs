@@ -100,8 +100,8 @@ pub struct Shared {
     pub errors: AtomicU64,
     /// The loaded model's vocabulary limit, once loaded (0 before).
     pub vocab_limit: AtomicUsize,
-    /// Where generations run ([`Engine::backend_name`]), once loaded (empty before).
-    pub backend: Mutex<String>,
+    /// Where generations run ([`Engine::backend_name`]), once loaded (`None` before).
+    pub backend: Mutex<Option<String>>,
 }
 
 /// Settings of the engine thread.
@@ -158,7 +158,7 @@ impl Worker {
             cache_misses: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             vocab_limit: AtomicUsize::new(0),
-            backend: Mutex::new(String::new()),
+            backend: Mutex::new(None),
         });
         let depth = cfg.queue_depth;
         let sh = shared.clone();
@@ -273,7 +273,7 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
     let (n_layers, n_experts) = (eng.model.cfg.layer_types.len(), eng.model.cfg.num_experts);
     *shared.expert_counts.lock().unwrap_or_else(|e| e.into_inner()) = vec![vec![0; n_experts]; n_layers];
     shared.vocab_limit.store(eng.vocab_limit(), Ordering::SeqCst);
-    *shared.backend.lock().unwrap_or_else(|e| e.into_inner()) = eng.backend_name();
+    *shared.backend.lock().unwrap_or_else(|e| e.into_inner()) = Some(eng.backend_name());
     let mut cache = PrefixCache::new(cfg.prefix_cache);
     on_phase(Phase::Idle);
     while let Ok(mut job) = rx.recv() {

@@ -69,6 +69,8 @@ impl CloudUpstream {
     pub fn rewrite(&self, mut body: Value) -> Value {
         if let Some(o) = body.as_object_mut() {
             o.remove(CATEGORY_FIELD);
+            // vLLM's extension, honoured locally; OpenAI rejects unknown fields
+            o.remove("ignore_eos");
             if let Some(m) = &self.model {
                 o.insert("model".into(), Value::String(m.clone()));
             }
@@ -96,5 +98,26 @@ impl CloudUpstream {
             req = req.bearer_auth(k);
         }
         matches!(req.send().await, Ok(r) if r.status().is_success())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rewrite_drops_calla_and_vllm_fields_and_sets_the_model() {
+        let cfg = CloudConfig {
+            base_url: "http://127.0.0.1:9/".into(),
+            api_key_env: None,
+            model: Some("cloud-model".into()),
+            timeout_seconds: None,
+            connect_timeout_seconds: None,
+        };
+        let up = CloudUpstream::new(&cfg).unwrap();
+        assert_eq!(up.base_url(), "http://127.0.0.1:9/v1");
+        let body = serde_json::json!({"model": "calla", "messages": [], "ignore_eos": true, CATEGORY_FIELD: ["pii"], "top_k": 5});
+        let out = up.rewrite(body);
+        assert_eq!(out, serde_json::json!({"model": "cloud-model", "messages": [], "top_k": 5}));
     }
 }

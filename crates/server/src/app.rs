@@ -463,7 +463,7 @@ impl App {
         let m = *self.memory.lock().unwrap_or_else(|e| e.into_inner());
         let local = json!({
             "enabled": self.worker.is_some(),
-            "backend": self.worker.as_ref().map(|w| w.shared.backend.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+            "backend": self.worker.as_ref().and_then(|w| w.shared.backend.lock().unwrap_or_else(|e| e.into_inner()).clone()),
             "phase": self.sm.inputs().local,
             "off_reason": self.local_off_reason,
             "load_error": *self.load_error.lock().unwrap_or_else(|e| e.into_inner()),
