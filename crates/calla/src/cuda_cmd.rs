@@ -85,6 +85,11 @@ pub struct CudaBenchArgs {
     /// with the extension replaced by `<carve-out setting>.bin`.
     #[arg(long)]
     timeline_raw: Option<PathBuf>,
+    /// Also split the batched prefill of each prompt length into its phases (GPU time between
+    /// timed events: embedding, norms, projections, GDN / attention core, router, routing,
+    /// expert GEMMs, ...), summed over layers.
+    #[arg(long)]
+    prefill_profile: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -322,6 +327,25 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     };
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
+    let mut prefill_profile = Vec::new();
+    if let (true, Some(pf)) = (a.prefill_profile, pf.as_mut()) {
+        sess.start_batched(&cx, &gm, pf, &random_prompt(4, vocab, 0))?; // warm-up
+        for (i, &n) in a.prompt_tokens.iter().enumerate() {
+            let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
+            sess.start_batched(&cx, &gm, pf, &prompt)?;
+            cx.synchronize()?;
+            pf.profile = Some(Vec::new());
+            sess.start_batched(&cx, &gm, pf, &prompt)?;
+            let phases = pf.take_profile()?;
+            let total: f64 = phases.iter().map(|(_, ms)| ms).sum();
+            eprintln!("prefill profile, {n} tokens: {total:.2} ms of GPU time (timed events between phases)");
+            for (name, ms) in &phases {
+                eprintln!("  {name:<34} {ms:>9.3} ms {:>6.1}%", 100.0 * ms / total.max(1e-9));
+            }
+            prefill_profile.push(serde_json::json!({"prompt_tokens": n, "total_ms": total,
+                "phases": phases.iter().map(|(k, v)| serde_json::json!({"phase": k, "ms": v})).collect::<Vec<_>>()}));
+        }
+    }
     let mut start = |sess: &mut CudaSession, prompt: &[u32]| -> Result<()> {
         match pf.as_mut() {
             Some(pf) => sess.start_batched(&cx, &gm, pf, prompt)?,
@@ -548,6 +572,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
+        "prefill_profile": prefill_profile,
         "decode": decode,
         "ablation": ablation,
         "variants": variants,

@@ -103,6 +103,11 @@ pub struct Prefiller {
     /// When set, every chunk records `blk.{l}.mixer_out` (`h − x`), `blk.{l}.moe_out` and
     /// `blk.{l}.out` (`[t, D_MODEL]`, downloaded: slow, for checks against the CPU trace).
     pub trace: Option<Vec<(String, Vec<f32>)>>,
+    /// When set, the prefill records a timed event at the end of each phase (embedding, norms,
+    /// projections, GDN / attention core, router, routing, expert GEMMs, ...): what
+    /// [`Prefiller::take_profile`] adds up. Events cost a little; for `calla cuda-bench
+    /// --prefill-profile` only.
+    pub profile: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
 }
 
 impl Prefiller {
@@ -153,6 +158,7 @@ impl Prefiller {
             gdn: cx.gdn_prefill_scratch(max_t)?,
             attn: cx.attn_prefill_scratch(max_t)?,
             trace: None,
+            profile: None,
         })
     }
 
@@ -161,11 +167,35 @@ impl Prefiller {
         self.max_t
     }
 
+    /// Waits for the profiled work and returns the GPU time of each phase in milliseconds,
+    /// summed over layers and chunks, in the order the phases first ran (the first event is
+    /// the reference and takes no time). Turns profiling off.
+    ///
+    /// # Errors
+    /// Driver errors; [`CudaError::Unsupported`] when profiling was not on.
+    pub fn take_profile(&mut self) -> Result<Vec<(&'static str, f64)>, CudaError> {
+        let ev = self.profile.take().ok_or_else(|| CudaError::Unsupported("prefill profiling was not on".into()))?;
+        let mut out: Vec<(&'static str, f64)> = Vec::new();
+        if let Some((_, last)) = ev.last() {
+            last.synchronize()?;
+        }
+        for w in ev.windows(2) {
+            let ms = f64::from(w[0].1.elapsed_ms(&w[1].1)?);
+            match out.iter_mut().find(|(n, _)| *n == w[1].0) {
+                Some((_, t)) => *t += ms,
+                None => out.push((w[1].0, ms)),
+            }
+        }
+        Ok(out)
+    }
+
     /// Runs tokens `pos0 .. pos0 + t` of the session's history through every layer, updating
     /// its GDN state and KV cache; the chunk's last hidden state ends in row `t - 1` of `x`.
     fn chunk(&mut self, cx: &CudaContext, m: &CudaModel, s: &mut CudaSession, pos0: usize, t: usize) -> Result<(), CudaError> {
         let d = p::D_MODEL;
+        mark(&mut self.profile, cx, "begin, restore, between chunks")?;
         embed_rows(cx, &mut self.x, &m.embed, &s.ids, pos0, t)?;
+        mark(&mut self.profile, cx, "embedding")?;
         let st = cx.stream().clone();
         let mut x_in = Vec::new();
         for (l, ((lw, ls), pm)) in m.layers.iter().zip(s.layers.iter_mut()).zip(&self.moe).enumerate() {
@@ -173,10 +203,12 @@ impl Prefiller {
                 x_in = st.clone_dtoh(&self.x.slice(..t * d))?;
             }
             cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.x.slice(..t * d), &lw.input_norm.slice(..))?;
+            mark(&mut self.profile, cx, "rms norms")?;
             match (&lw.mixer, ls) {
                 (DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj }, DeviceLayerState::Gdn { conv, s }) => {
                     let n_out = p::N_V_HEADS * p::D_V;
                     cx.qgemm(&mut self.proj.slice_mut(..t * GDN_PROJ), &in_proj.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
+                    mark(&mut self.profile, cx, "GDN in_proj GEMM")?;
                     cx.gdn_prefill(
                         &self.proj.slice(..t * GDN_PROJ),
                         t,
@@ -189,11 +221,14 @@ impl Prefiller {
                         &mut self.gdn,
                         &mut self.mix.slice_mut(..t * n_out),
                     )?;
+                    mark(&mut self.profile, cx, "GDN chunked core")?;
                     cx.qgemm_residual(&mut self.h.slice_mut(..t * d), out_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                    mark(&mut self.profile, cx, "GDN out_proj GEMM")?;
                 }
                 (DeviceMixer::Attn { qkv, q_norm, k_norm, o_proj }, DeviceLayerState::Attn { k, v }) => {
                     let n_out = p::N_Q_HEADS * p::HEAD_DIM;
                     cx.qgemm(&mut self.proj.slice_mut(..t * ATTN_PROJ), &qkv.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
+                    mark(&mut self.profile, cx, "attn q|gate|k|v GEMM")?;
                     cx.attn_prefill(
                         &self.proj.slice(..t * ATTN_PROJ),
                         t,
@@ -206,7 +241,9 @@ impl Prefiller {
                         &mut self.attn,
                         &mut self.mix.slice_mut(..t * n_out),
                     )?;
+                    mark(&mut self.profile, cx, "attn flash core")?;
                     cx.qgemm_residual(&mut self.h.slice_mut(..t * d), o_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                    mark(&mut self.profile, cx, "attn o_proj GEMM")?;
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
@@ -216,10 +253,13 @@ impl Prefiller {
                 x_in = h;
             }
             cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.h.slice(..t * d), &lw.post_norm.slice(..))?;
+            mark(&mut self.profile, cx, "rms norms")?;
             // MoE: routing, the shared expert, the routed experts, the combine with the residual.
             let ne = p::N_EXPERTS + 1;
             router_f32(cx, &mut self.router_logits, &pm.router, &self.u, t)?;
+            mark(&mut self.profile, cx, "router (f32)")?;
             cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing)?;
+            mark(&mut self.profile, cx, "top-k, count, sort")?;
             if let Some(tr) = self.trace.as_mut() {
                 let lg = st.clone_dtoh(&self.router_logits.slice(..t * ne))?;
                 let lg: Vec<f32> = lg.chunks_exact(ne).flat_map(|r| r[..p::N_EXPERTS].iter().copied()).collect();
@@ -229,10 +269,13 @@ impl Prefiller {
             }
             // the grouped gate/up GEMM reads the last converted activations: u
             cx.convert_acts(&self.u.slice(..t * d), t, d, &mut self.gemm)?;
+            mark(&mut self.profile, cx, "activations to bf16")?;
             cx.moe_gate_up_grouped(&pm.gate_up, &self.gemm, &mut self.routing, t)?;
+            mark(&mut self.profile, cx, "experts gate/up (grouped)")?;
             let ds = p::D_SHARED_EXPERT;
             cx.qgemm_swiglu(&mut self.shared_act.slice_mut(..t * ds), &pm.shared_gate_up, &self.u.slice(..t * d), t, &mut self.gemm)?;
             cx.qgemm(&mut self.shared_out.slice_mut(..t * d), &pm.shared_down, &self.shared_act.slice(..t * ds), t, &mut self.gemm)?;
+            mark(&mut self.profile, cx, "shared expert")?;
             cx.moe_down_grouped(
                 &mut self.x.slice_mut(..t * d),
                 &pm.down,
@@ -241,6 +284,7 @@ impl Prefiller {
                 &self.shared_out.slice(..t * d),
                 t,
             )?;
+            mark(&mut self.profile, cx, "experts down + combine (grouped)")?;
             if let Some(tr) = self.trace.as_mut() {
                 let x = st.clone_dtoh(&self.x.slice(..t * d))?;
                 tr.push((format!("blk.{l}.moe_out"), x.iter().zip(&x_in).map(|(a, b)| a - b).collect()));
@@ -249,6 +293,14 @@ impl Prefiller {
         }
         Ok(())
     }
+}
+
+/// Records the end of phase `name` when profiling (see [`Prefiller::profile`]).
+fn mark(profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>, cx: &CudaContext, name: &'static str) -> Result<(), CudaError> {
+    if let Some(p) = profile.as_mut() {
+        p.push((name, cx.stream().record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?));
+    }
+    Ok(())
 }
 
 /// Router logits of `t` tokens in f32: `y[t, n] = Σ_k W[n, k]·u[t, k]` (`kernels/prefill.cu`:
@@ -392,6 +444,7 @@ impl CudaSession {
                 return Err(CudaError::Unsupported(format!("snapshot of {} layers for a model of {}", s.layers.len(), self.layers.len())));
             }
         }
+        mark(&mut pf.profile, cx, "start")?;
         self.begin(cx, m, prompt)?;
         if let Some(s) = snap {
             let st = cx.stream().clone();
@@ -427,6 +480,7 @@ impl CudaSession {
         } else if let Some(l) = snap.and_then(|s| s.logits.as_ref()) {
             cx.stream().memcpy_dtod(l, &mut self.logits)?;
         }
+        mark(&mut pf.profile, cx, "final norm, LM head")?;
         self.host_pos = n;
         let kept = if keep {
             match self.snapshot_with(cx, prompt, true) {
@@ -441,6 +495,7 @@ impl CudaSession {
         // The pick (greedy or sampled) writes ids[n] and advances pos from n - 1 to n.
         cx.stream().memcpy_htod(&[(n - 1) as i32], &mut self.pos)?;
         self.pick(cx, m)?;
+        mark(&mut pf.profile, cx, "pick")?;
         Ok(kept)
     }
 
