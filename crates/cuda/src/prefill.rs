@@ -303,6 +303,20 @@ fn mark(profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>, cx
     Ok(())
 }
 
+impl CudaContext {
+    /// The prefill's MoE router logits in exact f32: `y[i, r] = Σ_k W[r, k]·u[i, k]` for `i < t`,
+    /// `W` a quantized `[rows, D_MODEL]` matrix (router rows, then the shared-expert gate row),
+    /// `u` `[t, D_MODEL]`, `y` `[t, rows]`; each output one f32 sum of fmas in `k` order over
+    /// the dequantized weights (`quant::dequantize`'s arithmetic), so it equals that sum on
+    /// the CPU bit for bit (`kernels/prefill.cu`, `router_f32_q*`).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for other widths or short buffers; driver errors.
+    pub fn router_logits_f32(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
+        router_f32(self, y, w, u, t)
+    }
+}
+
 /// Router logits of `t` tokens in f32: `y[t, n] = Σ_k W[n, k]·u[t, k]` (`kernels/prefill.cu`:
 /// the bf16 tensor-core GEMM would flip near-tied top-k choices).
 fn router_f32(cx: &CudaContext, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
@@ -323,7 +337,7 @@ fn router_f32(cx: &CudaContext, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &Cuda
     let (t32, n32) = (t as i32, n as i32);
     let mut b = st.launch_builder(f);
     b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
-    let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(16) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(64) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
     unsafe { b.launch(cfg) }?;
     Ok(())

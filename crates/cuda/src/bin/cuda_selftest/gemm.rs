@@ -931,8 +931,53 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
 }
 
 /// Runs the prefill GEMM checks and timings.
+/// The prefill's f32 router (`CudaContext::router_logits_f32`, `router_f32_q*`) against the
+/// same sum on the CPU: dequantized weights (`quant::dequantize`), one `mul_add` chain per
+/// output in `k` order. Bit for bit, at token counts around the 64-token tile and the
+/// 257 rows (router + shared-expert gate) that end in a partial 32-row tile; then its time at
+/// 8,192 tokens.
+fn router_f32_check(s: &mut Suite) {
+    let cx = s.cx;
+    let (d, n) = (p::D_MODEL, p::N_EXPERTS + 1);
+    for bits in [4u32, 8] {
+        let w = random_qmat(n, d, bits, 0x2F32 + u64::from(bits));
+        let mut wf = vec![0f32; n * d];
+        quant::dequantize(w.r(), &mut wf);
+        let dw = cx.upload_qmat(w.r()).unwrap();
+        for t in [1usize, 63, 64, 65, 333] {
+            let x = rand_x(t * d, 0x5EED ^ t as u64);
+            let want: Vec<f32> = (0..t * n)
+                .into_par_iter()
+                .map(|i| {
+                    let (tok, r) = (i / n, i % n);
+                    let (xr, wr) = (&x[tok * d..(tok + 1) * d], &wf[r * d..(r + 1) * d]);
+                    xr.iter().zip(wr).fold(0f32, |acc, (a, b)| a.mul_add(*b, acc))
+                })
+                .collect();
+            let du = cx.upload_f32(&x).unwrap();
+            let mut y = cx.upload_f32(&vec![f32::NAN; t * n]).unwrap();
+            cx.router_logits_f32(&mut y, &dw, &du, t).unwrap();
+            let got = cx.download_f32(&y).unwrap();
+            let reference: Vec<f64> = want.iter().map(|v| f64::from(*v)).collect();
+            let mut c = check(&got, &reference, Tol::F32, String::new());
+            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            if differ > 0 || got.iter().any(|v| !v.is_finite()) {
+                c.ok = false;
+                c.msg.push_str(&format!("{differ} of {} logits differ from the CPU's f32 sum; ", t * n));
+            }
+            s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} = CPU f32 fma chain, bit for bit"), &c, "");
+        }
+        let t = 8192;
+        let du = cx.upload_f32(&rand_x(t * d, 0xB16)).unwrap();
+        let mut y = cx.upload_f32(&vec![0f32; t * n]).unwrap();
+        let us = s.median_timed(7, 1, || cx.router_logits_f32(&mut y, &dw, &du, t).unwrap()) * 1e6;
+        println!("{SEC:<10} router_f32 q{bits} T={t}: {us:.1} us ({:.1} TFLOP/s f32)", 2.0 * (t * n * d) as f64 / (us * 1e-6) / 1e12);
+    }
+}
+
 pub fn run(s: &mut Suite) {
     probe(s);
+    router_f32_check(s);
     route_check(s);
     dense(s);
     let w4 = moe_checks(s);
