@@ -20,10 +20,6 @@ use crate::decode::{CudaModel, CudaSession};
 use crate::prefill::{Prefiller, SessionSnapshot};
 use crate::{CudaContext, CudaError};
 
-/// Longest prefill chunk by default, tokens (the batched prefill's buffers take about 260 kB
-/// per token of chunk: 2.1 GB at 8,192).
-pub const DEFAULT_PREFILL_CHUNK: usize = 8192;
-
 /// The model on one GPU, with one sequence at a time.
 pub struct CudaAccelerator {
     cx: CudaContext,
@@ -49,12 +45,13 @@ pub struct CudaAccelerator {
 impl CudaAccelerator {
     /// Opens CUDA device `ordinal`, uploads `model`'s weights (the decode layout and the
     /// prefill layout of the experts), and allocates one sequence of `max_ctx` tokens and
-    /// prefill chunks of `min(prefill_chunk, max_ctx)` tokens. The step graphs run with
+    /// prefill chunks of `min(prefill_chunk, max_ctx)` tokens (their buffers take about 260 kB
+    /// per token of chunk: 2.1 GB at 8,192). The step graphs run with
     /// programmatic dependent launch (the measured default of `calla cuda-bench --pdl`).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for a device other than compute capability 9.0, a compact
-    /// vocabulary (`vocab_map.json`: the kernels take the published vocabulary), or a layer
+    /// vocabulary ([`spec::VOCAB_MAP_FILE`]: the kernels take the published vocabulary), or a layer
     /// whose projections the kernels do not take; NVRTC and driver errors (out of memory).
     pub fn new(ordinal: usize, model: &Model, max_ctx: usize, vocab_limit: usize, prefill_chunk: usize) -> Result<Self, CudaError> {
         if model.vocab_map.is_some() {
