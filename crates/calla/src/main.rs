@@ -310,15 +310,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 true
             })?;
             println!("{}", serde_json::json!({ "ids": out }));
-            eprintln!(
-                "prompt {} tokens · TTFT {:.1} ms · decode {:.1} tok/s · {} tokens ({}) · {}",
-                stats.prompt_tokens,
-                stats.ttft.as_secs_f64() * 1e3,
-                stats.decode_tokens_per_s(),
-                stats.generated_tokens,
-                stats.finish.as_str(),
-                eng.backend_name()
-            );
+            eprintln!("{} · {}", stats.summary(), eng.backend_name());
             Ok(())
         }
     }
@@ -373,16 +365,7 @@ fn run(a: RunArgs) -> Result<()> {
         }
     }
     writeln!(so)?;
-    eprintln!(
-        "prompt {} tokens · TTFT {:.1} ms · decode {:.1} tok/s · {} tokens ({}) · load {:.2} s · {}",
-        stats.prompt_tokens,
-        stats.ttft.as_secs_f64() * 1e3,
-        stats.decode_tokens_per_s(),
-        stats.generated_tokens,
-        stats.finish.as_str(),
-        load_s,
-        eng.backend_name()
-    );
+    eprintln!("{} · load {load_s:.2} s · {}", stats.summary(), eng.backend_name());
     Ok(())
 }
 

@@ -163,6 +163,18 @@ impl GenerationStats {
     pub fn prefill_tokens_per_s(&self) -> f64 {
         self.prompt_tokens as f64 / self.ttft.as_secs_f64().max(1e-9)
     }
+
+    /// One line for people: `prompt N tokens · TTFT x ms · decode y tok/s · M tokens (finish)`.
+    pub fn summary(&self) -> String {
+        format!(
+            "prompt {} tokens · TTFT {:.1} ms · decode {:.1} tok/s · {} tokens ({})",
+            self.prompt_tokens,
+            self.ttft.as_secs_f64() * 1e3,
+            self.decode_tokens_per_s(),
+            self.generated_tokens,
+            self.finish.as_str()
+        )
+    }
 }
 
 /// Per-request generation settings.
