@@ -256,7 +256,7 @@ impl Prefiller {
             mark(&mut self.profile, cx, "rms norms")?;
             // MoE: routing, the shared expert, the routed experts, the combine with the residual.
             let ne = p::N_EXPERTS + 1;
-            router_f32(cx, &mut self.router_logits, &pm.router, &self.u, t)?;
+            cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
             mark(&mut self.profile, cx, "router (f32)")?;
             cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing)?;
             mark(&mut self.profile, cx, "top-k, count, sort")?;
@@ -304,7 +304,8 @@ fn mark(profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>, cx
 }
 
 impl CudaContext {
-    /// The prefill's MoE router logits in exact f32: `y[i, r] = Σ_k W[r, k]·u[i, k]` for `i < t`,
+    /// The prefill's MoE router logits in exact f32 (the bf16 tensor-core GEMM would flip
+    /// near-tied top-k choices): `y[i, r] = Σ_k W[r, k]·u[i, k]` for `i < t`,
     /// `W` a quantized `[rows, D_MODEL]` matrix (router rows, then the shared-expert gate row),
     /// `u` `[t, D_MODEL]`, `y` `[t, rows]`; each output one f32 sum of fmas in `k` order over
     /// the dequantized weights (`quant::dequantize`'s arithmetic), so it equals that sum on
@@ -313,34 +314,28 @@ impl CudaContext {
     /// # Errors
     /// [`CudaError::Unsupported`] for other widths or short buffers; driver errors.
     pub fn router_logits_f32(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
-        router_f32(self, y, w, u, t)
+        let n = w.rows;
+        if w.cols != p::D_MODEL || y.len() < t * n || u.len() < t * p::D_MODEL {
+            return Err(CudaError::Unsupported(format!("router_f32: W [{n}, {}], {t} tokens", w.cols)));
+        }
+        let f = self.func(match w.bits {
+            Bits::B4 => "router_f32_q4",
+            Bits::B8 => "router_f32_q8",
+        })?;
+        let st = self.stream();
+        let (py, _g0) = y.device_ptr_mut(st);
+        let (pp, _g1) = w.packed.device_ptr(st);
+        let (ps, _g2) = w.scales.device_ptr(st);
+        let (pb, _g3) = w.biases.device_ptr(st);
+        let (pu, _g4) = u.device_ptr(st);
+        let (t32, n32) = (t as i32, n as i32);
+        let mut b = st.launch_builder(f);
+        b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
+        let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(64) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
-}
-
-/// Router logits of `t` tokens in f32: `y[t, n] = Σ_k W[n, k]·u[t, k]` (`kernels/prefill.cu`:
-/// the bf16 tensor-core GEMM would flip near-tied top-k choices).
-fn router_f32(cx: &CudaContext, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
-    let n = w.rows;
-    if w.cols != p::D_MODEL || y.len() < t * n || u.len() < t * p::D_MODEL {
-        return Err(CudaError::Unsupported(format!("router_f32: W [{n}, {}], {t} tokens", w.cols)));
-    }
-    let f = cx.func(match w.bits {
-        Bits::B4 => "router_f32_q4",
-        Bits::B8 => "router_f32_q8",
-    })?;
-    let st = cx.stream();
-    let (py, _g0) = y.device_ptr_mut(st);
-    let (pp, _g1) = w.packed.device_ptr(st);
-    let (ps, _g2) = w.scales.device_ptr(st);
-    let (pb, _g3) = w.biases.device_ptr(st);
-    let (pu, _g4) = u.device_ptr(st);
-    let (t32, n32) = (t as i32, n as i32);
-    let mut b = st.launch_builder(f);
-    b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
-    let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(64) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
-    unsafe { b.launch(cfg) }?;
-    Ok(())
 }
 
 /// `x[i] = embed[ids[pos0 + i]]` for `i < t` (see `kernels/prefill.cu`).

@@ -284,6 +284,20 @@ impl Engine {
         sampling_defaults(&self.generation)
     }
 
+    /// Checks that `prompt` has tokens and leaves room in the context limit.
+    ///
+    /// # Errors
+    /// [`EngineError::EmptyPrompt`], [`EngineError::PromptTooLong`].
+    pub fn check_prompt(&self, prompt: &[u32]) -> Result<(), EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() >= self.max_ctx {
+            return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
+        }
+        Ok(())
+    }
+
     /// A fresh sequence state sized to this engine's context limit.
     pub fn new_state(&self) -> State {
         self.model.new_state(self.max_ctx)
@@ -300,12 +314,7 @@ impl Engine {
         params: &GenerateParams,
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<GenerationStats, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if prompt.len() >= self.max_ctx {
-            return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
-        }
+        self.check_prompt(prompt)?;
         // The same loop as the server's, without a prefix cache or observer.
         let mut no_cache = prefix::PrefixCache::new(0);
         Ok(self.generate_cached(&mut no_cache, prompt, params, &mut prefix::NoObserver, on_token)?.stats)

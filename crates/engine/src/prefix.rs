@@ -144,12 +144,7 @@ impl Engine {
         prompt: &[u32],
         obs: &mut dyn Observer,
     ) -> Result<(State, Vec<f32>, usize), EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if prompt.len() >= self.max_ctx {
-            return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
-        }
+        self.check_prompt(prompt)?;
         let hit = cache.lookup(prompt).map(|e| (e.tokens.len(), e.state.clone(), e.logits.clone()));
         let (state, logits, cached) = match hit {
             Some((n, state, logits)) if n == prompt.len() => {
@@ -235,12 +230,7 @@ impl Engine {
     ) -> Result<RunOutcome, EngineError> {
         params.sampling.validate()?;
         acc.check_sampling(&params.sampling)?;
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if prompt.len() >= self.max_ctx {
-            return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), limit: self.max_ctx });
-        }
+        self.check_prompt(prompt)?;
         let vocab = self.model.cfg.vocab_size;
         if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
             return Err(EngineError::Unsupported(format!("token id {id} is outside the vocabulary of {vocab}")));
