@@ -420,11 +420,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
         // one step variant: every option the rows below vary, set together
-        use cuda::decode::L2PrefetchPlan as Pf;
-        let pf0 = if pf0 { Pf::Bulk } else { Pf::Off };
-        let apply = |sess: &mut CudaSession, fuse: bool, pf: Pf, flags: MoeFlags, carve: u8, cap: bool, early: bool| -> Result<()> {
+        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool| -> Result<()> {
             sess.set_fuse_norm(fuse);
-            sess.set_l2_prefetch_plan(pf);
+            sess.set_l2_prefetch(pf);
             sess.set_moe_flags(flags);
             set_carveout(&cx, carve)?;
             cx.set_gemv_reg_cap(cap);
@@ -435,9 +433,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("as configured", fuse0, pf0, d, carve0, true, early0),
             ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0),
             ("norms as launches", false, pf0, d, carve0, true, early0),
-            ("L2 prefetch on (bulk)", fuse0, Pf::Bulk, d, carve0, true, early0),
-            ("L2 prefetch, lines", fuse0, Pf::Lines, d, carve0, true, early0),
-            ("L2 prefetch by GEMVs, lines", fuse0, Pf::GemvLines, d, carve0, true, early0),
+            ("L2 prefetch on", fuse0, true, d, carve0, true, early0),
             ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0),
             ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0),
             ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
@@ -447,23 +443,14 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
+            // the first row again: how far the machine drifted over the rows
             ("as configured, again", fuse0, pf0, d, carve0, true, early0),
         ] {
             apply(&mut sess, fuse, pf, flags, carve, cap, early)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": format!("{pf:?}"), "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
-        // the output projection on the 2-stage GEMV, two blocks per SM
-        apply(&mut sess, fuse0, pf0, d, carve0, true, early0)?;
-        cx.set_gemv_two_per_sm(true);
-        {
-            let name = "out_proj two blocks per SM";
-            let (us, kernels) = time_decode(&mut sess)?;
-            eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "gemv_two_per_sm": true, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
-        }
-        cx.set_gemv_two_per_sm(false);
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
         apply(&mut sess, fuse0, pf0, d, carve0, true, early0)?;

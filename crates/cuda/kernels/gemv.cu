@@ -53,8 +53,7 @@ constexpr int GEMV_EARLY_TRIGGER = 1;
 constexpr int GEMV_CHAIN_LATE_WEIGHTS = 2;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
-// ST > 0: a ring of ST stages instead of the default (the 2-stage entry points below).
-template <int BITS, int K, int ST = 0>
+template <int BITS, int K>
 struct Cfg {
     static constexpr int NSS = K / 128;                     // super-steps per row
     static constexpr int NSTEP = K / 256;                   // steps per row
@@ -66,7 +65,7 @@ struct Cfg {
     static constexpr int CPT = BITS / 2;                    // 16-byte chunks per thread per row per step
     static constexpr int CODE_BYTES = 2 * CPT * 32 * 16;    // codes of one step of one warp: [2 rows][CPT][32 lanes] x 16 B
     static constexpr int STAGE_BYTES = CODE_BYTES + 32 * 8; // + one 8-byte scale/bias cell per lane
-    static constexpr int STAGES = ST > 0 ? ST : BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2); // within the 227 KB of a block
+    static constexpr int STAGES = BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2); // within the 227 KB of a block
     static constexpr int BTAB = NSS * 2 * 32 * 16;          // B fragments [NSS][2][32 lanes] uint4
     static constexpr int CST = NSS * 4 * 16;                // per (super-step, t) float4 {u0, u1, xsum, 0}
     static constexpr int RING = BTAB + CST;                 // start of the per-warp rings
@@ -243,15 +242,14 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
 // previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
 // barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
 // are issued before, as before a PDL wait.
-template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int ST = 0>
+template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
                                           float eps, int rows, int ks_log2, int flags,
-                                          const CallaL2Prefetch* pf = nullptr,
                                           const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0) {
-    using C = Cfg<BITS, K, ST>;
+    using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -327,7 +325,6 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     if (late && chain_flags != nullptr) calla_flag_wait(chain_flags, chain_epoch);
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
-    if (pf != nullptr) calla_l2_prefetch_share(*pf);         // a later kernel's weights (hints)
     if (!CHAIN)
         calla_pdl_wait();
     else if (!late && chain_flags != nullptr)
@@ -433,17 +430,17 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, int rows, int ks_log2, int flags, CallaL2Prefetch pf) {          \
+             const float* __restrict__ x, int rows, int ks_log2, int flags) {                              \
         calla_gemv::gemv_body<BITS, K, false, false>(out, packed, scales, biases, x, nullptr, nullptr, 0.f, \
-                                                     rows, ks_log2, flags, &pf);                           \
+                                                     rows, ks_log2, flags);                                \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         RNAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                           \
               const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,        \
               const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2,         \
-              int flags, CallaL2Prefetch pf) {                                                              \
+              int flags) {                                                                                  \
         calla_gemv::gemv_body<BITS, K, true, false>(out, packed, scales, biases, x, resid, nullptr, 0.f,  \
-                                                    rows, ks_log2, flags, &pf);                            \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // RMSNorm of x (weights norm_w f32 [K], eps) fused in front: the projections out of the residual
@@ -466,9 +463,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
-             int ks_log2, int flags, CallaL2Prefetch pf) {                                                 \
+             int ks_log2, int flags) {                                                                     \
         calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
-                                                    rows, ks_log2, flags, &pf);                            \
+                                                    rows, ks_log2, flags);                                 \
     }
 
 // K = D_EXPERT (expert / shared-expert down projection)
@@ -481,23 +478,6 @@ CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_S
 CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
-// Two blocks per SM: a 2-stage ring (91 KB at K = D_MODEL, 108 KB at K = ATTN_OUT, 4 bits) and at
-// most 64 registers, for the shapes where every warp has a single step (the output projection):
-// all of a block's weights are requested before its PDL wait either way, and the next kernel's
-// block can land on an SM while this one runs instead of after it exits.
-#define CALLA_GEMV_S2_ENTRY(NAME, RESID, K)                                                                 \
-    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 2)                                    \
-        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
-             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2,          \
-             int flags, CallaL2Prefetch pf) {                                                              \
-        calla_gemv::gemv_body<4, K, RESID, false, false, 2>(out, packed, scales, biases, x, resid, nullptr, \
-                                                             0.f, rows, ks_log2, flags, &pf);              \
-    }
-CALLA_GEMV_S2_ENTRY(gemv_s2_q4_k2048, false, CALLA_D_MODEL)
-CALLA_GEMV_S2_ENTRY(gemv_s2_q4_k4096, false, CALLA_ATTN_OUT)
-CALLA_GEMV_S2_ENTRY(gemv_resid_s2_q4_k4096, true, CALLA_ATTN_OUT)
-
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)
@@ -528,10 +508,10 @@ extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)
         const size_t c = (size_t)((l / 2) % copies);
         if (l % 2 == 0)
             calla_gemv::gemv_body<4, D, false, false, true>(xa, pa + c * W_BYTES, sa + c * W_GROUPS, ba + c * W_GROUPS, xb,
-                                                            nullptr, nullptr, 0.f, E, ks_a, gemv_flags, nullptr, l ? flags : nullptr, base + l);
+                                                            nullptr, nullptr, 0.f, E, ks_a, gemv_flags, l ? flags : nullptr, base + l);
         else
             calla_gemv::gemv_body<4, E, false, false, true>(xb, pb + c * W_BYTES, sb + c * W_GROUPS, bb + c * W_GROUPS, xa,
-                                                            nullptr, nullptr, 0.f, D, ks_b, gemv_flags, nullptr, l ? flags : nullptr, base + l);
+                                                            nullptr, nullptr, 0.f, D, ks_b, gemv_flags, l ? flags : nullptr, base + l);
         calla_flag_arrive(flags, base + l + 1);
     }
 }

@@ -229,37 +229,16 @@ static_assert(CONV_DIM == CALLA_GDN_CONV_DIM && PROJ == CALLA_GDN_PROJ,
 // bulk prefetches. Host side: cuda::L2Prefetch (same layout: 4 pointers, then 4 byte counts).
 // Measured in the decode step (docs/CUDA.md): slower, because a block's bulk prefetches drain
 // before it retires, so the decode step leaves the hints empty unless asked (--l2-prefetch).
-//
-// mode CALLA_L2PF_LINES instead: every thread of the grid asks for its share of 128-byte lines
-// with a plain `prefetch.global.L2` (no completion to track, so nothing for the block to drain
-// before it retires).
-constexpr unsigned long long CALLA_L2PF_BULK = 0, CALLA_L2PF_LINES = 1;
 struct CallaL2Prefetch {
     const char* ptr[4];
     unsigned long long bytes[4];
-    unsigned long long mode;
 };
 
 __device__ __forceinline__ void calla_l2_prefetch_share(const CallaL2Prefetch& pf) {
     const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    if (tid >= 32) return;
     const unsigned long long G = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
     const unsigned long long B = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
-    if (pf.mode == CALLA_L2PF_LINES) {
-        const unsigned long long nthr = (unsigned long long)blockDim.x * blockDim.y * blockDim.z;
-        const unsigned long long all = G * nthr, me = B * nthr + tid;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            if (pf.ptr[r] == nullptr || pf.bytes[r] == 0) continue;
-            const unsigned long long lines = (pf.bytes[r] + 127) / 128;
-            for (unsigned long long i = me; i < lines; i += all) {
-                unsigned long long g;
-                asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(pf.ptr[r] + i * 128));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(g) : "memory");
-            }
-        }
-        return;
-    }
-    if (tid >= 32) return;
     constexpr unsigned long long PIECE = 16384;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

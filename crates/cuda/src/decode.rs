@@ -105,27 +105,6 @@ impl StackedQMat {
         Ok(())
     }
 
-    /// [`Self::gemv_norm`] whose first run's blocks also ask L2 for `pf`'s regions
-    /// ([`CudaContext::gemv_norm_prefetching`]). Same results.
-    ///
-    /// # Errors
-    /// As [`CudaContext::gemv_norm`].
-    pub fn gemv_norm_prefetching(
-        &self,
-        cx: &CudaContext,
-        out: &mut CudaViewMut<'_, f32>,
-        x: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        pf: &L2Prefetch,
-    ) -> Result<(), CudaError> {
-        for (i, (m, r0)) in self.runs.iter().enumerate() {
-            let mut o = out.slice_mut(*r0..*r0 + m.rows);
-            let none = L2Prefetch::default();
-            cx.gemv_norm_prefetching(&mut o, m, x, norm_w, if i == 0 { pf } else { &none })?;
-        }
-        Ok(())
-    }
-
     /// Bytes of weights one application reads.
     pub fn stored_bytes(&self) -> usize {
         self.runs.iter().map(|(m, _)| m.stored_bytes()).sum()
@@ -140,32 +119,6 @@ fn quantized<'a>(name: &str, l: &'a Linear) -> Result<QMatRef<'a>, CudaError> {
              (make one with `calla convert --bits 4|8`)"
         ))
     })
-}
-
-/// Which kernels of the decode step ask L2 for a later kernel's weights
-/// ([`CudaSession::set_l2_prefetch_plan`]). Hints only: results are the same under every plan.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum L2PrefetchPlan {
-    /// No hints (the default).
-    #[default]
-    Off,
-    /// The mixer core asks for the output projection and the MoE router for the next layer's
-    /// input projection and recurrent state, with bulk prefetches from each block's first warp.
-    Bulk,
-    /// The same regions, asked for line by line by every thread (`prefetch.global.L2`).
-    Lines,
-    /// The GEMVs ask instead, line by line: the input projection for the layer's output
-    /// projection, the output projection for the next layer's input projection and state.
-    GemvLines,
-}
-
-/// One layer's L2 prefetch hints, by the kernel that issues them.
-#[derive(Clone, Copy, Debug, Default)]
-struct LayerPrefetch {
-    in_proj: L2Prefetch,
-    mixer: L2Prefetch,
-    out_proj: L2Prefetch,
-    router: L2Prefetch,
 }
 
 /// One layer's token mixer on the device.
@@ -417,9 +370,9 @@ pub struct CudaSession {
     /// RMSNorms fused into the kernels that read their output (the default), or run as
     /// separate launches (for comparison).
     pub(crate) fuse_norm: bool,
-    /// Which kernels of the step ask L2 for later kernels' weights ([`L2PrefetchPlan`]; off by
-    /// default).
-    pub(crate) l2_prefetch: L2PrefetchPlan,
+    /// Latency-bound kernels prefetch the next weights into L2 (off by default: measured
+    /// slower; see [`Self::set_l2_prefetch`]).
+    pub(crate) l2_prefetch: bool,
     /// MoE launch variant ([`crate::moe::MoeFlags::DEFAULT`] unless measuring).
     pub(crate) moe_flags: crate::moe::MoeFlags,
     /// On-device sampling ([`Self::set_sampling`]): the device state and the parameters the
@@ -474,7 +427,7 @@ impl CudaSession {
             pdl: false,
             skip: 0,
             fuse_norm: true,
-            l2_prefetch: L2PrefetchPlan::Off,
+            l2_prefetch: false,
             moe_flags: crate::moe::MoeFlags::DEFAULT,
             sampling: None,
             graph_model: None,
@@ -496,16 +449,16 @@ impl CudaSession {
     fn enqueue_step(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<(), CudaError> {
         let on = |class: u32| self.skip & class == 0;
         let fuse = self.fuse_norm;
-        let plan = self.prefetch_plan(cx, m);
+        let (mixer_pf, router_pf) = if self.l2_prefetch { self.prefetch_plan(cx, m) } else { Default::default() };
         {
             let mut x = self.x.slice_mut(..);
             cx.embed_gather(&mut x, &m.embed, &self.ids.slice(..), &self.pos.slice(..))?;
         }
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
-            let pf = plan.get(i).copied().unwrap_or_default();
-            self.gdn_scratch.l2_prefetch = pf.mixer;
-            self.attn_scratch.l2_prefetch = pf.mixer;
-            self.moe_scratch.l2_prefetch = pf.router;
+            let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
+            self.gdn_scratch.l2_prefetch = mixer_pf;
+            self.attn_scratch.l2_prefetch = mixer_pf;
+            self.moe_scratch.l2_prefetch = router_pf;
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
             }
@@ -517,7 +470,7 @@ impl CudaSession {
             if on(ablate::IN_PROJ) {
                 let out = &mut self.proj.slice_mut(..n_in);
                 if fuse {
-                    in_mat.gemv_norm_prefetching(cx, out, &self.x.slice(..), &lw.input_norm.slice(..), &pf.in_proj)?;
+                    in_mat.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
                 } else {
                     in_mat.gemv(cx, out, &self.u.slice(..))?;
                 }
@@ -556,8 +509,7 @@ impl CudaSession {
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
             if on(ablate::OUT_PROJ) {
-                let resid = self.x.slice(..);
-                cx.gemv_prefetching(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), Some(&resid), None, &pf.out_proj)?;
+                cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
             }
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
@@ -600,70 +552,47 @@ impl CudaSession {
         Ok(())
     }
 
-    /// Per layer, the L2 prefetch hints of the step's kernels under [`Self::l2_prefetch`]
-    /// (empty when off). [`L2PrefetchPlan::Bulk`] / [`L2PrefetchPlan::Lines`]: the mixer core
-    /// (GDN step, split attention) asks for the layer's output projection; the MoE router for
-    /// the next layer's stacked input projection (its first run) and, for a GDN layer, its
-    /// recurrent state. [`L2PrefetchPlan::GemvLines`]: the input projection asks for the
-    /// layer's output projection, the output projection for the next layer's input projection
-    /// and recurrent state (the in_proj GEMV alone is 14 MB at 4 bits: 3.4 µs of the copy
-    /// roofline).
-    fn prefetch_plan(&self, cx: &CudaContext, m: &CudaModel) -> Vec<LayerPrefetch> {
+    /// Per layer, the L2 prefetch hints of its latency-bound kernels: the mixer core (GDN step,
+    /// split attention) asks for the layer's output projection; the MoE router for the next
+    /// layer's stacked input projection (its first run) and, for a GDN layer, its recurrent
+    /// state. Those kernels leave DRAM mostly idle, so the bytes arrive before their readers
+    /// start (the in_proj GEMV alone is 14 MB at 4 bits: 3.4 µs of the copy roofline).
+    fn prefetch_plan(&self, cx: &CudaContext, m: &CudaModel) -> (Vec<L2Prefetch>, Vec<L2Prefetch>) {
         let st = cx.stream();
         let n = m.layers.len();
-        let mut plan = vec![LayerPrefetch::default(); n];
-        if self.l2_prefetch == L2PrefetchPlan::Off {
-            return plan;
-        }
+        let mut mixer = vec![L2Prefetch::default(); n];
+        let mut router = vec![L2Prefetch::default(); n];
         for i in 0..n {
             let out = match &m.layers[i].mixer {
                 DeviceMixer::Gdn { out_proj, .. } => out_proj,
                 DeviceMixer::Attn { o_proj, .. } => o_proj,
             };
-            let mut this_out = L2Prefetch::default();
-            this_out.push_qmat(cx, out);
-            let mut next_in = L2Prefetch::default();
+            mixer[i].push_qmat(cx, out);
             if let Some(next) = m.layers.get(i + 1) {
                 let stacked = match &next.mixer {
                     DeviceMixer::Gdn { in_proj, .. } => in_proj,
                     DeviceMixer::Attn { qkv, .. } => qkv,
                 };
                 if let Some((first, _)) = stacked.runs.first() {
-                    next_in.push_qmat(cx, first);
+                    router[i].push_qmat(cx, first);
                 }
                 if let Some(DeviceLayerState::Gdn { s, .. }) = self.layers.get(i + 1) {
-                    next_in.push(s.device_ptr(st).0, s.len() * 4);
+                    router[i].push(s.device_ptr(st).0, s.len() * 4);
                 }
             }
-            plan[i] = match self.l2_prefetch {
-                L2PrefetchPlan::Off => LayerPrefetch::default(),
-                L2PrefetchPlan::Bulk => LayerPrefetch { mixer: this_out, router: next_in, ..Default::default() },
-                L2PrefetchPlan::Lines => {
-                    LayerPrefetch { mixer: this_out.by_lines(), router: next_in.by_lines(), ..Default::default() }
-                }
-                L2PrefetchPlan::GemvLines => {
-                    LayerPrefetch { in_proj: this_out.by_lines(), out_proj: next_in.by_lines(), ..Default::default() }
-                }
-            };
         }
-        plan
+        (mixer, router)
     }
 
-    /// Lets kernels of the step prefetch later weights into L2 ([`L2PrefetchPlan::Bulk`]) or
-    /// not (`false`, the default); see [`Self::set_l2_prefetch_plan`].
-    pub fn set_l2_prefetch(&mut self, on: bool) {
-        self.set_l2_prefetch_plan(if on { L2PrefetchPlan::Bulk } else { L2PrefetchPlan::Off });
-    }
-
-    /// Which kernels of the step ask L2 for later kernels' weights ([`Self::prefetch_plan`]).
-    /// Results are the same under every plan. Measured on the H200 (docs/CUDA.md):
-    /// [`L2PrefetchPlan::Bulk`] is slower, 1,442.5 vs 1,317.8 µs per token, because a block's
+    /// Lets the latency-bound kernels of the step prefetch the next weights into L2
+    /// ([`Self::prefetch_plan`]) or not (`false`, the default). Results are the same. Measured
+    /// on the H200 (docs/CUDA.md): slower, 1,442.5 vs 1,317.8 µs per token, because a block's
     /// bulk prefetches must drain before it retires, which lengthens the router (+2.3 µs per
-    /// layer) more than the GEMVs gain. The step graphs are captured again on the next
-    /// [`Self::start`] when this changes.
-    pub fn set_l2_prefetch_plan(&mut self, plan: L2PrefetchPlan) {
-        if plan != self.l2_prefetch {
-            self.l2_prefetch = plan;
+    /// layer) more than the GEMVs gain.
+    /// The step graphs are captured again on the next [`Self::start`] when this changes.
+    pub fn set_l2_prefetch(&mut self, on: bool) {
+        if on != self.l2_prefetch {
+            self.l2_prefetch = on;
             self.drop_graphs();
         }
     }

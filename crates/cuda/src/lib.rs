@@ -84,9 +84,6 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
             "gemv_chain_q4",
-            "gemv_s2_q4_k2048",
-            "gemv_s2_q4_k4096",
-            "gemv_resid_s2_q4_k4096",
         ],
     },
     KernelSource {
@@ -299,23 +296,12 @@ impl DeviceQMat {
 pub struct L2Prefetch {
     ptr: [u64; 4],
     bytes: [u64; 4],
-    /// 0: warp 0 of each block issues 16 KB bulk prefetches; 1: every thread of the grid asks
-    /// for its share of 128-byte lines with `prefetch.global.L2` (`CALLA_L2PF_*`).
-    mode: u64,
 }
 
-// SAFETY: plain old data with the C layout of CallaL2Prefetch (4 pointers, 4 u64, one u64).
+// SAFETY: plain old data with the C layout of CallaL2Prefetch (4 pointers, 4 u64).
 unsafe impl cudarc::driver::DeviceRepr for L2Prefetch {}
 
 impl L2Prefetch {
-    /// The same regions, asked for line by line by every thread of the issuing grid
-    /// (`prefetch.global.L2`, nothing to drain before a block retires) instead of by bulk
-    /// prefetches from each block's first warp.
-    pub fn by_lines(mut self) -> Self {
-        self.mode = 1;
-        self
-    }
-
     /// Regions in use.
     pub fn len(&self) -> usize {
         self.bytes.iter().filter(|&&b| b > 0).count()
@@ -369,9 +355,6 @@ pub struct CudaContext {
     /// Every GEMV triggers its dependents right after its PDL wait (`GEMV_EARLY_TRIGGER` in
     /// `kernels/gemv.cu`); set by [`Self::set_gemv_early_trigger`].
     gemv_early_trigger: std::sync::atomic::AtomicBool,
-    /// 4-bit GEMVs whose warps each have one step use the 2-stage, two-blocks-per-SM entry
-    /// points (`gemv_s2_*`); set by [`Self::set_gemv_two_per_sm`].
-    gemv_two_per_sm: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -450,12 +433,6 @@ impl CudaContext {
                 slot[bi] = Some(func);
             }
         }
-        for (name, cols) in GEMV_S2 {
-            use cudarc::driver::sys::CUfunction_attribute_enum as A;
-            let func = &funcs[name];
-            func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_s2_smem_bytes(cols) as i32)?;
-            func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
-        }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         let timeline = if timeline::enabled() { Some(std::sync::Mutex::new(timeline::DeviceLog::new(&stream, &modules)?)) } else { None };
         Ok(CudaContext {
@@ -467,7 +444,6 @@ impl CudaContext {
             gemv_norm_r56,
             gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
             gemv_early_trigger: std::sync::atomic::AtomicBool::new(false),
-            gemv_two_per_sm: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -630,19 +606,6 @@ impl CudaContext {
         x: &CudaView<'_, f32>,
         norm_w: &CudaView<'_, f32>,
     ) -> Result<(), CudaError> {
-        self.gemv_norm_prefetching(out, mat, x, norm_w, &L2Prefetch::default())
-    }
-
-    /// [`Self::gemv_norm`] with L2 prefetch hints, as [`Self::gemv_prefetching`].
-    #[doc(hidden)]
-    pub fn gemv_norm_prefetching(
-        &self,
-        out: &mut CudaViewMut<'_, f32>,
-        mat: &DeviceQMat,
-        x: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        pf: &L2Prefetch,
-    ) -> Result<(), CudaError> {
         if mat.cols != p::D_MODEL || norm_w.len() != p::D_MODEL {
             return Err(CudaError::Unsupported(format!(
                 "gemv_norm: a [{}, {}] matrix with {} norm weights (built for D_MODEL = {} columns)",
@@ -681,8 +644,7 @@ impl CudaContext {
             .arg(&eps)
             .arg(&rows)
             .arg(&ks_log2)
-            .arg(&flags)
-            .arg(pf);
+            .arg(&flags);
         // SAFETY: argument types and lengths match `gemv_norm_*` (checked above and in
         // gemv_prepare); the grid never exceeds the blocks with work.
         unsafe { b.launch(cfg) }?;
@@ -702,22 +664,6 @@ impl CudaContext {
         resid: Option<&CudaView<'_, f32>>,
         tune: Option<(i32, u32)>,
     ) -> Result<(), CudaError> {
-        self.gemv_prefetching(out, mat, x, resid, tune, &L2Prefetch::default())
-    }
-
-    /// [`Self::gemv_tuned`] whose blocks also ask L2 for `pf`'s regions (a later kernel's
-    /// weights) right after requesting their own first weights, before their PDL wait. Hints
-    /// only: the same results.
-    #[doc(hidden)]
-    pub fn gemv_prefetching(
-        &self,
-        out: &mut CudaViewMut<'_, f32>,
-        mat: &DeviceQMat,
-        x: &CudaView<'_, f32>,
-        resid: Option<&CudaView<'_, f32>>,
-        tune: Option<(i32, u32)>,
-        pf: &L2Prefetch,
-    ) -> Result<(), CudaError> {
         let op = if resid.is_some() { "gemv_residual" } else { "gemv" };
         let (f, mut cfg, mut ks_log2, rows) = self.gemv_prepare(op, out.len(), mat, x, resid.map(|r| r.len()))?;
         if let Some((ks, blocks)) = tune {
@@ -726,29 +672,6 @@ impl CudaContext {
             let tpb = GEMV_WARPS >> ks_log2;
             let useful = mat.rows.div_ceil(16).div_ceil(tpb) as u32;
             cfg.grid_dim.0 = blocks.clamp(1, useful);
-        }
-        let flags = self.gemv_flags();
-        let m_tiles = mat.rows.div_ceil(16);
-        let one_step = mat.cols / 256 == 1 << ks_log2 && m_tiles <= cfg.grid_dim.0 as usize * (GEMV_WARPS >> ks_log2);
-        let s2 = GEMV_S2.iter().find(|(name, cols)| {
-            *cols == mat.cols && name.starts_with("gemv_resid_") == resid.is_some()
-        });
-        if let (Some((name, cols)), true, Bits::B4, None) =
-            (s2, one_step && self.gemv_two_per_sm.load(std::sync::atomic::Ordering::Relaxed), mat.bits, tune)
-        {
-            cfg.shared_mem_bytes = gemv_s2_smem_bytes(*cols) as u32;
-            let null = 0u64;
-            let mut b = self.stream.launch_builder(self.func(name)?);
-            b.arg(out).arg(&mat.packed).arg(&mat.scales).arg(&mat.biases).arg(x);
-            match resid {
-                Some(r) => b.arg(r),
-                None => b.arg(&null),
-            };
-            b.arg(&rows).arg(&ks_log2).arg(&flags).arg(pf);
-            // SAFETY: as below; the 2-stage entry points take the residual pointer always
-            // (null and unread without the residual) and every warp has exactly one step.
-            unsafe { b.launch(cfg) }?;
-            return Ok(());
         }
         let mut b = self.stream.launch_builder(f);
         b.arg(out)
@@ -759,7 +682,8 @@ impl CudaContext {
         if let Some(r) = resid {
             b.arg(r);
         }
-        b.arg(&rows).arg(&ks_log2).arg(&flags).arg(pf);
+        let flags = self.gemv_flags();
+        b.arg(&rows).arg(&ks_log2).arg(&flags);
         // SAFETY: argument types and lengths match the kernel's signature (checked in
         // gemv_prepare); the grid never exceeds the blocks with work.
         unsafe { b.launch(cfg) }?;
@@ -951,18 +875,6 @@ impl CudaContext {
         }
     }
 
-    /// Lets 4-bit GEMVs whose warps each have a single step (the output projection's shapes)
-    /// run on the 2-stage entry points (`gemv_s2_*` in `kernels/gemv.cu`: ~100 KB of shared
-    /// memory, two blocks per SM, so the next kernel's blocks can land beside them) instead of
-    /// the default ones. Same bits. For measurement; graphs captured earlier are captured
-    /// again ([`Self::launch_generation`]).
-    #[doc(hidden)]
-    pub fn set_gemv_two_per_sm(&self, on: bool) {
-        if self.gemv_two_per_sm.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
     fn gemv_flags(&self) -> i32 {
         if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) {
             GEMV_EARLY_TRIGGER
@@ -1095,20 +1007,6 @@ fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     };
     let stage_bytes = 2 * (bits / 2) * 32 * 16 + 32 * 8;
     nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
-}
-
-/// The 2-stage GEMV entry points (`gemv_s2_*`, two blocks per SM) and their column counts.
-const GEMV_S2: [(&str, usize); 3] = [
-    ("gemv_s2_q4_k2048", p::D_MODEL),
-    ("gemv_s2_q4_k4096", p::N_Q_HEADS * p::HEAD_DIM),
-    ("gemv_resid_s2_q4_k4096", p::N_Q_HEADS * p::HEAD_DIM),
-];
-
-/// Dynamic shared memory of a 2-stage GEMV block at 4 bits ([`gemv_smem_bytes`] with a ring of
-/// two steps per warp).
-fn gemv_s2_smem_bytes(cols: usize) -> usize {
-    let nss = cols / 128;
-    nss * 1024 + nss * 64 + GEMV_WARPS * 2 * (2 * 2 * 32 * 16 + 32 * 8)
 }
 
 /// `(ks_log2, blocks)` of [`gemv_launch`].
