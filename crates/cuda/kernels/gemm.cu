@@ -157,6 +157,18 @@ __device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 desc) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
+// D[64 x 32] += A[64 x 16] (registers, bf16) * B[16 x 32] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n32(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
 // D[64 x 128] += A[64 x 16] (registers, bf16) * B[16 x 128] (shared memory, K-major, 128B swizzle)
 __device__ __forceinline__ void wgmma_n128(float* d, const u32* a, u64 desc) {
     asm volatile(
@@ -185,6 +197,8 @@ constexpr u64 DESC_SW128 = (1ull << 62) | (64ull << 32) | (1ull << 16);
 
 template <int BN>
 __device__ __forceinline__ void wgmma_bn(float* d, const u32* a, u64 desc);
+template <>
+__device__ __forceinline__ void wgmma_bn<32>(float* d, const u32* a, u64 desc) { wgmma_n32(d, a, desc); }
 template <>
 __device__ __forceinline__ void wgmma_bn<64>(float* d, const u32* a, u64 desc) { wgmma_n64(d, a, desc); }
 template <>
@@ -535,7 +549,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 }  // namespace calla_qgemm
 
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
-// 2 blocks/SM | small: 128 x 64, 2 blocks/SM) x (engine)
+// 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
+// products that average few entries per expert) x (engine)
 #define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, MINB)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                  \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
@@ -558,6 +573,10 @@ CALLA_QGEMM_ENTRY(qgemm_q4_small_mma, 4, 1, 64, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_big_mma, 8, 2, 128, false, 1)
 CALLA_QGEMM_ENTRY(qgemm_q8_tall_mma, 8, 2, 64, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_small_mma, 8, 1, 64, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, 2)
 
 // X f32 [rows, k] -> bf16 [rows, k] in the permuted tile order (header comment): word m of a
 // 64-column tile holds columns (16c + 8h + s, +4) with s = m >> 3, h = (m >> 2) & 1, c = m & 3.
@@ -683,7 +702,7 @@ extern "C" __global__ void __launch_bounds__(256) qgemm_moe_hist(const int* __re
 extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __restrict__ hist, int n_chunks,
                                                                   int* __restrict__ base, int* __restrict__ counts,
                                                                   int* __restrict__ offsets, int* __restrict__ tiles64,
-                                                                  int* __restrict__ tiles128) {
+                                                                  int* __restrict__ tiles128, int* __restrict__ tiles32) {
     constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32;
     static_assert(NE % 32 == 0, "experts per lane");
     __shared__ int s_tot[NE];
@@ -698,29 +717,33 @@ extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __r
     }
     __syncthreads();
     if (warp == 0) {  // exclusive scans over the experts: lane owns experts lane*PER ..
-        int a = 0, b = 0, c = 0;
+        int a = 0, b = 0, c = 0, d = 0;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int n = s_tot[lane * PER + j];
             a += n;
             b += (n + 63) >> 6;
             c += (n + 127) >> 7;
+            d += (n + 31) >> 5;
         }
-        int ia = a, ib = b, ic = c;  // inclusive scans over lanes
+        int ia = a, ib = b, ic = c, id = d;  // inclusive scans over lanes
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int va = __shfl_up_sync(0xffffffffu, ia, o);
             const int vb = __shfl_up_sync(0xffffffffu, ib, o);
             const int vc = __shfl_up_sync(0xffffffffu, ic, o);
+            const int vd = __shfl_up_sync(0xffffffffu, id, o);
             if (lane >= o) {
                 ia += va;
                 ib += vb;
                 ic += vc;
+                id += vd;
             }
         }
         a = ia - a;
         b = ib - b;
         c = ic - c;
+        d = id - d;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int e = lane * PER + j, n = s_tot[e];
@@ -729,14 +752,17 @@ extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __r
             offsets[e] = a;
             tiles64[e] = b;
             tiles128[e] = c;
+            tiles32[e] = d;
             a += n;
             b += (n + 63) >> 6;
             c += (n + 127) >> 7;
+            d += (n + 31) >> 5;
         }
         if (lane == 31) {
             offsets[NE] = a;
             tiles64[NE] = b;
             tiles128[NE] = c;
+            tiles32[NE] = d;
         }
     }
     __syncthreads();

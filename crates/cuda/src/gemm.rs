@@ -65,13 +65,16 @@ pub enum GemmTile {
     Tall,
     /// 128 weight rows × 64 tokens, two blocks per SM (for small grids).
     Small,
+    /// 256 weight rows × 32 tokens, two blocks per SM: grouped expert products that average
+    /// few entries per expert (less padding per expert than 64-entry tiles).
+    Narrow,
 }
 
 impl GemmTile {
     /// Weight rows per block.
     pub const fn rows(self) -> usize {
         match self {
-            GemmTile::Big | GemmTile::Tall => 256,
+            GemmTile::Big | GemmTile::Tall | GemmTile::Narrow => 256,
             GemmTile::Small => 128,
         }
     }
@@ -80,8 +83,12 @@ impl GemmTile {
         match self {
             GemmTile::Big => 128,
             GemmTile::Tall | GemmTile::Small => 64,
+            GemmTile::Narrow => 32,
         }
     }
+
+    /// Every tile.
+    pub const ALL: [GemmTile; 4] = [GemmTile::Big, GemmTile::Tall, GemmTile::Small, GemmTile::Narrow];
 }
 
 /// One GEMM kernel variant.
@@ -146,6 +153,8 @@ pub struct MoeRouting {
     pub tiles64: CudaSlice<i32>,
     /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 128)`.
     pub tiles128: CudaSlice<i32>,
+    /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 32)`.
+    pub tiles32: CudaSlice<i32>,
     /// `[T·TOP_K]` i32: entries `token·TOP_K + slot` grouped by expert (expert `e` at
     /// `offsets[e]..offsets[e+1]`), ascending within an expert.
     pub sorted: CudaSlice<i32>,
@@ -200,6 +209,7 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
             GemmTile::Big => "big",
             GemmTile::Tall => "tall",
             GemmTile::Small => "small",
+            GemmTile::Narrow => "narrow",
         },
         match v.engine {
             GemmEngine::Wgmma => "wg",
@@ -260,13 +270,14 @@ impl CudaContext {
     fn prepare_gemm(&self) -> Result<(), CudaError> {
         self.raw().bind_to_thread()?;
         for bits in [Bits::B4, Bits::B8] {
-            for tile in [GemmTile::Big, GemmTile::Tall, GemmTile::Small] {
+            for tile in GemmTile::ALL {
                 for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync] {
                     let f = self.func(&entry_name(bits, GemmVariant { engine, tile }))?;
                     f.set_attribute(
                         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         smem_bytes(bits, tile) as i32,
                     )?;
+
                 }
             }
         }
@@ -543,6 +554,7 @@ impl CudaContext {
             offsets: s.alloc_zeros(p::N_EXPERTS + 1)?,
             tiles64: s.alloc_zeros(p::N_EXPERTS + 1)?,
             tiles128: s.alloc_zeros(p::N_EXPERTS + 1)?,
+            tiles32: s.alloc_zeros(p::N_EXPERTS + 1)?,
             sorted: s.alloc_zeros(e)?,
             act: s.alloc_zeros(e * p::D_EXPERT)?,
             slot_out: s.alloc_zeros(e * p::D_MODEL)?,
@@ -613,8 +625,9 @@ impl CudaContext {
             let (po, _g4) = routing.offsets.device_ptr_mut(stream);
             let (p64, _g5) = routing.tiles64.device_ptr_mut(stream);
             let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
+            let (p32, _g7) = routing.tiles32.device_ptr_mut(stream);
             let mut b = stream.launch_builder(self.func("qgemm_moe_scan")?);
-            b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128);
+            b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32);
             let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: as allocated by moe_routing.
             unsafe { b.launch(cfg) }?;
@@ -633,11 +646,19 @@ impl CudaContext {
         Ok(())
     }
 
-    /// Grouped GEMMs: big tiles once experts average 128 entries (at T = 8192 on the H200 big
-    /// and tall tie with uniform routing and big is 11% faster with skewed routing), tall
-    /// (64-entry tiles, less padding per expert) below.
+    /// Grouped GEMMs by the entries an expert averages: big tiles from 128 (at T = 8192 on the
+    /// H200 big and tall tie with uniform routing and big is 11% faster with skewed routing),
+    /// tall (64-entry tiles, less padding per expert) from 20, narrow (32-entry tiles) below:
+    /// at T = 512 (16 per expert) narrow takes gate/up 182 µs and down + combine 107 µs
+    /// against tall's 217 and 122; at T = 1024 (32) tall is faster, 216 and 140 against
+    /// 263 and 158 (`cuda_selftest --only gemm`, uniform routing, docs/CUDA.md).
     fn choose_grouped(&self, t: usize) -> GemmVariant {
-        let tile = if t * p::TOP_K >= 128 * p::N_EXPERTS { GemmTile::Big } else { GemmTile::Tall };
+        let per_expert = t * p::TOP_K / p::N_EXPERTS;
+        let tile = match per_expert {
+            128.. => GemmTile::Big,
+            20.. => GemmTile::Tall,
+            _ => GemmTile::Narrow,
+        };
         GemmVariant { engine: GemmEngine::Wgmma, tile }
     }
 
@@ -684,9 +705,10 @@ impl CudaContext {
         let (pact, _g1) = routing.act.device_ptr_mut(stream);
         let (psort, _g2) = routing.sorted.device_ptr(stream);
         let (poff, _g3) = routing.offsets.device_ptr(stream);
-        let tiles = match v.tile {
-            GemmTile::Big => &routing.tiles128,
-            GemmTile::Tall | GemmTile::Small => &routing.tiles64,
+        let tiles = match v.tile.tokens() {
+            128 => &routing.tiles128,
+            64 => &routing.tiles64,
+            _ => &routing.tiles32,
         };
         let (ptile, _g4) = tiles.device_ptr(stream);
         let args = GemmArgs {
@@ -756,11 +778,12 @@ impl CudaContext {
             let (pslot, _g1) = routing.slot_out.device_ptr_mut(stream);
             let (psort, _g2) = routing.sorted.device_ptr(stream);
             let (poff, _g3) = routing.offsets.device_ptr(stream);
-            let tiles = match v.tile {
-                GemmTile::Big => &routing.tiles128,
-                GemmTile::Tall | GemmTile::Small => &routing.tiles64,
-            };
-            let (ptile, _g4) = tiles.device_ptr(stream);
+            let tiles = match v.tile.tokens() {
+            128 => &routing.tiles128,
+            64 => &routing.tiles64,
+            _ => &routing.tiles32,
+        };
+        let (ptile, _g4) = tiles.device_ptr(stream);
             let args = GemmArgs {
                 xb: pact,
                 y: pslot,

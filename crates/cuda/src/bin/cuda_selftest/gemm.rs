@@ -72,13 +72,15 @@ const GDN_PROJ: usize = 2 * p::N_K_HEADS * p::D_K + 2 * p::N_V_HEADS * p::D_V + 
 const ATTN_PROJ: usize = 2 * p::N_Q_HEADS * p::HEAD_DIM + 2 * p::N_KV_HEADS * p::HEAD_DIM;
 const ATTN_OUT: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
-const ALL_VARIANTS: [GemmVariant; 6] = [
+const ALL_VARIANTS: [GemmVariant; 8] = [
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Big },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Small },
+    GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Narrow },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Big },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Small },
+    GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Narrow },
 ];
 
 fn vname(v: Option<GemmVariant>) -> String {
@@ -94,6 +96,7 @@ fn vname(v: Option<GemmVariant>) -> String {
                 GemmTile::Big => "big",
                 GemmTile::Tall => "tall",
                 GemmTile::Small => "small",
+                GemmTile::Narrow => "narrow",
             }
         ),
     }
@@ -491,6 +494,7 @@ fn route_check(s: &mut Suite) {
         let offsets: Vec<i32> = stream.clone_dtoh(&routing.offsets).unwrap();
         let t64: Vec<i32> = stream.clone_dtoh(&routing.tiles64).unwrap();
         let t128: Vec<i32> = stream.clone_dtoh(&routing.tiles128).unwrap();
+        let t32: Vec<i32> = stream.clone_dtoh(&routing.tiles32).unwrap();
         let sorted: Vec<i32> = stream.clone_dtoh(&routing.sorted.slice(..t * k)).unwrap();
         let mut msg = String::new();
         let mut max_w = 0f64;
@@ -515,11 +519,12 @@ fn route_check(s: &mut Suite) {
             ccounts[e as usize] += 1;
         }
         let mut coff = vec![0i32; ne + 1];
-        let (mut c64, mut c128) = (vec![0i32; ne + 1], vec![0i32; ne + 1]);
+        let (mut c64, mut c128, mut c32) = (vec![0i32; ne + 1], vec![0i32; ne + 1], vec![0i32; ne + 1]);
         for e in 0..ne {
             coff[e + 1] = coff[e] + ccounts[e];
             c64[e + 1] = c64[e] + (ccounts[e] + 63) / 64;
             c128[e + 1] = c128[e] + (ccounts[e] + 127) / 128;
+            c32[e + 1] = c32[e] + (ccounts[e] + 31) / 32;
         }
         let mut csorted = vec![0i32; t * k];
         let mut fill = coff.clone();
@@ -532,6 +537,7 @@ fn route_check(s: &mut Suite) {
             ("offsets", &offsets, &coff),
             ("tiles64", &t64, &c64),
             ("tiles128", &t128, &c128),
+            ("tiles32", &t32, &c32),
             ("sorted", &sorted, &csorted),
         ] {
             if a != b {
@@ -846,7 +852,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
     let mut s_out = stream.alloc_zeros::<f32>(t * d).unwrap();
     let mut out = stream.alloc_zeros::<f32>(t * d).unwrap();
     let mut scratch2 = cx.gemm_scratch(t).unwrap();
-    for (scen, bias) in [("uniform", 0.0f32), ("skewed", 1.5)] {
+    for (t, scen, bias) in [(512usize, "uniform", 0.0f32), (768, "uniform", 0.0), (1024, "uniform", 0.0), (t, "uniform", 0.0), (t, "skewed", 1.5)] {
         // router logits: random, optionally with a per-expert popularity bias (ln 1/(e%64+4))
         let mut lg = rand_f32s(t * (ne + 1), 0x7305, 2.0);
         for tt in 0..t {
@@ -855,7 +861,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             }
         }
         let lgd = cx.upload_f32(&lg).unwrap();
-        cx.convert_acts(&xd.slice(..), t, d, &mut scratch).unwrap();
+        cx.convert_acts(&xd.slice(..t * d), t, d, &mut scratch).unwrap();
         cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
         let counts: Vec<i32> = stream.clone_dtoh(&routing.counts).unwrap();
         let (mn, mx) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
@@ -864,12 +870,12 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
         let f_dn = gemm_flops(t * k, d, p::D_EXPERT);
         println!("{SEC:<10} MoE T={t} {scen} routing (entries per expert {mn}..{mx}): route {:.1} us", t_route * 1e6);
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
-        for v in [None, Some(ALL_VARIANTS[0]), Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[2])] {
+        for v in [None, Some(ALL_VARIANTS[0]), Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[3])] {
             routing.force = v;
             let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4.dgu, &scratch, &mut routing, t).unwrap());
             let b = s.time_graph(reps, || {
-                let mut ov = out.slice_mut(..);
-                cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..), &s_out.slice(..), t).unwrap()
+                let mut ov = out.slice_mut(..t * d);
+                cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..t * d), &s_out.slice(..t * d), t).unwrap()
             });
             println!(
                 "{SEC:<10}   {:<12} gate_up grouped {:>7.1} us ({:>5.1} TFLOP/s eff.), down grouped + combine {:>7.1} us ({:>5.1} TFLOP/s eff.)",
@@ -886,24 +892,24 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
         routing.force = None;
         // the whole MoE block of one layer
         let t_layer = s.time_graph(reps, || {
-            cx.convert_acts(&xd.slice(..), t, d, &mut scratch).unwrap();
+            cx.convert_acts(&xd.slice(..t * d), t, d, &mut scratch).unwrap();
             {
-                let mut lv = logits.slice_mut(..);
+                let mut lv = logits.slice_mut(..t * (ne + 1));
                 cx.qgemm_converted(&mut lv, &drouter, &scratch, t, Epilogue::Store).unwrap();
             }
             // the benchmark routes on the fixed logits (random weights give degenerate routing)
             cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
             {
-                let mut av = s_act.slice_mut(..);
+                let mut av = s_act.slice_mut(..t * p::D_SHARED_EXPERT);
                 cx.qgemm_converted(&mut av, &dsgu, &scratch, t, Epilogue::SwiGlu).unwrap();
             }
             cx.moe_gate_up_grouped(&w4.dgu, &scratch, &mut routing, t).unwrap();
             {
-                let mut sv = s_out.slice_mut(..);
-                cx.qgemm(&mut sv, &dsdn, &s_act.slice(..), t, &mut scratch2).unwrap();
+                let mut sv = s_out.slice_mut(..t * d);
+                cx.qgemm(&mut sv, &dsdn, &s_act.slice(..t * p::D_SHARED_EXPERT), t, &mut scratch2).unwrap();
             }
-            let mut ov = out.slice_mut(..);
-            cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..), &s_out.slice(..), t).unwrap();
+            let mut ov = out.slice_mut(..t * d);
+            cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..t * d), &s_out.slice(..t * d), t).unwrap();
         });
         let f_all = f_gu + f_dn + gemm_flops(t, ne + 1, d) + gemm_flops(t, 2 * p::D_SHARED_EXPERT, d) + gemm_flops(t, d, p::D_SHARED_EXPERT);
         println!(
@@ -923,6 +929,23 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 t_layer * 1e3
             ),
         ));
+    }
+    // the floor of a grouped product: every expert's weights streamed once (the decode GEMV
+    // over the whole stacked matrix, one token)
+    {
+        let x1 = cx.upload_f32(&rand_f32s(d, 0x7306, 1.0)).unwrap();
+        for (name, m) in [("gate_up", &w4.dgu), ("down", &w4.ddn)] {
+            let mut o = stream.alloc_zeros::<f32>(m.rows).unwrap();
+            let x = x1.slice(..m.cols);
+            let sec = s.time_graph(reps, || cx.gemv(&mut o.slice_mut(..), m, &x).unwrap());
+            println!(
+                "{SEC:<10} MoE {name} weights streamed once (GEMV over all {} rows, {:.0} MB): {:.1} us, {:.0} GB/s",
+                m.rows,
+                m.stored_bytes() as f64 / 1e6,
+                sec * 1e6,
+                m.stored_bytes() as f64 / sec / 1e9
+            );
+        }
     }
     println!("\n| bits | N x K | T | variant | us | TFLOP/s |\n|---|---|---|---|---|---|");
     for (bits, n, k, t, v, sec, tf) in table {
