@@ -675,7 +675,7 @@ extern "C" __global__ void qgemm_moe_route(const float* __restrict__ logits, int
 //   qgemm_moe_place: sorted[base + rank] = entry, rank = earlier entries of the chunk with the
 //                    same expert (rounds of 32 entries, __match_any_sync), so every expert's
 //                    list is in ascending entry order.
-constexpr int SORT_CHUNK = 1024;
+constexpr int SORT_CHUNK = 256;  // = SORT_CHUNK in src/gemm.rs
 
 extern "C" __global__ void __launch_bounds__(256) qgemm_moe_hist(const int* __restrict__ ids, int n_entries,
                                                                  int n_chunks, int* __restrict__ hist) {

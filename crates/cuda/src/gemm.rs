@@ -43,7 +43,7 @@ use crate::{CudaContext, CudaError, DeviceQMat};
 pub const MAX_K: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
 /// Entries per chunk of the expert sort (`SORT_CHUNK` in `gemm.cu`).
-const SORT_CHUNK: usize = 1024;
+const SORT_CHUNK: usize = 256;
 /// Threads per GEMM block.
 const THREADS: u32 = 256;
 
@@ -163,7 +163,7 @@ pub struct MoeRouting {
     pub act: CudaSlice<u16>,
     /// `[T·TOP_K, D_MODEL]` f32: `D_e·act` per entry (before the weights).
     pub slot_out: CudaSlice<f32>,
-    /// `[N_EXPERTS, chunks]` i32: entries of each 1024-entry chunk routed to each expert.
+    /// `[N_EXPERTS, chunks]` i32: entries of each 256-entry chunk routed to each expert.
     hist: CudaSlice<i32>,
     /// `[N_EXPERTS, chunks]` i32: where each chunk's entries of each expert start in `sorted`.
     base: CudaSlice<i32>,
@@ -569,7 +569,7 @@ impl CudaContext {
     /// softmax over the `N_EXPERTS`, the `TOP_K` largest (ties: lower id), weights renormalised
     /// over the k, shared weight `sigmoid(last column)`; then the per-expert counts, their
     /// exclusive scans and the entry list sorted by expert (a stable counting sort over chunks of
-    /// 1024 entries). Four launches, no host synchronisation, no atomics: deterministic.
+    /// 256 entries). Four launches, no host synchronisation, no atomics: deterministic.
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for `t` = 0 or above `routing.max_t()`, or `logits.len()`
