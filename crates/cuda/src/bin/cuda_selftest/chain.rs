@@ -57,9 +57,10 @@ pub fn run(s: &mut Suite) {
     // one by one (PDL graph): the reference bits and time
     let mut xa = cx.upload_f32(&vec![0f32; e]).unwrap();
     let mut xb = cx.upload_f32(&x0).unwrap();
-    let enqueue = |xa: &mut cuda::cudarc::driver::CudaSlice<f32>, xb: &mut cuda::cudarc::driver::CudaSlice<f32>| -> Result<(), cuda::CudaError> {
+    // the chain on the first `used` copies of each matrix
+    let enqueue = |xa: &mut cuda::cudarc::driver::CudaSlice<f32>, xb: &mut cuda::cudarc::driver::CudaSlice<f32>, used: usize| -> Result<(), cuda::CudaError> {
         for l in 0..LAYERS {
-            let c = (l / 2) % copies;
+            let c = (l / 2) % used;
             if l % 2 == 0 {
                 cx.gemv(&mut xa.slice_mut(..), &single_a[c], &xb.slice(..))?;
             } else {
@@ -68,35 +69,22 @@ pub fn run(s: &mut Suite) {
         }
         Ok(())
     };
-    enqueue(&mut xa, &mut xb).expect("gemv chain (launches)");
+    enqueue(&mut xa, &mut xb, copies).expect("gemv chain (launches)");
     let want = cx.download_f32(&xb).unwrap();
-    let graph = StepGraph::capture(&stream, true, || enqueue(&mut xa, &mut xb)).expect("PDL graph");
-    graph.launch().unwrap();
-    // two replays per timing, so the host's launch overhead weighs less against 2 x LAYERS GEMVs
-    let us_pdl = s.median_timed(7, 2 * LAYERS, || {
+    // µs per GEMV of the chain as one PDL graph; two replays per timing, so the host's launch
+    // overhead weighs less against 2 x LAYERS GEMVs. On all copies (every GEMV streams from
+    // DRAM), then on ONE copy of each matrix (10.6 MB, L2-resident after the first pass: what
+    // the GEMVs would gain from any prefetching into L2).
+    let mut time_pdl = |used: usize| -> f64 {
+        let graph = StepGraph::capture(&stream, true, || enqueue(&mut xa, &mut xb, used)).expect("PDL graph");
         graph.launch().unwrap();
-        graph.launch().unwrap();
-    }) * 1e6;
-    drop(graph);
-    // the same PDL chain on ONE copy of each matrix (10.6 MB, L2-resident after the first pass):
-    // what the GEMVs would gain from any prefetching into L2
-    let enqueue1 = |xa: &mut cuda::cudarc::driver::CudaSlice<f32>, xb: &mut cuda::cudarc::driver::CudaSlice<f32>| -> Result<(), cuda::CudaError> {
-        for l in 0..LAYERS {
-            if l % 2 == 0 {
-                cx.gemv(&mut xa.slice_mut(..), &single_a[0], &xb.slice(..))?;
-            } else {
-                cx.gemv(&mut xb.slice_mut(..), &single_b[0], &xa.slice(..))?;
-            }
-        }
-        Ok(())
+        s.median_timed(7, 2 * LAYERS, || {
+            graph.launch().unwrap();
+            graph.launch().unwrap();
+        }) * 1e6
     };
-    let graph = StepGraph::capture(&stream, true, || enqueue1(&mut xa, &mut xb)).expect("PDL graph, one copy");
-    graph.launch().unwrap();
-    let us_l2 = s.median_timed(7, 2 * LAYERS, || {
-        graph.launch().unwrap();
-        graph.launch().unwrap();
-    }) * 1e6;
-    drop(graph);
+    let us_pdl = time_pdl(copies);
+    let us_l2 = time_pdl(1);
 
     // one persistent launch: weights requested before each barrier (as designed), then after it
     let mut flags = stream.alloc_zeros::<u32>(cx.sm_count() as usize).unwrap();
