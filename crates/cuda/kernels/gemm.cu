@@ -38,7 +38,7 @@
 //
 // Block: 256 threads = 2 warpgroups; each warpgroup owns MS slices of 64 W rows (BM = 128*MS
 // rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
-// tall (MS 2, BN 64, two per SM), small (MS 1, BN 64, two per SM).
+// tall (MS 2, BN 64, two per SM), small (MS 1, BN 64, two per SM), narrow (MS 2, BN 32, two per SM).
 //
 // Modes (runtime, uniform per launch):
 //   0 dense          y[t, n] = acc (+ res[t, n])           rows n < n_rows, tokens t < T
