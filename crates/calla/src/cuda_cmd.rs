@@ -357,6 +357,24 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     start(&mut sess, &random_prompt(4, vocab, 0))?;
     sess.decode(&gm, 4)?;
     cx.synchronize()?;
+    // what switching between greedy and sampled requests costs at the next start: the first
+    // switch to sampling captures the sampled step; later switches reuse both steps
+    let mut sampling_switch = Vec::new();
+    {
+        let prompt = random_prompt(16, vocab, 7);
+        let sampled = sampling_cases()[0].clone();
+        for (label, params) in [("greedy", None), ("sampled (first switch)", Some(&sampled)), ("greedy again", None), ("sampled again", Some(&sampled))] {
+            sess.set_sampling(&cx, &gm, params)?;
+            cx.synchronize()?;
+            let t = Instant::now();
+            start(&mut sess, &prompt)?;
+            cx.synchronize()?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            eprintln!("start of a 16-token prompt after switching to {label:<24} {ms:>7.2} ms");
+            sampling_switch.push(serde_json::json!({"mode": label, "start_ms": ms}));
+        }
+        sess.set_sampling(&cx, &gm, None)?;
+    }
 
     let mut prefill = Vec::new();
     for (i, &n) in a.prompt_tokens.iter().enumerate() {
@@ -578,6 +596,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "decode": decode,
         "ablation": ablation,
         "variants": variants,
+        "sampling_switch": sampling_switch,
         "timeline": timeline,
         "kernel_resources": if a.ablate || a.compare { cx.kernel_resources() } else { Vec::new() }.into_iter()
             .map(|(name, regs, smem, threads)| serde_json::json!({"kernel": name, "registers": regs, "static_smem": smem, "max_threads": threads}))
@@ -812,8 +831,12 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             })?;
             Ok(out)
         };
-        for (k, params) in cases.iter().enumerate() {
-            let prompt = random_prompt(n, vocab, 311 + k as u64);
+        // then greedy and the first sampler once more: after the switches, both run on the
+        // step graphs kept from their first use, and must give the tokens they gave then
+        let mut wants: Vec<Vec<u32>> = Vec::new();
+        for (k, params) in cases.iter().chain(cases.iter().take(2)).enumerate() {
+            let case = k % cases.len();
+            let prompt = random_prompt(n, vocab, 311 + case as u64);
             let other = random_prompt(n.div_ceil(2), vocab, 977 + k as u64);
             let first = run_engine(&prompt, params)?;
             run_engine(&other, params)?;
@@ -822,18 +845,25 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
             sess.decode(&gm, a.steps)?;
             let want = sess.generated(&cx)?;
+            let repeat = k >= cases.len();
+            let before_ok = !repeat || wants[case] == want;
             checks += 1;
-            let ok = first == want && again == want;
+            let ok = first == want && again == want && before_ok;
             if !ok {
                 failures += 1;
             }
             println!(
-                "engine on the accelerator, {}: {} tokens equal the session's, and again after another request{} {}",
+                "engine on the accelerator, {}{}: {} tokens equal the session's, and again after another request{}{} {}",
                 sampling_label(params),
+                if repeat { " (again, after switching sampling off and on)" } else { "" },
                 want.len(),
-                if ok { String::new() } else { format!(" (engine {first:?}, again {again:?}, session {want:?})") },
+                if repeat { ", and the tokens of its first run" } else { "" },
+                if ok { String::new() } else { format!(" (engine {first:?}, again {again:?}, session {want:?}, first run {:?})", wants.get(case)) },
                 if ok { "ok" } else { "FAIL" }
             );
+            if !repeat {
+                wants.push(want);
+            }
         }
         sess.set_sampling(&cx, &gm, None)?;
         // The device prefix cache: a second turn that extends the first (its prompt, the

@@ -359,8 +359,18 @@ pub struct CudaSession {
     pub(crate) gdn_scratch: GdnScratch,
     pub(crate) attn_scratch: AttnScratch,
     pub(crate) moe_scratch: MoeScratch,
-    /// Step with LM head and argmax.
+    /// Step with LM head and the pick of the current mode (greedy, or sampled with
+    /// [`Self::sampling`]).
     pub(crate) graph_full: Option<StepGraph>,
+    /// The full step of the other mode, kept across [`Self::set_sampling`] switches so that
+    /// mixed greedy and sampled requests do not capture the graphs again at every switch; when
+    /// that mode is sampling, it reads [`Self::sampler_idle`]'s buffers.
+    pub(crate) graph_full_alt: Option<StepGraph>,
+    /// The device sampler's state while the session picks greedily (kept for the next switch).
+    pub(crate) sampler_idle: Option<(crate::sample::SampleState, sampler::SamplingParams)>,
+    /// Sampling was switched on or off since the sequence started: [`Self::decode`] refuses
+    /// until the next start (the sampler's state belongs to a sequence).
+    pub(crate) pick_switched: bool,
     /// Step without them (prompt tokens before the last).
     pub(crate) graph_prompt: Option<StepGraph>,
     /// Capture with programmatic dependent launch (see [`crate::graph`]).
@@ -423,6 +433,9 @@ impl CudaSession {
             attn_scratch: cx.attn_scratch(max_ctx)?,
             moe_scratch: cx.moe_scratch()?,
             graph_full: None,
+            graph_full_alt: None,
+            sampler_idle: None,
+            pick_switched: false,
             graph_prompt: None,
             pdl: false,
             skip: 0,
@@ -600,6 +613,7 @@ impl CudaSession {
     /// Drops the captured step graphs; they are captured again on the next [`Self::start`].
     fn drop_graphs(&mut self) {
         self.graph_full = None;
+        self.graph_full_alt = None;
         self.graph_prompt = None;
     }
 
@@ -686,27 +700,45 @@ impl CudaSession {
     /// sequence starts the sampler afresh (counts for the penalties zeroed, the random stream
     /// from `params.seed`, or from a fresh OS-entropy seed per sequence when it is `None`;
     /// [`Self::sampling_seed`] reads it). A sequence in progress keeps its sampler state;
-    /// switching sampling on or off drops the step graphs, so [`Self::decode`] refuses to go on
-    /// until the next start (which captures them again).
+    /// after switching sampling on or off [`Self::decode`] refuses to go on until the next
+    /// start. The full step graph of each mode is kept (and the sampler's device state while
+    /// greedy), so switching back and forth captures nothing again; new parameters that need a
+    /// differently sized sampler state (another vocabulary limit) capture the sampled step
+    /// again at the next start.
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] naming the parameter that [`sampler::SamplingParams::validate`]
     /// rejects, or a `top_k` above [`crate::sample::SAMPLE_MAX_TOP_K`] (below the vocabulary);
     /// driver errors.
     pub fn set_sampling(&mut self, cx: &CudaContext, m: &CudaModel, params: Option<&sampler::SamplingParams>) -> Result<(), CudaError> {
-        match (params, &mut self.sampling) {
-            (None, None) => {}
-            (None, Some(_)) => {
-                self.sampling = None;
-                self.drop_graphs();
+        let fits = |state: &crate::sample::SampleState| state.rows() == m.lm_head.rows && state.vocab_limit() == m.vocab_limit;
+        match params {
+            None => {
+                if self.sampling.is_some() {
+                    // sampled -> greedy: park the sampler and the sampled step
+                    self.sampler_idle = self.sampling.take();
+                    std::mem::swap(&mut self.graph_full, &mut self.graph_full_alt);
+                    self.pick_switched = true;
+                }
             }
-            (Some(p), Some((state, next))) if state.rows() == m.lm_head.rows && state.vocab_limit() == m.vocab_limit => {
+            Some(p) => {
                 crate::sample::check_params(p, m.vocab_limit)?;
-                *next = p.clone();
-            }
-            (Some(p), _) => {
-                self.sampling = Some((cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?, p.clone()));
-                self.drop_graphs();
+                let was_sampling = self.sampling.is_some();
+                let current = if was_sampling { self.sampling.take() } else { self.sampler_idle.take() };
+                let (state, reused) = match current {
+                    Some((state, _)) if fits(&state) => (state, true),
+                    _ => (cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?, false),
+                };
+                self.sampling = Some((state, p.clone()));
+                if !was_sampling {
+                    // greedy -> sampled: the greedy step is kept as the other mode's
+                    std::mem::swap(&mut self.graph_full, &mut self.graph_full_alt);
+                    self.pick_switched = true;
+                }
+                if !reused {
+                    // a new sampler state: the sampled step read the old one's buffers
+                    self.graph_full = None;
+                }
             }
         }
         Ok(())
@@ -772,6 +804,7 @@ impl CudaSession {
         if let Some((state, params)) = &mut self.sampling {
             cx.sample_reset(state, params)?;
         }
+        self.pick_switched = false;
         let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
         st.memcpy_htod(&ids, &mut self.ids.slice_mut(..ids.len()))?;
         st.memcpy_htod(&[ids.len() as i32], &mut self.n_fixed)?;
@@ -809,9 +842,9 @@ impl CudaSession {
         if self.graph_model != Some(m.id) {
             return Err(CudaError::Unsupported("decode before start, or with another model than the sequence was started with".into()));
         }
-        let Some(g) = self.graph_full.as_ref() else {
+        let Some(g) = self.graph_full.as_ref().filter(|_| !self.pick_switched) else {
             return Err(CudaError::Unsupported(
-                "a setting changed since start (sampling on/off, PDL, MoE variant, fused norms, ablation, L2 prefetch) and the step graphs were dropped: start the sequence again".into(),
+                "a setting changed since start (sampling on/off, PDL, MoE variant, fused norms, ablation, L2 prefetch): start the sequence again".into(),
             ));
         };
         // the step at host_pos writes ids[host_pos + 1]
