@@ -724,10 +724,16 @@ impl CudaSession {
             Some(p) => {
                 crate::sample::check_params(p, m.vocab_limit)?;
                 let was_sampling = self.sampling.is_some();
+                let kept = if was_sampling { &self.sampling } else { &self.sampler_idle };
+                let reused = kept.as_ref().is_some_and(|(state, _)| fits(state));
+                // the fallible allocation before anything changes: an error leaves the session
+                // (its sampler and graphs) as it was
+                let fresh = if reused { None } else { Some(cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?) };
                 let current = if was_sampling { self.sampling.take() } else { self.sampler_idle.take() };
-                let (state, reused) = match current {
-                    Some((state, _)) if fits(&state) => (state, true),
-                    _ => (cx.sample_state(m.lm_head.rows, m.vocab_limit, p)?, false),
+                let state = match (fresh, current) {
+                    (Some(state), _) | (None, Some((state, _))) => state,
+                    // `reused` implies a kept state
+                    (None, None) => return Err(CudaError::Unsupported("set_sampling: no sampler state to reuse".into())),
                 };
                 self.sampling = Some((state, p.clone()));
                 if !was_sampling {

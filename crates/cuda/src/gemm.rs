@@ -277,7 +277,6 @@ impl CudaContext {
                         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         smem_bytes(bits, tile) as i32,
                     )?;
-
                 }
             }
         }
@@ -779,11 +778,11 @@ impl CudaContext {
             let (psort, _g2) = routing.sorted.device_ptr(stream);
             let (poff, _g3) = routing.offsets.device_ptr(stream);
             let tiles = match v.tile.tokens() {
-            128 => &routing.tiles128,
-            64 => &routing.tiles64,
-            _ => &routing.tiles32,
-        };
-        let (ptile, _g4) = tiles.device_ptr(stream);
+                128 => &routing.tiles128,
+                64 => &routing.tiles64,
+                _ => &routing.tiles32,
+            };
+            let (ptile, _g4) = tiles.device_ptr(stream);
             let args = GemmArgs {
                 xb: pact,
                 y: pslot,
