@@ -17,7 +17,7 @@ use cuda::graph::StepGraph;
 use quant::{QMatRef, QuantSpec};
 use spec::production as p;
 
-use crate::common::{check, rand_f32s, rand_u32s, Cmp, Suite, Tol};
+use crate::common::{check_bits, rand_f32s, rand_u32s, Cmp, Suite};
 
 const SEC: &str = "chain";
 /// GEMVs per chain (even: one W_a and one W_b each round).
@@ -97,13 +97,7 @@ pub fn run(s: &mut Suite) {
         cx.gemv_chain_probe(&mut xa2, &mut xb2, &stacked_a, &stacked_b, copies, LAYERS, &mut flags, base, late).expect("gemv_chain_probe");
         base += LAYERS as u32;
         let got = cx.download_f32(&xb2).unwrap();
-        let reference: Vec<f64> = want.iter().map(|v| f64::from(*v)).collect();
-        let mut c = check(&got, &reference, Tol::F32, String::new());
-        let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-        if differ > 0 || got.iter().any(|v| !v.is_finite()) {
-            c.ok = false;
-            c.msg.push_str(&format!("{differ} of {d} words differ from the launches; "));
-        }
+        let c = check_bits(&got, &want, "words (against the launches)");
         s.record(SEC, &format!("{LAYERS} GEMVs in one persistent launch ({what}) = {LAYERS} launches, bit for bit"), &c, "");
         // two launches per timing, as for the graph
         us_chain[i] = s.median_timed(7, 2 * LAYERS, || {

@@ -81,6 +81,20 @@ pub fn check_guarded(got: &[f32], reference: &[f64], tol: Tol) -> Cmp {
     check(&got[GUARD..GUARD + n], reference, tol, msg)
 }
 
+/// [`check`] of `got` against `want` at [`Tol::F32`] that also fails unless every value has
+/// the same bits and is finite; the message counts the differing values ("N of M `what`
+/// differ").
+pub fn check_bits(got: &[f32], want: &[f32], what: &str) -> Cmp {
+    let reference: Vec<f64> = want.iter().map(|v| f64::from(*v)).collect();
+    let mut c = check(got, &reference, Tol::F32, String::new());
+    let differ = got.iter().zip(want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    if differ > 0 || got.iter().any(|v| !v.is_finite()) {
+        c.ok = false;
+        c.msg.push_str(&format!("{differ} of {} {what} differ; ", want.len()));
+    }
+    c
+}
+
 /// Compares `got` (no guards) against `reference`.
 pub fn check(got: &[f32], reference: &[f64], tol: Tol, mut msg: String) -> Cmp {
     let n = reference.len();

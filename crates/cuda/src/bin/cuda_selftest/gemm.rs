@@ -53,7 +53,7 @@ use quant::{Bits, QMatRef, QuantSpec};
 use rayon::prelude::*;
 use spec::production as p;
 
-use crate::common::{check, guarded, rand_f32s, rand_u32s, splitmix, Cmp, Suite, Tol, GUARD, SENTINEL};
+use crate::common::{check, check_bits, guarded, rand_f32s, rand_u32s, splitmix, Cmp, Suite, Tol, GUARD, SENTINEL};
 
 const SEC: &str = "gemm";
 const TOL_EXACT: Tol = Tol { rel: 5e-3, max_over_rms: 3e-2 };
@@ -981,13 +981,7 @@ fn router_f32_check(s: &mut Suite) {
             let mut y = cx.upload_f32(&vec![f32::NAN; t * n]).unwrap();
             cx.router_logits_f32(&mut y, &dw, &du, t).unwrap();
             let got = cx.download_f32(&y).unwrap();
-            let reference: Vec<f64> = want.iter().map(|v| f64::from(*v)).collect();
-            let mut c = check(&got, &reference, Tol::F32, String::new());
-            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            if differ > 0 || got.iter().any(|v| !v.is_finite()) {
-                c.ok = false;
-                c.msg.push_str(&format!("{differ} of {} logits differ from the CPU's f32 sum; ", t * n));
-            }
+            let c = check_bits(&got, &want, "logits (against the CPU's f32 sum)");
             s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} = CPU f32 fma chain, bit for bit"), &c, "");
         }
         let t = 8192;
