@@ -87,6 +87,9 @@ if [ "$check" = 1 ]; then
   step "cuda-check with PDL and the fused MoE kernel"
   $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe-fused > "$out/cuda-check-moe-fused.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check-moe-fused.txt"
+  step "cuda-check with PDL and the router folded into the output projection"
+  $to $b/calla cuda-check --model "$work/L4-q4" --pdl --router-fold > "$out/cuda-check-router-fold.txt" 2>&1 || status=1
+  tail -3 "$out/cuda-check-router-fold.txt"
   step "calla serve --device cuda over HTTP (scripts/gpu_serve_check.py)"
   $to python3 -u scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1
   cat "$out/serve-check.txt"

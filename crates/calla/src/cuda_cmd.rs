@@ -63,6 +63,10 @@ pub struct CudaBenchArgs {
     /// so an input-projection GEMV block fits beside it in every SM sub-partition.
     #[arg(long)]
     moe_down_r48: bool,
+    /// Fold the MoE router into the output projection (`CudaSession::set_router_fold`: no
+    /// router launch; measured no faster, for comparison).
+    #[arg(long)]
+    router_fold: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -117,6 +121,9 @@ pub struct CudaCheckArgs {
     /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
     #[arg(long)]
     moe_fused: bool,
+    /// Fold the MoE router into the output projection (`CudaSession::set_router_fold`).
+    #[arg(long)]
+    router_fold: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -319,6 +326,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     sess.set_pdl(a.pdl);
     sess.set_fuse_norm(!a.no_fuse_norm);
     sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..cuda::moe::MoeFlags::DEFAULT });
+    sess.set_router_fold(a.router_fold);
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -438,7 +446,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
         // one step variant: every option the rows below vary, set together
-        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool| -> Result<()> {
+        let fold0 = a.router_fold;
+        let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, fold: bool| -> Result<()> {
+            sess.set_router_fold(fold);
             sess.set_fuse_norm(fuse);
             sess.set_l2_prefetch(pf);
             sess.set_moe_flags(flags);
@@ -447,31 +457,32 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_gemv_early_trigger(early);
             Ok(())
         };
-        for (name, fuse, pf, flags, carve, cap, early) in [
-            ("as configured", fuse0, pf0, d, carve0, true, early0),
-            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0),
-            ("norms as launches", false, pf0, d, carve0, true, early0),
-            ("L2 prefetch on", fuse0, true, d, carve0, true, early0),
-            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0),
-            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0),
-            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0),
-            ("default carve-out", fuse0, pf0, d, 0, true, early0),
-            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0),
-            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0),
-            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true),
-            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0),
-            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0),
+        for (name, fuse, pf, flags, carve, cap, early, fold) in [
+            ("as configured", fuse0, pf0, d, carve0, true, early0, fold0),
+            ("MoE router folded into out_proj", fuse0, pf0, d, carve0, true, early0, true),
+            ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0, fold0),
+            ("norms as launches", false, pf0, d, carve0, true, early0, fold0),
+            ("L2 prefetch on", fuse0, true, d, carve0, true, early0, fold0),
+            ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0, false),
+            ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0, fold0),
+            ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, fold0),
+            ("default carve-out", fuse0, pf0, d, 0, true, early0, fold0),
+            ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0, false),
+            ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0, false),
+            ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, fold0),
+            ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, fold0),
+            ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fold0),
             // the first row again: how far the machine drifted over the rows
-            ("as configured, again", fuse0, pf0, d, carve0, true, early0),
+            ("as configured, again", fuse0, pf0, d, carve0, true, early0, fold0),
         ] {
-            apply(&mut sess, fuse, pf, flags, carve, cap, early)?;
+            apply(&mut sess, fuse, pf, flags, carve, cap, early, fold)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "router_fold": fold, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
-        apply(&mut sess, fuse0, pf0, d, carve0, true, early0)?;
+        apply(&mut sess, fuse0, pf0, d, carve0, true, early0, fold0)?;
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -678,6 +689,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
+    sess.set_router_fold(a.router_fold);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

@@ -238,23 +238,85 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The MoE router folded into the output projection (gemv_resid_rf_*, RB > 0).
+//
+// The router reads u = rms_norm(h) = inv · (h ⊙ (1 + nw)), inv = 1/sqrt(mean(h²) + eps), a
+// positive scalar of the whole h, so its logits are inv · Σ_c W[r, c] (1 + nw_c) h_c. The block
+// that produces rows c of h (the output projection + residual) adds its share of that sum for
+// every router row r (N_EXPERTS rows, then the shared-expert gate's row) into racc[r *
+// RF_STRIDE], and its rows' Σ h² into racc[(N_EXPERTS + 1) * RF_STRIDE] (f64 atomics: the f32
+// shares of 128 blocks add exactly in f64 unless they span more than 2^29 in magnitude, so the
+// order of arrival does not change the result). The MoE gate/up and down kernels
+// (moe_gate_up_fold_*, moe_down_fold_*) take inv from Σ h², scale the logits and each run the
+// top-k; a later down launch zeroes racc again. Router weights in the MLX layout: packed
+// [N_EXPERTS][K*RB/8] bytes (element 0 in the low bits), {scale | bias << 16} bf16 per row and
+// 64-column group.
+constexpr int RF_STRIDE = 16;   // doubles between accumulators: one 128-byte line each (no two share an L2 line)
+constexpr int RF_CAP = 16;      // tiles of 16 rows a block may own (the host checks)
+struct RouterFold {
+    const unsigned char* r_packed;  // [N_EXPERTS][K * RB / 8]
+    const unsigned* r_sb;           // [N_EXPERTS][K / 64]
+    const unsigned char* g_packed;  // [K * GB / 8]: the shared-expert gate row
+    const unsigned* g_sb;           // [K / 64]
+    const float* norm_w;            // [K] post_attention_layernorm (zero-centred)
+    double* racc;                   // [(N_EXPERTS + 2) * RF_STRIDE], zero on entry
+};
+
+// Router row r's codes of the 16 columns 16·tile.. (RB/4 words: w.x, w.y at 4 bits, all four at
+// 8) and their group's {scale | bias} word; r == N_EXPERTS is the shared-expert gate row.
+template <int BITS>
+__device__ __forceinline__ void rf_load_row(const unsigned char* packed, const unsigned* sb, int r, int tile, int k,
+                                            uint4& w, unsigned& sbw) {
+    const unsigned char* p = packed + (size_t)r * (k * BITS / 8) + tile * 2 * BITS;
+    if (BITS == 8) {
+        w = __ldg(reinterpret_cast<const uint4*>(p));
+    } else {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        w = make_uint4(v.x, v.y, 0u, 0u);
+    }
+    sbw = __ldg(sb + (size_t)r * (k / GROUP) + tile * 16 / GROUP);
+}
+
+// Σ_c W[r, c] y_c over the 16 columns whose codes are w, y_c = h[c] · nw1[c] (nw1 = 1 + nw).
+template <int BITS>
+__device__ __forceinline__ float rf_part(uint4 w, unsigned sbw, const float* h, const float* nw1) {
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr int EPW = 32 / BITS;
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    float qy = 0.f, ys = 0.f;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+        const float y = h[c] * nw1[c];
+        const unsigned code = (words[c / EPW] >> ((c % EPW) * BITS)) & MASK;
+        qy = fmaf((float)code, y, qy);
+        ys += y;
+    }
+    return fmaf(__uint_as_float(sbw << 16), qy, __uint_as_float(sbw & 0xFFFF0000u) * ys);
+}
+
 // CHAIN: one GEMV of the persistent chain kernel below (gemv_chain_*): x comes from the
 // previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
 // barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
 // are issued before, as before a PDL wait.
-template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false>
+template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
                                           float eps, int rows, int ks_log2, int flags,
-                                          const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0) {
+                                          const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0,
+                                          const RouterFold rf = {}) {
     using C = Cfg<BITS, K>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float red[2][NW][16];
     __shared__ float ss_red[NW];
+    constexpr bool RF = RB > 0;
+    static_assert(!RF || (RESID && !NORM && !CHAIN && GB > 0), "the router fold: output projection + residual only");
+    __shared__ float s_h[RF ? RF_CAP * 16 : 1];    // RF: this block's rows of out, by tile slot
+    __shared__ float s_nw1[RF ? RF_CAP * 16 : 1];  // RF: 1 + norm weight of those rows
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -319,6 +381,25 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     if (NORM && (int)threadIdx.x * 8 < K) { // norm weights: constant, read before the wait
         nw[0] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
         nw[1] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
+    }
+    // RF: the block's tile slots li (tile = ((li / tpb) * G + B) * tpb + li % tpb), their norm
+    // weights, and router row threadIdx.x's codes of the first slot: constant, before the wait
+    const int rf_slots = min(n_iters * tpb, RF_CAP); // (the host keeps n_iters * tpb <= RF_CAP)
+    uint4 rf_w = make_uint4(0u, 0u, 0u, 0u);
+    unsigned rf_sb = 0u;
+    if constexpr (RF) {
+        if ((int)threadIdx.x < rf_slots * 16) {
+            const int li = threadIdx.x >> 4;
+            const int row = (((li / tpb) * G + B) * tpb + li % tpb) * 16 + (threadIdx.x & 15);
+            s_nw1[threadIdx.x] = row < rows ? 1.f + __ldg(rf.norm_w + row) : 0.f;
+        }
+        const int tile0 = B * tpb;
+        if (rf_slots > 0 && tile0 < m_tiles) {
+            if ((int)threadIdx.x < CALLA_N_EXPERTS)
+                rf_load_row<RB>(rf.r_packed, rf.r_sb, threadIdx.x, tile0, rows, rf_w, rf_sb);
+            else if ((int)threadIdx.x == CALLA_N_EXPERTS)
+                rf_load_row<GB>(rf.g_packed, rf.g_sb, 0, tile0, rows, rf_w, rf_sb);
+        }
     }
     // (a null chain_flags: the chain's first GEMV, whose input predates the launch)
     const bool late = CHAIN && (flags & GEMV_CHAIN_LATE_WEIGHTS);
@@ -393,8 +474,14 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
             if (ks_log2 == 0) {
                 if (t == 0) {
                     const int r0 = tile * 16 + g, r1 = r0 + 8;
-                    if (r0 < rows) out[r0] = RESID ? __ldcg(resid + r0) + acc0 : acc0;
-                    if (r1 < rows) out[r1] = RESID ? __ldcg(resid + r1) + acc1 : acc1;
+                    const float v0 = RESID ? __ldcg(resid + min(r0, rows - 1)) + acc0 : acc0;
+                    const float v1 = RESID ? __ldcg(resid + min(r1, rows - 1)) + acc1 : acc1;
+                    if (r0 < rows) out[r0] = v0;
+                    if (r1 < rows) out[r1] = v1;
+                    if (RF && c_it * tpb + tile_local < RF_CAP) {
+                        s_h[(c_it * tpb + tile_local) * 16 + g] = r0 < rows ? v0 : 0.f;
+                        s_h[(c_it * tpb + tile_local) * 16 + g + 8] = r1 < rows ? v1 : 0.f;
+                    }
                 }
             } else {
                 float* rb = red[c_it & 1][warp];
@@ -407,7 +494,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                     float v = 0.f;
                     for (int s = 0; s < (1 << ks_log2); ++s) v += red[c_it & 1][warp + s][lane];
                     const int r = tile * 16 + lane;
-                    if (r < rows) out[r] = RESID ? __ldcg(resid + r) + v : v;
+                    const float o = RESID && r < rows ? __ldcg(resid + r) + v : v;
+                    if (r < rows) out[r] = o;
+                    if (RF && c_it * tpb + tile_local < RF_CAP) s_h[(c_it * tpb + tile_local) * 16 + lane] = r < rows ? o : 0.f;
                 }
             }
             acc0 = 0.f;
@@ -416,6 +505,36 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         }
     }
     cp_async_wait<0>();
+    if constexpr (RF) { // this block's share of every router row's logit (see RouterFold)
+        __syncthreads(); // s_h complete
+        const int r = threadIdx.x;
+        if (r <= CALLA_N_EXPERTS) {
+            float part = 0.f;
+            for (int li = 0; li < rf_slots; ++li) {
+                const int tile = ((li / tpb) * G + B) * tpb + li % tpb;
+                if (tile >= m_tiles) break; // slots go up in tile order
+                uint4 w = rf_w;
+                unsigned sbw = rf_sb;
+                if (li > 0) {
+                    if (r < CALLA_N_EXPERTS)
+                        rf_load_row<RB>(rf.r_packed, rf.r_sb, r, tile, rows, w, sbw);
+                    else
+                        rf_load_row<GB>(rf.g_packed, rf.g_sb, 0, tile, rows, w, sbw);
+                }
+                part += r < CALLA_N_EXPERTS ? rf_part<RB>(w, sbw, s_h + li * 16, s_nw1 + li * 16)
+                                            : rf_part<GB>(w, sbw, s_h + li * 16, s_nw1 + li * 16);
+            }
+            atomicAdd(rf.racc + r * RF_STRIDE, (double)part);
+        } else if (r == CALLA_N_EXPERTS + 1) { // Σ h² of this block's rows
+            float ss = 0.f;
+            for (int li = 0; li < rf_slots; ++li) {
+                if (((li / tpb) * G + B) * tpb + li % tpb >= m_tiles) break;
+#pragma unroll
+                for (int c = 0; c < 16; ++c) ss = fmaf(s_h[li * 16 + c], s_h[li * 16 + c], ss);
+            }
+            atomicAdd(rf.racc + r * RF_STRIDE, (double)ss);
+        }
+    }
 #undef CALLA_GEMV_UNIT
 #undef CALLA_GEMV_ISSUE
 }
@@ -467,6 +586,30 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
                                                     rows, ks_log2, flags);                                 \
     }
+
+// The output projection + residual with the MoE router folded in (see RouterFold): out [D_MODEL]
+// as gemv_resid_*, and every router row's share added into racc. rows = D_MODEL (= the router's
+// K); the grid may give a block at most RF_CAP tiles (the host checks).
+#define CALLA_GEMV_RF_ENTRY(NAME, BITS, K, RB, GB)                                                          \
+    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
+        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
+             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
+             const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2,         \
+             int flags, const unsigned char* __restrict__ r_packed, const unsigned* __restrict__ r_sb,     \
+             const unsigned char* __restrict__ g_packed, const unsigned* __restrict__ g_sb,                \
+             const float* __restrict__ norm_w, double* racc) {                                             \
+        calla_gemv::gemv_body<BITS, K, true, false, false, RB, GB>(                                         \
+            out, packed, scales, biases, x, resid, nullptr, 0.f, rows, ks_log2, flags, nullptr, 0,          \
+            calla_gemv::RouterFold{r_packed, r_sb, g_packed, g_sb, norm_w, racc});                          \
+    }
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r4_g4_q4_k4096, 4, CALLA_ATTN_OUT, 4, 4)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r4_g8_q4_k4096, 4, CALLA_ATTN_OUT, 4, 8)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r8_g4_q4_k4096, 4, CALLA_ATTN_OUT, 8, 4)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r8_g8_q4_k4096, 4, CALLA_ATTN_OUT, 8, 8)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r4_g4_q8_k4096, 8, CALLA_ATTN_OUT, 4, 4)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r4_g8_q8_k4096, 8, CALLA_ATTN_OUT, 4, 8)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r8_g4_q8_k4096, 8, CALLA_ATTN_OUT, 8, 4)
+CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r8_g8_q8_k4096, 8, CALLA_ATTN_OUT, 8, 8)
 
 // K = D_EXPERT (expert / shared-expert down projection)
 CALLA_GEMV_ENTRY(gemv_q4_k512, gemv_resid_q4_k512, 4, CALLA_D_EXPERT)

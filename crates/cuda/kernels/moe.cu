@@ -578,6 +578,100 @@ __device__ __forceinline__ void gate_up_body(const uint4* __restrict__ codes_e, 
                           s_meta, s_red, s_ids, s_w);
 }
 
+// 2'. gate/up with the router folded into the output projection (kernels/gemv.cu RouterFold):
+// no router launch. inv = 1/sqrt(mean(h²) + eps) from the output projection's Σ h²; every warp
+// writes the digits of u = h · inv · (1 + norm_w) over its own K range; in the routed blocks
+// warp 0 meanwhile reads the logit sums racc and runs softmax + top-k on inv · racc
+// (router_topk). The block triggers its dependents right after its wait: moe_down_fold_* does
+// the same top-k before its own wait (the output projection is complete by then), so its
+// weights stream while this kernel runs.
+constexpr int RF_STRIDE = 16;  // kernels/gemv.cu RF_STRIDE
+constexpr int RF_SS = NE + 1;  // racc index of Σ h²
+
+// inv · racc of the routed logits and the shared gate, then router_topk; one warp. racc was
+// written by the output projection, which has completed (see the callers).
+__device__ __forceinline__ void fold_topk(const double* __restrict__ racc, float eps, float* s_logits, int* s_ids,
+                                          float* s_w, int lane) {
+    constexpr int PER = NE / 32;
+    double lg[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) lg[i] = __ldcg(racc + (lane * PER + i) * RF_STRIDE);
+    const double lg_gate = __ldcg(racc + NE * RF_STRIDE);
+    const float inv = rsqrtf((float)__ldcg(racc + RF_SS * RF_STRIDE) / float(D) + eps);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) s_logits[lane * PER + i] = (float)lg[i] * inv;
+    if (lane == 0) s_logits[NE] = (float)lg_gate * inv;
+    __syncwarp();
+    router_topk(s_logits, s_ids, s_w, lane);
+}
+
+template <int BITS>
+__device__ __forceinline__ void gate_up_fold_block(const uint4* __restrict__ codes, const uint2* __restrict__ sb,
+                                                   const float* __restrict__ h, const float* __restrict__ norm_w,
+                                                   float eps, const double* __restrict__ racc, int slot, bool routed,
+                                                   int rt, float* __restrict__ act, uint4 (*s_bq)[GU_GPW][16],
+                                                   float2 (*s_meta)[GU_GPW], float (*s_red)[16], float* s_logits,
+                                                   int* s_ids, float* s_w) {
+    static_assert(GU_GPW % 2 == 0, "two groups per warp pass");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g0 = warp * GU_GPW;
+    const int q = lane & 15, hh = lane >> 4;
+    Tile<BITS> tl[GU_GPW];
+    auto load = [&](int e) {
+        const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
+#pragma unroll
+        for (int i = 0; i < GU_GPW; ++i)
+            tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
+    };
+    if (!routed) load(0);  // the shared expert: before the wait
+    calla_pdl_wait();      // h and racc come from the output projection
+    calla_pdl_launch_dependents();
+    if (routed && warp == 0) fold_topk(racc, eps, s_logits, s_ids, s_w, lane);
+    // this lane's values of its warp's groups g0 + 2p + hh, laid out as quantize_group_v takes them
+    const int off = 32 * (q >> 3) + 16 * ((q >> 2) & 1) + 4 * (q & 3);
+    const float inv = rsqrtf((float)__ldcg(racc + RF_SS * RF_STRIDE) / float(D) + eps);
+#pragma unroll
+    for (int p = 0; p < GU_GPW / 2; ++p) {
+        const int c = (g0 + 2 * p + hh) * GROUP + off;
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(h + c));
+        const float4 nw = __ldg(reinterpret_cast<const float4*>(norm_w + c));
+        const float4 u = make_float4(x.x * inv * (1.f + nw.x), x.y * inv * (1.f + nw.y), x.z * inv * (1.f + nw.z),
+                                     x.w * inv * (1.f + nw.w));
+        quantize_group_v(u, q, reinterpret_cast<unsigned*>(&s_bq[warp][2 * p + hh][0]), &s_meta[warp][2 * p + hh]);
+    }
+    if (routed) {
+        __syncthreads();  // s_ids from warp 0
+        load(s_ids[slot]);
+    }
+    __syncwarp();  // this warp's digits
+    float r0, r1;  // gate row 8rt + g, up row 8rt + g
+    tiles_dot<BITS>(tl, &s_bq[warp][0][0], s_meta[warp], lane, r0, r1);
+    store_rows(s_red[warp], r0, r1, lane);
+    __syncthreads();
+    if (threadIdx.x < 8) act[slot * DE + rt * 8 + threadIdx.x] = swiglu_row(s_red, threadIdx.x);
+}
+
+template <int EB, int SB>
+__device__ __forceinline__ void gate_up_fold_body(const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
+                                                  const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
+                                                  const float* __restrict__ h, const float* __restrict__ norm_w,
+                                                  float eps, const double* __restrict__ racc, float* __restrict__ act) {
+    __shared__ uint4 s_bq[GU_KS][GU_GPW][16];
+    __shared__ float2 s_meta[GU_KS][GU_GPW];
+    __shared__ float s_red[GU_KS][16];
+    __shared__ float s_logits[NE + 1];
+    __shared__ int s_ids[TOPK];
+    __shared__ float s_w[NSLOT];
+    static_assert(GU_KS * GU_GPW * GROUP == D, "the gate/up block's warps cover D");
+    const int slot = blockIdx.x / GU_RT, rt = blockIdx.x % GU_RT;
+    if (slot == TOPK)
+        gate_up_fold_block<SB>(codes_s, sb_s, h, norm_w, eps, racc, slot, false, rt, act, s_bq, s_meta, s_red, s_logits,
+                               s_ids, s_w);
+    else
+        gate_up_fold_block<EB>(codes_e, sb_e, h, norm_w, eps, racc, slot, true, rt, act, s_bq, s_meta, s_red, s_logits,
+                               s_ids, s_w);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. down + combine + residual
 
@@ -649,6 +743,45 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
     store_rows(s_red[kh][slot], r0, r1, lane);
     __syncthreads();
     if (threadIdx.x < 16) combine_row(s_red, sel_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
+}
+
+// With the router folded into the output projection: warp 0 runs the top-k from racc (the
+// output projection's sums, complete: moe_gate_up_fold triggered this launch after its own
+// wait) before the wait, so every warp's expert tiles load before it; block 0 stores
+// sel_ids/sel_w for telemetry and zeroes racc_zero (the next layer's accumulators: its readers
+// of old, earlier layers' gate/up and down, have completed) after it.
+template <int EB, int SB>
+__device__ __forceinline__ void down_fold_body(float* out, const float* resid, const float* __restrict__ act,
+                                               int* __restrict__ sel_ids, float* __restrict__ sel_w,
+                                               const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
+                                               const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
+                                               const double* __restrict__ racc, double* __restrict__ racc_zero,
+                                               float eps) {
+    __shared__ __align__(16) unsigned s_words[DN_KS * NSLOT][DN_GPW * 64];
+    __shared__ float2 s_meta[DN_KS * NSLOT][DN_GPW];
+    __shared__ float s_red[DN_KS][NSLOT][16];
+    __shared__ float s_logits[NE + 1];
+    __shared__ int s_ids[TOPK];
+    __shared__ float s_w[NSLOT];
+    static_assert(DN_KS * NSLOT * 32 > NE + 1, "a thread per accumulator");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int slot = warp % NSLOT, kh = warp / NSLOT;
+    const int rt = blockIdx.x;
+    if (warp == 0) fold_topk(racc, eps, s_logits, s_ids, s_w, lane);
+    __syncthreads();
+    float r0, r1;  // (F_TOPK_IN_ROUTER: the ids are known, the tiles load before the wait)
+    if (slot == TOPK)
+        down_warp<SB>(codes_s, sb_s, s_ids, slot, false, kh, rt, act, F_TOPK_IN_ROUTER, s_words[warp], s_meta[warp], r0, r1);
+    else
+        down_warp<EB>(codes_e, sb_e, s_ids, slot, true, kh, rt, act, F_TOPK_IN_ROUTER, s_words[warp], s_meta[warp], r0, r1);
+    store_rows(s_red[kh][slot], r0, r1, lane);
+    if (blockIdx.x == 0) {  // after the wait (down_warp)
+        if (threadIdx.x < TOPK) sel_ids[threadIdx.x] = s_ids[threadIdx.x];
+        if (threadIdx.x < NSLOT) sel_w[threadIdx.x] = s_w[threadIdx.x];
+        if (threadIdx.x <= NE + 1) racc_zero[threadIdx.x * RF_STRIDE] = 0.0;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) combine_row(s_red, s_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -967,6 +1100,22 @@ CALLA_MOE_GATE_UP(moe_gate_up_e4_s8, 4, 8)
 CALLA_MOE_GATE_UP(moe_gate_up_e8_s4, 8, 4)
 CALLA_MOE_GATE_UP(moe_gate_up_e8_s8, 8, 8)
 
+// With the router folded into the output projection (kernels/gemv.cu gemv_resid_rf_*): h is the
+// residual stream after it, norm_w the post_attention_layernorm, racc its logit sums and Σ h²
+// [(N_EXPERTS + 2) * RF_STRIDE] f64; the grid and block of moe_gate_up_*.
+#define CALLA_MOE_GATE_UP_FOLD(NAME, EB, SB)                                                              \
+    extern "C" __global__ void __launch_bounds__(calla_moe::GU_KS * 32, (EB == 8 || SB == 8) ? 4 : 5) NAME( \
+        const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, const float* __restrict__ h,   \
+        const float* __restrict__ norm_w, float eps, const double* __restrict__ racc,                     \
+        float* __restrict__ act) {                                                                         \
+        calla_moe::gate_up_fold_body<EB, SB>(codes_e, sb_e, codes_s, sb_s, h, norm_w, eps, racc, act);     \
+    }
+CALLA_MOE_GATE_UP_FOLD(moe_gate_up_fold_e4_s4, 4, 4)
+CALLA_MOE_GATE_UP_FOLD(moe_gate_up_fold_e4_s8, 4, 8)
+CALLA_MOE_GATE_UP_FOLD(moe_gate_up_fold_e8_s4, 8, 4)
+CALLA_MOE_GATE_UP_FOLD(moe_gate_up_fold_e8_s8, 8, 8)
+
 // QUALS: CALLA_MOE_DOWN_ONE_PER_SM (the default) or CALLA_MOE_DOWN_48_REGS: at most 48 registers
 // per thread (__maxnreg__, which excludes __launch_bounds__): 576 x 48 = 27,648 registers, so a
 // down block fits on an SM beside three gate/up blocks and can start (and load its weights)
@@ -989,6 +1138,22 @@ CALLA_MOE_DOWN(moe_down_r48_e4_s4, 4, 4, CALLA_MOE_DOWN_48_REGS)
 CALLA_MOE_DOWN(moe_down_r48_e4_s8, 4, 8, CALLA_MOE_DOWN_48_REGS)
 CALLA_MOE_DOWN(moe_down_r48_e8_s4, 8, 4, CALLA_MOE_DOWN_48_REGS)
 CALLA_MOE_DOWN(moe_down_r48_e8_s8, 8, 8, CALLA_MOE_DOWN_48_REGS)
+
+// After moe_gate_up_fold_*: the down kernel with its own top-k from racc (see down_fold_body);
+// racc_zero: the accumulators the next layer's output projection adds into.
+#define CALLA_MOE_DOWN_FOLD(NAME, EB, SB)                                                                 \
+    extern "C" __global__ void __maxnreg__(64) NAME(                                                      \
+        float* out, const float* resid, const float* __restrict__ act, int* __restrict__ sel_ids,         \
+        float* __restrict__ sel_w, const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,     \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, const double* __restrict__ racc, \
+        double* __restrict__ racc_zero, float eps) {                                                       \
+        calla_moe::down_fold_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, racc, \
+                                          racc_zero, eps);                                                 \
+    }
+CALLA_MOE_DOWN_FOLD(moe_down_fold_e4_s4, 4, 4)
+CALLA_MOE_DOWN_FOLD(moe_down_fold_e4_s8, 4, 8)
+CALLA_MOE_DOWN_FOLD(moe_down_fold_e8_s4, 8, 4)
+CALLA_MOE_DOWN_FOLD(moe_down_fold_e8_s8, 8, 8)
 
 // Fused (one launch, grid barriers): router/shared-gate bits x expert bits (routed and shared
 // alike; other mixes use the three kernels). One block per SM (FU_THREADS threads).

@@ -385,6 +385,9 @@ pub struct CudaSession {
     pub(crate) l2_prefetch: bool,
     /// MoE launch variant ([`crate::moe::MoeFlags::DEFAULT`] unless measuring).
     pub(crate) moe_flags: crate::moe::MoeFlags,
+    /// The MoE router folded into the output projection ([`Self::set_router_fold`]; off by
+    /// default: measured no faster; used only with fused norms and the three-kernel MoE).
+    pub(crate) router_fold: bool,
     /// On-device sampling ([`Self::set_sampling`]): the device state and the parameters the
     /// next sequence starts with; `None`: the greedy pick (`argmax_step`).
     pub(crate) sampling: Option<(crate::sample::SampleState, sampler::SamplingParams)>,
@@ -442,6 +445,7 @@ impl CudaSession {
             fuse_norm: true,
             l2_prefetch: false,
             moe_flags: crate::moe::MoeFlags::DEFAULT,
+            router_fold: false,
             sampling: None,
             graph_model: None,
             graph_gen: 0,
@@ -521,8 +525,38 @@ impl CudaSession {
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
+            // the router folded into the output projection: no router launch (fused norms and
+            // the three-kernel MoE only)
+            // (a single layer would read and zero one accumulator set: not folded)
+            let n_layers = m.layers.len();
+            let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2;
+            let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
             if on(ablate::OUT_PROJ) {
-                cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                if fold {
+                    cx.gemv_residual_router(
+                        &mut self.h.slice_mut(..),
+                        out_mat,
+                        &self.mix.slice(..n_out),
+                        &self.x.slice(..),
+                        &lw.moe,
+                        &lw.post_norm.slice(..),
+                        &mut self.moe_scratch,
+                        set,
+                    )?;
+                } else {
+                    cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
+                }
+            }
+            if fold {
+                if on(ablate::MOE_GATE_UP) {
+                    cx.moe_fold_gate_up(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, set)?;
+                }
+                if on(ablate::MOE_DOWN) {
+                    cx.moe_fold_down(&lw.moe, &self.h.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
+                } else {
+                    cx.moe_fold_reset(&mut self.moe_scratch)?; // the accumulators zero for the next layer
+                }
+                continue;
             }
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.h.slice(..), &lw.post_norm.slice(..))?;
@@ -623,6 +657,23 @@ impl CudaSession {
     pub fn set_moe_flags(&mut self, flags: crate::moe::MoeFlags) {
         if flags != self.moe_flags {
             self.moe_flags = flags;
+            self.drop_graphs();
+        }
+    }
+
+    /// Folds the MoE router into the output projection (`true`: no router launch,
+    /// [`CudaContext::gemv_residual_router`], 40 kernels fewer per step) or runs it as its own
+    /// kernel (`false`, the default). Measured on the H200 (docs/CUDA.md): the same time per
+    /// token (1,333.4 against 1,333.8 µs), the router's work moving into the output projection
+    /// and the MoE kernels' top-k. The fold applies with fused norms, the three-kernel MoE (not
+    /// [`MoeFlags::fused`]) and at least two layers; its logits equal the router kernel's up
+    /// to f32 rounding. The step graphs are captured again on the next [`Self::start`] when
+    /// this changes.
+    ///
+    /// [`MoeFlags::fused`]: crate::moe::MoeFlags::fused
+    pub fn set_router_fold(&mut self, on: bool) {
+        if on != self.router_fold {
+            self.router_fold = on;
             self.drop_graphs();
         }
     }

@@ -83,6 +83,14 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_q8_k2048",
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
+            "gemv_resid_rf_r4_g4_q4_k4096",
+            "gemv_resid_rf_r4_g8_q4_k4096",
+            "gemv_resid_rf_r8_g4_q4_k4096",
+            "gemv_resid_rf_r8_g8_q4_k4096",
+            "gemv_resid_rf_r4_g4_q8_k4096",
+            "gemv_resid_rf_r4_g8_q8_k4096",
+            "gemv_resid_rf_r8_g4_q8_k4096",
+            "gemv_resid_rf_r8_g8_q8_k4096",
             "gemv_chain_q4",
         ],
     },
@@ -174,6 +182,10 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_gate_up_e4_s8",
             "moe_gate_up_e8_s4",
             "moe_gate_up_e8_s8",
+            "moe_gate_up_fold_e4_s4",
+            "moe_gate_up_fold_e4_s8",
+            "moe_gate_up_fold_e8_s4",
+            "moe_gate_up_fold_e8_s8",
             "moe_down_e4_s4",
             "moe_down_e4_s8",
             "moe_down_e8_s4",
@@ -182,6 +194,10 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_down_r48_e4_s8",
             "moe_down_r48_e8_s4",
             "moe_down_r48_e8_s8",
+            "moe_down_fold_e4_s4",
+            "moe_down_fold_e4_s8",
+            "moe_down_fold_e8_s4",
+            "moe_down_fold_e8_s8",
             "moe_fused_r4_e4",
             "moe_fused_r4_e8",
             "moe_fused_r8_e4",
@@ -435,6 +451,15 @@ impl CudaContext {
                 func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL) as i32)?;
                 func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
                 slot[bi] = Some(func);
+            }
+            // the output projection with the MoE router folded in (moe.rs gemv_residual_router)
+            for rb in [4, 8] {
+                for gb in [4, 8] {
+                    let func = f("gemv", &format!("gemv_resid_rf_r{rb}_g{gb}_q{b}_k4096"))?;
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::N_V_HEADS * p::D_V) as i32)?;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                }
             }
         }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;

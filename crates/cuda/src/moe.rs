@@ -34,6 +34,31 @@ const DN_KS: usize = 2;
 const FU_WARPS: usize = 20;
 /// Down tiles per warp (`DN_GPW` in `moe.cu`): `D_EXPERT / 64 / DN_KS`.
 const DN_GPW: usize = p::D_EXPERT / QUANT_GROUP / DN_KS;
+/// f64 between two of the router fold's accumulators (`RF_STRIDE` in `kernels/gemv.cu` and
+/// `kernels/moe.cu`): one 128-byte L2 line each.
+const RF_STRIDE: usize = 16;
+/// Tiles of 16 rows one block of the router-fold output projection may own (`RF_CAP`,
+/// `kernels/gemv.cu`).
+const RF_CAP: usize = 16;
+/// f64 of one set of the router fold's accumulators: `N_EXPERTS` logit sums, the shared gate's,
+/// Σ h², each [`RF_STRIDE`] apart.
+const RF_SET: usize = (p::N_EXPERTS + 2) * RF_STRIDE;
+/// Sets of router-fold accumulators in a [`MoeScratch`]: consecutive layers use different sets
+/// (a layer's down launch zeroes the next layer's set while its own is still being read), and a
+/// step's last layer one different from its first; three cover any number of layers
+/// ([`fold_set`]).
+pub const FOLD_SETS: usize = 3;
+
+/// The accumulator set layer `layer` of `n_layers` uses in the decode step: alternating 0, 1,
+/// and 2 for the last layer of an odd count, so that no two consecutive layers (the last and
+/// the first of the next step included) share one.
+pub fn fold_set(layer: usize, n_layers: usize) -> usize {
+    if n_layers % 2 == 1 && layer + 1 == n_layers {
+        2
+    } else {
+        layer % 2
+    }
+}
 
 /// Dynamic shared memory of `moe_fused_*` at `bits` expert bits: each down warp's staged
 /// tiles (`fu_stage_bytes` in `moe.cu`: per tile `bits · 128` code bytes and 8 `{scale|bias}`
@@ -152,6 +177,12 @@ impl MoeScratch {
     pub fn bar_state(&self) -> CudaView<'_, u32> {
         self.bar.slice(..)
     }
+
+    /// The router fold's accumulators (`(N_EXPERTS + 1)·16` f64, every 16th used), for checks.
+    #[doc(hidden)]
+    pub fn fold_accumulators(&self) -> CudaView<'_, f64> {
+        self.racc.slice(..)
+    }
 }
 
 impl DeviceMoe {
@@ -212,6 +243,9 @@ pub struct MoeScratch {
     counter: CudaSlice<u32>,
     /// Grid barrier of the fused kernel: arrivals (zero between barriers), generation.
     bar: CudaSlice<u32>,
+    /// The router fold's accumulators (see [`CudaContext::gemv_residual_router`]): [`FOLD_SETS`]
+    /// sets of `N_EXPERTS + 2` f64 (logit sums, shared-gate sum, Σ h²), [`RF_STRIDE`] apart.
+    racc: CudaSlice<f64>,
     /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
     /// blocks cannot all be resident at once (it then never launches).
     fused_grid: [u32; 2],
@@ -495,6 +529,7 @@ impl CudaContext {
             act: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_EXPERT)?,
             counter: s.alloc_zeros::<u32>(1)?,
             bar: s.alloc_zeros::<u32>(2)?,
+            racc: s.alloc_zeros::<f64>(FOLD_SETS * RF_SET)?,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
@@ -738,6 +773,8 @@ impl CudaContext {
                     .arg(&m.sh_down_codes)
                     .arg(&m.sh_down_sb)
                     .arg(&fl);
+                let null = 0u64; // no router fold: nothing to zero
+                b.arg(&null);
                 // SAFETY: as above (`moe_down_*`).
                 unsafe { b.launch(cfg) }?;
             }
@@ -745,6 +782,221 @@ impl CudaContext {
         }
         Ok(())
     }
+}
+
+/// The decode step's MoE with its router folded into the output projection: no router launch
+/// (one of the step's ~250 dependent kernels fewer per layer). See
+/// [`CudaContext::gemv_residual_router`].
+impl CudaContext {
+    /// `out = resid + W·x` ([`Self::gemv_residual`], `W` = the layer's output projection
+    /// `[D_MODEL, K]`), and the MoE router of layer `m` folded in: every block adds its rows'
+    /// share of `Σ_c router[r, c]·(1 + norm_w[c])·out[c]` (each router row `r`, then the
+    /// shared-expert gate's row) and of `Σ_c out[c]²` into accumulator set `set` of `scratch`
+    /// (f64; 16 f64 apart). [`Self::moe_fold_gate_up`] and [`Self::moe_fold_down`] scale the
+    /// sums by the RMSNorm factor `1/sqrt(mean(out²) + eps)`: the logits of
+    /// `router · rms_norm(out, norm_w)` (MODEL.md §3.7), equal to the router kernel's up to f32
+    /// rounding. The set must be zero on entry (it is in a new scratch; [`Self::moe_fold_down`]
+    /// zeroes the set named as its `zero_set`). `out`, `resid`, `norm_w`: `[D_MODEL]` f32;
+    /// `x`: `[K]`.
+    ///
+    /// # Errors
+    /// As [`Self::gemv_residual`]; [`CudaError::Unsupported`] when `W` has other than `D_MODEL`
+    /// rows or `K` ≠ `N_V_HEADS·D_V`, `norm_w` is not `D_MODEL` long, `set` ≥ [`FOLD_SETS`], or
+    /// the launch would give a block more than 16 tiles of 16 rows (fewer than 8 SMs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_residual_router(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        mat: &crate::DeviceQMat,
+        x: &CudaView<'_, f32>,
+        resid: &CudaView<'_, f32>,
+        m: &DeviceMoe,
+        norm_w: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        set: usize,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        check_set(set)?;
+        if mat.rows != d || mat.cols != p::N_V_HEADS * p::D_V || norm_w.len() != d {
+            return Err(unsupported(format!(
+                "gemv_residual_router: a [{}, {}] matrix with {} norm weights (built for [{d}, {}])",
+                mat.rows,
+                mat.cols,
+                norm_w.len(),
+                p::N_V_HEADS * p::D_V
+            )));
+        }
+        let (_, cfg, ks_log2, rows) = self.gemv_prepare("gemv_residual_router", out.len(), mat, x, Some(resid.len()))?;
+        let tpb = crate::GEMV_WARPS >> ks_log2;
+        let iters = d.div_ceil(TILE_ROWS).div_ceil(tpb).div_ceil(cfg.grid_dim.0 as usize);
+        if iters * tpb > RF_CAP {
+            return Err(unsupported(format!(
+                "gemv_residual_router: {} blocks would own {} tiles of 16 rows each (at most {RF_CAP})",
+                cfg.grid_dim.0,
+                iters * tpb
+            )));
+        }
+        let name = format!(
+            "gemv_resid_rf_r{}_g{}_q{}_k{}",
+            bits_index(m.router_bits),
+            bits_index(m.shared_gate_bits),
+            bits_index(mat.bits),
+            mat.cols
+        );
+        let flags = self.gemv_flags();
+        let mut acc = scratch.racc.slice_mut(set * RF_SET..(set + 1) * RF_SET);
+        let mut b = self.stream().launch_builder(self.func(&name)?);
+        b.arg(out)
+            .arg(&mat.packed)
+            .arg(&mat.scales)
+            .arg(&mat.biases)
+            .arg(x)
+            .arg(resid)
+            .arg(&rows)
+            .arg(&ks_log2)
+            .arg(&flags)
+            .arg(&m.router_packed)
+            .arg(&m.router_sb)
+            .arg(&m.sgate_packed)
+            .arg(&m.sgate_sb)
+            .arg(norm_w)
+            .arg(&mut acc);
+        // SAFETY: arguments match `gemv_resid_rf_*` in kernels/gemv.cu (shapes checked above and
+        // in gemv_prepare; router [N_EXPERTS, D_MODEL] and shared gate [1, D_MODEL] by
+        // upload_moe_refs; one set of racc, RF_SET f64); no block owns more than RF_CAP
+        // tiles.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// After [`Self::gemv_residual_router`] into set `set`: `u = rms_norm(h, norm_w)` (the norm
+    /// factor from the set's Σ h²) and softmax + top-k from the set's logit sums in every block,
+    /// then the chosen and the shared experts' `silu(gate·u)·(up·u)` into `scratch`. `h`: the
+    /// output projection's `out`; `norm_w`: the layer's post_attention_layernorm, both
+    /// `[D_MODEL]` f32, 16-byte aligned.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] on other lengths, a misaligned `h`/`norm_w` or `set` ≥
+    /// [`FOLD_SETS`]; driver errors.
+    pub fn moe_fold_gate_up(
+        &self,
+        m: &DeviceMoe,
+        h: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        set: usize,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        let s = self.stream();
+        check_set(set)?;
+        if h.len() != d || norm_w.len() != d {
+            return Err(unsupported(format!("moe_fold_gate_up: h {} norm_w {} (D_MODEL = {d})", h.len(), norm_w.len())));
+        }
+        for (what, v) in [("h", h), ("norm_w", norm_w)] {
+            let (ptr, _guard) = v.device_ptr(s);
+            if ptr % 16 != 0 {
+                return Err(unsupported(format!("moe_fold_gate_up: {what} must be 16-byte aligned (device address {ptr:#x})")));
+            }
+        }
+        let name = format!("moe_gate_up_fold_e{}_s{}", bits_index(m.gate_up_bits), bits_index(m.shared_gate_up_bits));
+        let cfg = LaunchConfig {
+            grid_dim: (((p::TOP_K + 1) * 2 * p::D_EXPERT / TILE_ROWS) as u32, 1, 1),
+            block_dim: ((GU_KS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let eps = p::RMS_EPS;
+        let acc = scratch.racc.slice(set * RF_SET..(set + 1) * RF_SET);
+        let mut b = s.launch_builder(self.func(&name)?);
+        b.arg(&m.gu_codes)
+            .arg(&m.gu_sb)
+            .arg(&m.sh_gu_codes)
+            .arg(&m.sh_gu_sb)
+            .arg(h)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(&acc)
+            .arg(&mut scratch.act);
+        // SAFETY: arguments match `moe_gate_up_fold_*` in kernels/moe.cu; lengths checked above
+        // and fixed by upload_moe_refs and moe_scratch.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// After [`Self::moe_fold_gate_up`] on set `set`: `out = resid + Σ_k w_k·down_k(act_k) +
+    /// c·down_s(act_s)` (the down kernel of [`Self::moe_decode_step`], with its own top-k from
+    /// the set, so its weights load while gate/up runs); `sel_ids`/`sel_w` as
+    /// [`Self::moe_decode_step`] leaves them; set `zero_set` zeroed for the next
+    /// [`Self::gemv_residual_router`] (it must differ from `set`: the kernel's blocks still
+    /// read `set` when the first of them zeroes). `resid`, `out`: `[D_MODEL]` f32.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] on other lengths, `set == zero_set` or a set ≥
+    /// [`FOLD_SETS`]; driver errors.
+    pub fn moe_fold_down(
+        &self,
+        m: &DeviceMoe,
+        resid: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        set: usize,
+        zero_set: usize,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        check_set(set)?;
+        check_set(zero_set)?;
+        if set == zero_set {
+            return Err(unsupported(format!("moe_fold_down: reads and zeroes accumulator set {set}")));
+        }
+        if resid.len() != d || out.len() != d {
+            return Err(unsupported(format!("moe_fold_down: resid {} out {} (D_MODEL = {d})", resid.len(), out.len())));
+        }
+        let name = format!("moe_down_fold_e{}_s{}", bits_index(m.down_bits), bits_index(m.shared_down_bits));
+        let cfg = LaunchConfig {
+            grid_dim: ((p::D_MODEL / TILE_ROWS) as u32, 1, 1),
+            block_dim: ((DN_KS * (p::TOP_K + 1) * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let eps = p::RMS_EPS;
+        // the two sets as disjoint views: `read` (set), `zero` (zero_set)
+        let (lo, hi) = (set.min(zero_set), set.max(zero_set));
+        let (mut below, mut above) = scratch.racc.split_at_mut(hi * RF_SET);
+        let lo_v = below.slice_mut(lo * RF_SET..(lo + 1) * RF_SET);
+        let hi_v = above.slice_mut(..RF_SET);
+        let (mut read, mut zero) = if set < zero_set { (lo_v, hi_v) } else { (hi_v, lo_v) };
+        let mut b = self.stream().launch_builder(self.func(&name)?);
+        b.arg(out)
+            .arg(resid)
+            .arg(&scratch.act)
+            .arg(&mut scratch.sel_ids)
+            .arg(&mut scratch.sel_w)
+            .arg(&m.down_codes)
+            .arg(&m.down_sb)
+            .arg(&m.sh_down_codes)
+            .arg(&m.sh_down_sb);
+        b.arg(&mut read).arg(&mut zero).arg(&eps);
+        // SAFETY: arguments match `moe_down_fold_*` in kernels/moe.cu (shapes as moe_decode_part's
+        // down launch; racc sets RF_SET f64 each, distinct).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Zero every router-fold accumulator set (what [`Self::moe_fold_down`] does for the next
+    /// layer), for a step that leaves the down launch out (the ablation).
+    ///
+    /// # Errors
+    /// Driver errors.
+    #[doc(hidden)]
+    pub fn moe_fold_reset(&self, scratch: &mut MoeScratch) -> Result<(), CudaError> {
+        self.stream().memset_zeros(&mut scratch.racc)?;
+        Ok(())
+    }
+}
+
+fn check_set(set: usize) -> Result<(), CudaError> {
+    if set >= FOLD_SETS {
+        return Err(unsupported(format!("router-fold accumulator set {set} (there are {FOLD_SETS})")));
+    }
+    Ok(())
 }
 
 impl CudaContext {
@@ -958,6 +1210,22 @@ mod tests {
             }
             let got = v * 2f64.powi(e - 30);
             assert!((got - f64::from(*x)).abs() <= 2f64.powi(e - 31), "x[{k}] = {x}, digits give {got}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod fold_set_tests {
+    use super::{fold_set, FOLD_SETS};
+
+    /// Consecutive layers, and a step's last and the next step's first, never share a set.
+    #[test]
+    fn consecutive_layers_use_different_sets() {
+        for n in 2..=64 {
+            for l in 0..n {
+                let (a, b) = (fold_set(l, n), fold_set((l + 1) % n, n));
+                assert!(a < FOLD_SETS && a != b, "{n} layers: layer {l} set {a}, next {b}");
+            }
         }
     }
 }

@@ -283,6 +283,11 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
             fused_equals_three(s, &format!("{name} [{v}] = three kernels, fused norm, input {i}"), fl, &dm, &mut scratch, &h, &h, Some(&nw));
         }
     }
+    // the router folded into the output projection, against the output projection then the
+    // three kernels with the fused norm (4-bit output projection; 8-bit in the full run)
+    for (i, ob) in [4u32, 8].into_iter().enumerate().take(if s.quick { 1 } else { 2 }) {
+        router_fold_equals_three(s, &format!("{name} router fold, {ob}-bit out_proj"), &dm, &mut scratch, ob, seed ^ (0x900 + i as u64));
+    }
     // every variant on one more input
     for fl in VARIANTS {
         let u = input(seed ^ 0x180, 0.0);
@@ -502,6 +507,81 @@ fn fused_equals_three(
     if differ > 0 || ids_a != ids_b || w_a.iter().zip(&w_b).any(|(x, y)| x.to_bits() != y.to_bits()) {
         c.ok = false;
         c.msg.push_str(&format!("{differ} words differ; ids {ids_b:?} vs {ids_a:?}; "));
+    }
+    s.record(SEC, label, &c, "");
+}
+
+/// The decode step's MoE with the router folded into the output projection
+/// (`gemv_residual_router`, `moe_fold_gate_up`, `moe_fold_down`) against the output projection
+/// (`gemv_residual`) followed by `moe_decode_step_norm` on the same random inputs (h of RMS ~2
+/// with outlier channels, so the norm matters): the residual stream h equal bit for bit, the
+/// same chosen experts, routing weights and output within `Tol::F32` (the fold's logits are the
+/// router's up to f32 rounding); the accumulator set the down launch zeroes is zero afterwards,
+/// and a second run on another set equal to the first bit for bit (no state left behind, no
+/// order dependence).
+fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch: &mut cuda::moe::MoeScratch, out_bits: u32, seed: u64) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let k = p::N_V_HEADS * p::D_V;
+    let wo = rand_qmat(d, k, out_bits, seed, 0.02);
+    let wod = cx.upload_qmat(wo.as_ref()).expect("upload out_proj");
+    let x = rand_f32s(k, seed ^ 0x11, 1.0);
+    let resid: Vec<f32> = rand_f32s(d, seed ^ 0x22, 2.0).iter().enumerate().map(|(i, v)| if i % 97 == 0 { v * 20.0 } else { *v }).collect();
+    let nw = rand_f32s(d, seed ^ 0x33, 0.6);
+    let (xd, rd, wd) = (cx.upload_f32(&x).unwrap(), cx.upload_f32(&resid).unwrap(), cx.upload_f32(&nw).unwrap());
+    // three kernels after the plain output projection
+    let mut h3 = cx.upload_f32(&vec![0f32; d]).unwrap();
+    cx.gemv_residual(&mut h3.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..)).expect("gemv_residual");
+    let mut o3 = guarded(cx, d);
+    cx.moe_decode_step_norm(dm, &h3.slice(..), &wd.slice(..), scratch, &mut o3.slice_mut(GUARD..GUARD + d)).expect("moe");
+    let ids3: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+    let w3 = cx.download_f32(&scratch.sel_w).unwrap();
+    // accumulator set `set`, zeroing `zero` (as the decode step does for the next layer)
+    let run_fold = |scratch: &mut cuda::moe::MoeScratch, set: usize, zero: usize| {
+        let mut hf = cx.upload_f32(&vec![0f32; d]).unwrap();
+        let mut of = guarded(cx, d);
+        cx.gemv_residual_router(&mut hf.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
+        cx.moe_fold_gate_up(dm, &hf.slice(..), &wd.slice(..), scratch, set).expect("moe_fold_gate_up");
+        cx.moe_fold_down(dm, &hf.slice(..), scratch, &mut of.slice_mut(GUARD..GUARD + d), set, zero).expect("moe_fold_down");
+        let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+        let racc: Vec<f64> = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
+        (cx.download_f32(&hf).unwrap(), cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc)
+    };
+    // set 0 (zeroing set 1), then set 1 zeroing set 0, which the first run left full
+    let (hf, of, idsf, wf, _) = run_fold(scratch, 0, 1);
+    let (hf2, of2, idsf2, wf2, racc) = run_fold(scratch, 1, 0);
+    cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+    let set_len = racc.len() / cuda::moe::FOLD_SETS;
+    let h3h = cx.download_f32(&h3).unwrap();
+    let o3h = cx.download_f32(&o3).unwrap();
+    let reference: Vec<f64> = o3h[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
+    let mut c = check_guarded(&of, &reference, Tol::F32);
+    let fail = |c: &mut Cmp, m: String| {
+        c.ok = false;
+        c.msg.push_str(&m);
+    };
+    let hdiff = hf.iter().zip(&h3h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    if hdiff > 0 {
+        fail(&mut c, format!("{hdiff} words of h differ from gemv_residual's; "));
+    }
+    if idsf != ids3 {
+        fail(&mut c, format!("ids {idsf:?} vs {ids3:?}; "));
+    }
+    let wref: Vec<f64> = w3.iter().map(|v| f64::from(*v)).collect();
+    let cw = check(&wf, &wref, Tol::F32, String::new());
+    if !cw.ok {
+        fail(&mut c, format!("routing weights {wf:?} vs {w3:?} (rel {:.2e}); ", cw.rel));
+    }
+    let nz = racc[..set_len].iter().filter(|v| **v != 0.0).count();
+    if nz > 0 {
+        fail(&mut c, format!("{nz} accumulators of set 0 not zero after moe_fold_down zeroed it; "));
+    }
+    if racc[set_len..2 * set_len].iter().all(|v| *v == 0.0) {
+        fail(&mut c, "set 1 holds no sums after its run; ".into());
+    }
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    if !(same(&hf, &hf2) && same(&of, &of2) && same(&wf, &wf2) && idsf == idsf2) {
+        fail(&mut c, "a second run differs from the first; ".into());
     }
     s.record(SEC, label, &c, "");
 }
