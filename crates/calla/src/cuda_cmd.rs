@@ -598,7 +598,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
         "moe_fused": a.moe_fused,
-        "moe_down_r48": a.moe_down_r48,
+        "moe_down_r48": a.moe_down_r48, "router_fold": a.router_fold,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
