@@ -478,7 +478,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             apply(&mut sess, fuse, pf, flags, carve, cap, early, fold)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "router_fold": fold, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
@@ -707,10 +707,33 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             };
             m.forward_traced(&mut st, &prompt, Logits::Last, if batched { Some(&mut tr) } else { None })?
         };
+        // expert-load telemetry (not counted by the fused MoE kernel): start from zero
+        let count_experts = !a.moe_fused;
+        sess.take_expert_counts(&cx)?;
+        let k_top = m.cfg.num_experts_per_tok as u64;
         if batched {
             pf.trace = Some(Vec::new());
             sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
             if let Some(gpu_trace) = pf.trace.take() {
+                // the prefill's expert counts equal its own routing (the trace's top-k ids)
+                if count_experts {
+                    let counts = sess.take_expert_counts(&cx)?;
+                    let mut want = vec![vec![0u64; m.cfg.num_experts]; counts.len()];
+                    for (name, ids) in &gpu_trace {
+                        let layer = name.strip_prefix("blk.").and_then(|r| r.strip_suffix(".moe.topk_idx")).and_then(|l| l.parse::<usize>().ok());
+                        if let Some(row) = layer.and_then(|l| want.get_mut(l)) {
+                            for &e in ids {
+                                row[e as usize] += 1;
+                            }
+                        }
+                    }
+                    let good = counts == want && want.iter().all(|r| r.iter().sum::<u64>() == prompt.len() as u64 * k_top);
+                    checks += 1;
+                    if !good {
+                        failures += 1;
+                    }
+                    println!("batched prompt {n:>4} expert counts of the prefill equal its routing ({} per layer): {}", prompt.len() as u64 * k_top, if good { "ok" } else { "FAIL" });
+                }
                 // Gate: the first layer's mixer output, before any routing decision, within the
                 // bf16 bound (activations and dequantized weights rounded to bf16 in two GEMMs,
                 // 2^-9 each, plus TF32 in the GDN core: about 6e-3; 1e-2 allowed).
@@ -781,6 +804,18 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             }
             cpu = m.forward(&mut st, &[tok], Logits::Last)?;
             sess.decode(&gm, 1)?;
+        }
+        // every token run since: the decode steps (and, through the step graph, the prompt)
+        if count_experts {
+            let counts = sess.take_expert_counts(&cx)?;
+            let fed = a.steps as u64 + if batched { 0 } else { prompt.len() as u64 };
+            let good = counts.len() == m.cfg.num_hidden_layers && counts.iter().all(|r| r.iter().sum::<u64>() == fed * k_top);
+            checks += 1;
+            if !good {
+                failures += 1;
+            }
+            let sums: Vec<u64> = counts.iter().map(|r| r.iter().sum()).collect();
+            println!("{mode} prompt {n:>4} expert counts: {} per layer expected, {:?}: {}", fed * k_top, &sums[..sums.len().min(4)], if good { "ok" } else { "FAIL" });
         }
       }
     }

@@ -702,7 +702,8 @@ extern "C" __global__ void __launch_bounds__(256) qgemm_moe_hist(const int* __re
 extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __restrict__ hist, int n_chunks,
                                                                   int* __restrict__ base, int* __restrict__ counts,
                                                                   int* __restrict__ offsets, int* __restrict__ tiles64,
-                                                                  int* __restrict__ tiles128, int* __restrict__ tiles32) {
+                                                                  int* __restrict__ tiles128, int* __restrict__ tiles32,
+                                                                  int* __restrict__ count_into) {
     constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32;
     static_assert(NE % 32 == 0, "experts per lane");
     __shared__ int s_tot[NE];
@@ -713,7 +714,10 @@ extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __r
         int sum = 0;
         for (int c = lane; c < n_chunks; c += 32) sum += hist[e * n_chunks + c];
         sum = __reduce_add_sync(0xffffffffu, sum);
-        if (lane == 0) s_tot[e] = sum;
+        if (lane == 0) {
+            s_tot[e] = sum;
+            if (count_into != nullptr) count_into[e] += sum;  // expert-load telemetry (null: none)
+        }
     }
     __syncthreads();
     if (warp == 0) {  // exclusive scans over the experts: lane owns experts lane*PER ..

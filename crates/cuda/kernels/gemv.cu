@@ -246,8 +246,9 @@ __device__ __forceinline__ void super_step(int (&d)[4], const uint4* ag, const u
 // that produces rows c of h (the output projection + residual) adds its share of that sum for
 // every router row r (N_EXPERTS rows, then the shared-expert gate's row) into racc[r *
 // RF_STRIDE], and its rows' Σ h² into racc[(N_EXPERTS + 1) * RF_STRIDE] (f64 atomics: the f32
-// shares of 128 blocks add exactly in f64 unless they span more than 2^29 in magnitude, so the
-// order of arrival does not change the result). The MoE gate/up and down kernels
+// shares of 128 blocks add exactly in f64 while they span fewer than ~22 binades, so in practice
+// the order of arrival does not change the result; a share that nearly cancels can break that,
+// and then the sum may differ in its last f64 bits from run to run). The MoE gate/up and down kernels
 // (moe_gate_up_fold_*, moe_down_fold_*) take inv from Σ h², scale the logits and each run the
 // top-k; a later down launch zeroes racc again. Router weights in the MLX layout: packed
 // [N_EXPERTS][K*RB/8] bytes (element 0 in the low bits), {scale | bias << 16} bf16 per row and
@@ -315,6 +316,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     __shared__ float ss_red[NW];
     constexpr bool RF = RB > 0;
     static_assert(!RF || (RESID && !NORM && !CHAIN && GB > 0), "the router fold: output projection + residual only");
+    static_assert(!RF || (CALLA_N_EXPERTS + 2 <= THREADS && RF_CAP * 16 <= THREADS), "a thread per router row, Σ h² and stashed row");
     __shared__ float s_h[RF ? RF_CAP * 16 : 1];    // RF: this block's rows of out, by tile slot
     __shared__ float s_nw1[RF ? RF_CAP * 16 : 1];  // RF: 1 + norm weight of those rows
 

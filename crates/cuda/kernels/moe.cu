@@ -29,7 +29,8 @@
 //     atomics). With F_TOPK_IN_ROUTER the routed experts' ids (written by kernel 1) are read and
 //     their weights loaded BEFORE calla_pdl_wait(): kernel 2 triggers its dependents only after
 //     its own wait, i.e. after kernel 1 has completed, so kernel 1's writes are visible whenever
-//     kernel 3 runs. (Otherwise kernel 2 wrote the ids: read after the wait.)
+//     kernel 3 runs. (Otherwise kernel 2 wrote the ids: read after the wait.) Given hist_row
+//     (expert-load telemetry), block 0 adds one to hist_row[id] for each chosen id.
 //
 // Expert products on the integer tensor cores (mma.m16n8k32 u8 x s8 -> s32), exact:
 //   * weights: the MLX codes q (0..15 or 0..255) are the u8 A operand as they are (4-bit codes are
@@ -728,7 +729,7 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
                                           const int* __restrict__ sel_ids, const float* __restrict__ sel_w,
                                           const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
                                           const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
-                                          int flags) {
+                                          int flags, int* __restrict__ hist_row) {
     __shared__ __align__(16) unsigned s_words[DN_KS * NSLOT][DN_GPW * 64];
     __shared__ float2 s_meta[DN_KS * NSLOT][DN_GPW];
     __shared__ float s_red[DN_KS][NSLOT][16];
@@ -741,6 +742,8 @@ __device__ __forceinline__ void down_body(float* out, const float* resid, const 
     else
         down_warp<EB>(codes_e, sb_e, sel_ids, slot, true, kh, rt, act, flags, s_words[warp], s_meta[warp], r0, r1);
     store_rows(s_red[kh][slot], r0, r1, lane);
+    // expert-load telemetry: this layer's row of counts (the ids are distinct; after the wait)
+    if (hist_row != nullptr && blockIdx.x == 0 && threadIdx.x < TOPK) hist_row[sel_ids[threadIdx.x]] += 1;
     __syncthreads();
     if (threadIdx.x < 16) combine_row(s_red, sel_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
 }
@@ -756,7 +759,7 @@ __device__ __forceinline__ void down_fold_body(float* out, const float* resid, c
                                                const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,
                                                const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s,
                                                const double* __restrict__ racc, double* __restrict__ racc_zero,
-                                               float eps) {
+                                               float eps, int* __restrict__ hist_row) {
     __shared__ __align__(16) unsigned s_words[DN_KS * NSLOT][DN_GPW * 64];
     __shared__ float2 s_meta[DN_KS * NSLOT][DN_GPW];
     __shared__ float s_red[DN_KS][NSLOT][16];
@@ -779,6 +782,7 @@ __device__ __forceinline__ void down_fold_body(float* out, const float* resid, c
         if (threadIdx.x < TOPK) sel_ids[threadIdx.x] = s_ids[threadIdx.x];
         if (threadIdx.x < NSLOT) sel_w[threadIdx.x] = s_w[threadIdx.x];
         if (threadIdx.x <= NE + 1) racc_zero[threadIdx.x * RF_STRIDE] = 0.0;
+        if (hist_row != nullptr && threadIdx.x < TOPK) hist_row[s_ids[threadIdx.x]] += 1;
     }
     __syncthreads();
     if (threadIdx.x < 16) combine_row(s_red, s_w, rt * 16 + threadIdx.x, threadIdx.x, resid, out);
@@ -1127,8 +1131,9 @@ CALLA_MOE_GATE_UP_FOLD(moe_gate_up_fold_e8_s8, 8, 8)
         float* out, const float* resid, const float* __restrict__ act,                                    \
         const int* __restrict__ sel_ids, const float* __restrict__ sel_w,                                  \
         const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,                                \
-        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags) {                   \
-        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags); \
+        const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, int flags, int* hist_row) {    \
+        calla_moe::down_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, flags, \
+                                     hist_row);                                                            \
     }
 CALLA_MOE_DOWN(moe_down_e4_s4, 4, 4, CALLA_MOE_DOWN_ONE_PER_SM)
 CALLA_MOE_DOWN(moe_down_e4_s8, 4, 8, CALLA_MOE_DOWN_ONE_PER_SM)
@@ -1146,9 +1151,9 @@ CALLA_MOE_DOWN(moe_down_r48_e8_s8, 8, 8, CALLA_MOE_DOWN_48_REGS)
         float* out, const float* resid, const float* __restrict__ act, int* __restrict__ sel_ids,         \
         float* __restrict__ sel_w, const uint4* __restrict__ codes_e, const uint2* __restrict__ sb_e,     \
         const uint4* __restrict__ codes_s, const uint2* __restrict__ sb_s, const double* __restrict__ racc, \
-        double* __restrict__ racc_zero, float eps) {                                                       \
+        double* __restrict__ racc_zero, float eps, int* hist_row) {                                        \
         calla_moe::down_fold_body<EB, SB>(out, resid, act, sel_ids, sel_w, codes_e, sb_e, codes_s, sb_s, racc, \
-                                          racc_zero, eps);                                                 \
+                                          racc_zero, eps, hist_row);                                       \
     }
 CALLA_MOE_DOWN_FOLD(moe_down_fold_e4_s4, 4, 4)
 CALLA_MOE_DOWN_FOLD(moe_down_fold_e4_s8, 4, 8)

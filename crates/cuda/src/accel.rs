@@ -166,6 +166,11 @@ impl Accelerator for CudaAccelerator {
         format!("cuda · {}", self.device)
     }
 
+    fn take_expert_counts(&mut self) -> Option<Vec<Vec<u64>>> {
+        // telemetry only: a device error here shows up in the next start or step
+        self.sess.take_expert_counts(&self.cx).ok()
+    }
+
     fn check_sampling(&self, params: &SamplingParams) -> Result<(), EngineError> {
         crate::sample::check_params(params, self.m.vocab_limit).map(|_| ()).map_err(sampling_err)
     }

@@ -338,6 +338,9 @@ pub mod ablate {
 /// captured step graphs.
 pub struct CudaSession {
     pub(crate) max_ctx: usize,
+    /// Expert-load telemetry: `[layers, N_EXPERTS]` i32, token slots routed to each expert by
+    /// the decode steps and the batched prefill since the last [`Self::take_expert_counts`].
+    pub(crate) expert_hist: CudaSlice<i32>,
     /// Token history [max_ctx + 1] (the kernels see the first max_ctx): the prompt, then
     /// generated tokens.
     pub(crate) ids: CudaSlice<i32>,
@@ -420,6 +423,7 @@ impl CudaSession {
         }
         Ok(CudaSession {
             max_ctx,
+            expert_hist: st.alloc_zeros::<i32>(cfg.layer_types.len() * p::N_EXPERTS)?,
             ids: st.alloc_zeros::<i32>(max_ctx + 1)?,
             n_fixed: st.alloc_zeros::<i32>(1)?,
             pos: st.alloc_zeros::<i32>(1)?,
@@ -452,6 +456,27 @@ impl CudaSession {
         })
     }
 
+    /// Device address of layer `layer`'s row of the expert counts (`[N_EXPERTS]` i32; the
+    /// buffer lives as long as the session, so graphs may hold it).
+    pub(crate) fn expert_hist_row(&self, cx: &CudaContext, layer: usize) -> u64 {
+        let (base, _guard) = self.expert_hist.device_ptr(cx.stream());
+        base + (layer * p::N_EXPERTS * std::mem::size_of::<i32>()) as u64
+    }
+
+    /// Per layer and expert, the token slots the MoE routed to it (each token counts once
+    /// for each of its `TOP_K` experts) in the batched prefills and decode steps since the last
+    /// call, and zeroes the counts. Waits for the stream. The fused MoE kernel
+    /// ([`crate::moe::MoeFlags::fused`], a measured variant) does not count.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn take_expert_counts(&mut self, cx: &CudaContext) -> Result<Vec<Vec<u64>>, CudaError> {
+        let st = cx.stream();
+        let flat = st.clone_dtoh(&self.expert_hist)?;
+        st.memset_zeros(&mut self.expert_hist)?;
+        Ok(flat.chunks_exact(p::N_EXPERTS).map(|r| r.iter().map(|&c| c.max(0) as u64).collect()).collect())
+    }
+
     /// Context limit in tokens.
     pub fn max_ctx(&self) -> usize {
         self.max_ctx
@@ -471,11 +496,13 @@ impl CudaSession {
             let mut x = self.x.slice_mut(..);
             cx.embed_gather(&mut x, &m.embed, &self.ids.slice(..), &self.pos.slice(..))?;
         }
+        let hist_base = self.expert_hist_row(cx, 0);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;
             self.attn_scratch.l2_prefetch = mixer_pf;
             self.moe_scratch.l2_prefetch = router_pf;
+            self.moe_scratch.hist_row = hist_base + (i * p::N_EXPERTS * std::mem::size_of::<i32>()) as u64;
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
             }
@@ -529,7 +556,9 @@ impl CudaSession {
             // the three-kernel MoE only)
             // (a single layer would read and zero one accumulator set: not folded)
             let n_layers = m.layers.len();
-            let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2;
+            // (and not with gate/up left out by the ablation: down's top-k before its wait relies
+            // on gate/up's wait having seen the output projection complete)
+            let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && on(ablate::MOE_GATE_UP);
             let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
             if on(ablate::OUT_PROJ) {
                 if fold {
@@ -667,8 +696,9 @@ impl CudaSession {
     /// token (1,333.4 against 1,333.8 µs), the router's work moving into the output projection
     /// and the MoE kernels' top-k. The fold applies with fused norms, the three-kernel MoE (not
     /// [`MoeFlags::fused`]) and at least two layers; its logits equal the router kernel's up
-    /// to f32 rounding. The step graphs are captured again on the next [`Self::start`] when
-    /// this changes.
+    /// to f32 rounding. With the fold the router kernel's L2 prefetch hints
+    /// ([`Self::set_l2_prefetch`]) are not issued. The step graphs are captured again on the
+    /// next [`Self::start`] when this changes.
     ///
     /// [`MoeFlags::fused`]: crate::moe::MoeFlags::fused
     pub fn set_router_fold(&mut self, on: bool) {

@@ -136,6 +136,11 @@ impl GemmScratch {
 /// MoE routing of up to `max_t` tokens and the buffers of the grouped expert GEMMs, all on the
 /// device ([`CudaContext::moe_routing`] allocates, [`CudaContext::moe_route`] fills).
 pub struct MoeRouting {
+    /// Device address of an `[N_EXPERTS]` i32 row that every [`CudaContext::moe_route`] adds
+    /// its per-expert counts into (expert-load telemetry: the prefill points it at its
+    /// session's row of the layer); 0, the default: none. Must stay valid while launches that
+    /// read it can run.
+    pub count_into: u64,
     max_t: usize,
     /// Tokens of the last [`CudaContext::moe_route`].
     t: usize,
@@ -544,6 +549,7 @@ impl CudaContext {
         self.prepare_gemm()?;
         let s = self.stream();
         Ok(MoeRouting {
+            count_into: 0,
             max_t,
             t: 0,
             ids: s.alloc_zeros(e)?,
@@ -626,7 +632,7 @@ impl CudaContext {
             let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
             let (p32, _g7) = routing.tiles32.device_ptr_mut(stream);
             let mut b = stream.launch_builder(self.func("qgemm_moe_scan")?);
-            b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32);
+            b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into);
             let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: as allocated by moe_routing.
             unsafe { b.launch(cfg) }?;

@@ -178,7 +178,8 @@ impl MoeScratch {
         self.bar.slice(..)
     }
 
-    /// The router fold's accumulators (`(N_EXPERTS + 1)·16` f64, every 16th used), for checks.
+    /// The router fold's accumulators ([`FOLD_SETS`] sets of `(N_EXPERTS + 2)·16` f64, every
+    /// 16th used), for checks.
     #[doc(hidden)]
     pub fn fold_accumulators(&self) -> CudaView<'_, f64> {
         self.racc.slice(..)
@@ -252,6 +253,11 @@ pub struct MoeScratch {
     /// L2 prefetch hints passed with the next router launch (the decode step sets the next
     /// layer's input projection and GDN state here); empty by default.
     pub l2_prefetch: crate::L2Prefetch,
+    /// Device address of an `[N_EXPERTS]` i32 row the down launch adds one to for each chosen
+    /// expert (expert-load telemetry: the decode step points it at its session's row of the
+    /// layer); 0, the default: none. Not counted by the fused kernel ([`MoeFlags::fused`]).
+    /// Must stay valid while launches that read it can run.
+    pub hist_row: u64,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -534,6 +540,7 @@ impl CudaContext {
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
             l2_prefetch: crate::L2Prefetch::default(),
+            hist_row: 0,
         })
     }
 
@@ -773,9 +780,9 @@ impl CudaContext {
                     .arg(&m.sh_down_codes)
                     .arg(&m.sh_down_sb)
                     .arg(&fl);
-                let null = 0u64; // no router fold: nothing to zero
-                b.arg(&null);
-                // SAFETY: as above (`moe_down_*`).
+                b.arg(&scratch.hist_row);
+                // SAFETY: as above (`moe_down_*`); hist_row is null or an [N_EXPERTS] i32 row
+                // (its owner's contract).
                 unsafe { b.launch(cfg) }?;
             }
             _ => return Err(unsupported(format!("moe_decode_part {part} (0..=2)"))),
@@ -817,6 +824,7 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         let d = p::D_MODEL;
         check_set(set)?;
+        const _: () = assert!(p::N_V_HEADS * p::D_V == p::N_Q_HEADS * p::HEAD_DIM, "gemv_resid_rf_* are built for K = ATTN_OUT");
         if mat.rows != d || mat.cols != p::N_V_HEADS * p::D_V || norm_w.len() != d {
             return Err(unsupported(format!(
                 "gemv_residual_router: a [{}, {}] matrix with {} norm weights (built for [{d}, {}])",
@@ -973,7 +981,7 @@ impl CudaContext {
             .arg(&m.down_sb)
             .arg(&m.sh_down_codes)
             .arg(&m.sh_down_sb);
-        b.arg(&mut read).arg(&mut zero).arg(&eps);
+        b.arg(&mut read).arg(&mut zero).arg(&eps).arg(&scratch.hist_row);
         // SAFETY: arguments match `moe_down_fold_*` in kernels/moe.cu (shapes as moe_decode_part's
         // down launch; racc sets RF_SET f64 each, distinct).
         unsafe { b.launch(cfg) }?;

@@ -109,6 +109,14 @@ pub trait Accelerator: Send {
     /// # Errors
     /// [`EngineError::Accelerator`] on device errors, or when no sequence was started.
     fn step(&mut self) -> Result<u32, EngineError>;
+    /// Per MoE layer and expert, the token slots routed to it on the device (each token once
+    /// for each of its top-k experts: prompt tokens prefilled and tokens fed back) since the
+    /// last call, which resets them; `None` (the default) when the device keeps no counts.
+    /// Expert-load telemetry: the engine passes them to [`Observer::expert_counts`] after each
+    /// generation.
+    fn take_expert_counts(&mut self) -> Option<Vec<Vec<u64>>> {
+        None
+    }
 }
 
 /// Why generation stopped.

@@ -94,6 +94,10 @@ pub trait Observer {
     }
     /// MoE layer `layer` chose experts `ids` (top-k per token, flattened).
     fn experts(&mut self, _layer: usize, _ids: &[f32]) {}
+    /// MoE layer `layer` routed `counts[e]` token slots to expert `e` (an accelerator reports
+    /// its counts once per generation, [`crate::Accelerator::take_expert_counts`], instead of
+    /// the choices per token).
+    fn expert_counts(&mut self, _layer: usize, _counts: &[u64]) {}
 }
 
 /// The observer that watches nothing.
@@ -245,7 +249,15 @@ impl Engine {
         } else {
             cache.misses += 1;
         }
-        let stats = self.run_loop(t0, prompt.len(), params, obs, on_token, first, &mut |_, _| acc.step())?;
+        let stats = self.run_loop(t0, prompt.len(), params, obs, on_token, first, &mut |_, _| acc.step());
+        if obs.wants_experts() {
+            if let Some(counts) = acc.take_expert_counts() {
+                for (layer, row) in counts.iter().enumerate() {
+                    obs.expert_counts(layer, row);
+                }
+            }
+        }
+        let stats = stats?;
         if keep > 0 {
             acc.finish(keep);
         }

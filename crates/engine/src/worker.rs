@@ -243,6 +243,13 @@ impl Observer for Watch<'_> {
             }
         }
     }
+    fn expert_counts(&mut self, layer: usize, counts: &[u64]) {
+        if let Some(row) = self.counts.get_mut(layer) {
+            for (c, n) in row.iter_mut().zip(counts) {
+                *c += n;
+            }
+        }
+    }
 }
 
 fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
