@@ -17,6 +17,7 @@ check of this script on a machine without a GPU.)
 Exit status 0 when every check passed. Prints one `JSON {...}` line with the numbers.
 """
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -162,6 +163,24 @@ def main():
             out["completion_tokens"] = n
         check(code == 200 and n > 1, f"long streamed completion: {n} tokens, TTFT {out.get('client_ttft_ms')} ms, "
                                      f"decode {out.get('client_decode_tok_s')} tok/s as the client sees it")
+        # expert-load telemetry from the engine (on the GPU: the device's counts): every layer
+        # counted the same token slots, more than zero (the metrics sampler runs periodically)
+        vals = {}
+        for _ in range(20):
+            time.sleep(0.5)
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+                metrics = r.read().decode()
+            vals = {}
+            for line in metrics.splitlines():
+                m = re.match(r'calla_engine_expert_assignments_total\{layer="(\d+)"\} (\S+)', line)
+                if m:
+                    vals[int(m.group(1))] = float(m.group(2))
+            if vals:
+                break
+        per_layer = sorted(set(vals.values()))
+        out["expert_assignments_per_layer"] = per_layer
+        check(len(vals) > 0 and len(per_layer) == 1 and per_layer[0] > 0,
+              f"/metrics expert assignments: {len(vals)} layers, per layer {per_layer[:3]}")
     finally:
         srv.terminate()
         try:
