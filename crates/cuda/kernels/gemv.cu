@@ -384,15 +384,16 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         nw[0] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x);
         nw[1] = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * threadIdx.x + 1);
     }
-    // RF: the block's tile slots li (tile = ((li / tpb) * G + B) * tpb + li % tpb), their norm
+    // RF: the block's tile slots li (tiles rf_tile(li), in increasing order), their norm
     // weights, and router row threadIdx.x's codes of the first slot: constant, before the wait
     const int rf_slots = min(n_iters * tpb, RF_CAP); // (the host keeps n_iters * tpb <= RF_CAP)
+    auto rf_tile = [&](int li) { return ((li / tpb) * G + B) * tpb + li % tpb; }; // slot li's tile
     uint4 rf_w = make_uint4(0u, 0u, 0u, 0u);
     unsigned rf_sb = 0u;
     if constexpr (RF) {
         if ((int)threadIdx.x < rf_slots * 16) {
             const int li = threadIdx.x >> 4;
-            const int row = (((li / tpb) * G + B) * tpb + li % tpb) * 16 + (threadIdx.x & 15);
+            const int row = rf_tile(li) * 16 + (threadIdx.x & 15);
             s_nw1[threadIdx.x] = row < rows ? 1.f + __ldg(rf.norm_w + row) : 0.f;
         }
         const int tile0 = B * tpb;
@@ -513,7 +514,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         if (r <= CALLA_N_EXPERTS) {
             float part = 0.f;
             for (int li = 0; li < rf_slots; ++li) {
-                const int tile = ((li / tpb) * G + B) * tpb + li % tpb;
+                const int tile = rf_tile(li);
                 if (tile >= m_tiles) break; // slots go up in tile order
                 uint4 w = rf_w;
                 unsigned sbw = rf_sb;
@@ -530,7 +531,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         } else if (r == CALLA_N_EXPERTS + 1) { // Σ h² of this block's rows
             float ss = 0.f;
             for (int li = 0; li < rf_slots; ++li) {
-                if (((li / tpb) * G + B) * tpb + li % tpb >= m_tiles) break;
+                if (rf_tile(li) >= m_tiles) break;
 #pragma unroll
                 for (int c = 0; c < 16; ++c) ss = fmaf(s_h[li * 16 + c], s_h[li * 16 + c], ss);
             }

@@ -502,7 +502,31 @@ __device__ __forceinline__ void prefetch_down(const DownRef& dn, int e, int rt) 
     prefetch_l2(dn.sb + t0 * 64, 2 * EG * 64);
 }
 
-// codes: [experts][GU_RT][DG] tiles; sb: [experts][GU_RT][DG][8] uint2.
+// One warp's tiles of gate/up row tile rt of expert e over its K range (groups g0 ..
+// g0 + GU_GPW - 1). codes: [experts][GU_RT][DG] tiles; sb: [experts][GU_RT][DG][8] uint2.
+template <int BITS>
+__device__ __forceinline__ void gate_up_tiles_load(Tile<BITS> (&tl)[GU_GPW], const uint4* __restrict__ codes,
+                                                   const uint2* __restrict__ sb, int e, int rt, int g0, int lane) {
+    const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
+#pragma unroll
+    for (int i = 0; i < GU_GPW; ++i) tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
+}
+
+// The end of a gate/up block: each warp's dot products of its tiles with its K range's digits
+// (s_bq/s_meta, written before), summed over the warps: act[slot] rows 8rt.. = silu(gate) * up.
+// Every thread of the block calls it (one barrier).
+template <int BITS>
+__device__ __forceinline__ void gate_up_finish(const Tile<BITS> (&tl)[GU_GPW], uint4 (*s_bq)[GU_GPW][16],
+                                               float2 (*s_meta)[GU_GPW], float (*s_red)[16],
+                                               float* __restrict__ act, int slot, int rt) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float r0, r1;  // gate row 8rt + g, up row 8rt + g
+    tiles_dot<BITS>(tl, &s_bq[warp][0][0], s_meta[warp], lane, r0, r1);
+    store_rows(s_red[warp], r0, r1, lane);
+    __syncthreads();
+    if (threadIdx.x < 8) act[slot * DE + rt * 8 + threadIdx.x] = swiglu_row(s_red, threadIdx.x);
+}
+
 template <int BITS>
 __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, const uint2* __restrict__ sb,
                                               const DownRef& dn, int* __restrict__ sel_ids,
@@ -514,12 +538,7 @@ __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, c
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g0 = warp * GU_GPW;  // first group of this warp's K range
     Tile<BITS> tl[GU_GPW];
-    auto load = [&](int e) {
-        const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
-#pragma unroll
-        for (int i = 0; i < GU_GPW; ++i)
-            tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
-    };
+    auto load = [&](int e) { gate_up_tiles_load<BITS>(tl, codes, sb, e, rt, g0, lane); };
     if (!routed) {  // the shared expert: before the wait
         load(0);
         if ((flags & F_PREFETCH_DOWN) && threadIdx.x == 0) prefetch_down(dn, 0, rt);
@@ -551,11 +570,7 @@ __device__ __forceinline__ void gate_up_block(const uint4* __restrict__ codes, c
     if (lane < GU_GPW) s_meta[warp][lane] = umeta[g0 + lane];
     __syncwarp();
 
-    float r0, r1;  // gate row 8rt + g, up row 8rt + g
-    tiles_dot<BITS>(tl, &s_bq[warp][0][0], s_meta[warp], lane, r0, r1);
-    store_rows(s_red[warp], r0, r1, lane);
-    __syncthreads();
-    if (threadIdx.x < 8) act[slot * DE + rt * 8 + threadIdx.x] = swiglu_row(s_red, threadIdx.x);
+    gate_up_finish<BITS>(tl, s_bq, s_meta, s_red, act, slot, rt);
 }
 
 template <int EB, int SB>
@@ -618,12 +633,7 @@ __device__ __forceinline__ void gate_up_fold_block(const uint4* __restrict__ cod
     const int g0 = warp * GU_GPW;
     const int q = lane & 15, hh = lane >> 4;
     Tile<BITS> tl[GU_GPW];
-    auto load = [&](int e) {
-        const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
-#pragma unroll
-        for (int i = 0; i < GU_GPW; ++i)
-            tile_load<BITS>(tl[i], codes + (t0 + i) * tile_u4<BITS>(), sb + (t0 + i) * 8, lane);
-    };
+    auto load = [&](int e) { gate_up_tiles_load<BITS>(tl, codes, sb, e, rt, g0, lane); };
     if (!routed) load(0);  // the shared expert: before the wait
     calla_pdl_wait();      // h and racc come from the output projection
     calla_pdl_launch_dependents();
@@ -645,11 +655,7 @@ __device__ __forceinline__ void gate_up_fold_block(const uint4* __restrict__ cod
         load(s_ids[slot]);
     }
     __syncwarp();  // this warp's digits
-    float r0, r1;  // gate row 8rt + g, up row 8rt + g
-    tiles_dot<BITS>(tl, &s_bq[warp][0][0], s_meta[warp], lane, r0, r1);
-    store_rows(s_red[warp], r0, r1, lane);
-    __syncthreads();
-    if (threadIdx.x < 8) act[slot * DE + rt * 8 + threadIdx.x] = swiglu_row(s_red, threadIdx.x);
+    gate_up_finish<BITS>(tl, s_bq, s_meta, s_red, act, slot, rt);
 }
 
 template <int EB, int SB>
@@ -940,9 +946,7 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
     const int gj = warp / GU_KS, kq = warp % GU_KS, g0 = kq * GU_GPW;
     Tile<EB> tl[GU_GPW];
     auto gu_load = [&](const uint4* __restrict__ codes, const uint2* __restrict__ sb, int e, int rt) {
-        const size_t t0 = ((size_t)e * GU_RT + rt) * DG + g0;
-#pragma unroll
-        for (int i = 0; i < GU_GPW; ++i) tile_load<EB>(tl[i], codes + (t0 + i) * tile_u4<EB>(), sb + (t0 + i) * 8, lane);
+        gate_up_tiles_load<EB>(tl, codes, sb, e, rt, g0, lane);
     };
     {
         const int unit = b + G * gj;
