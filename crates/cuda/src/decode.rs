@@ -456,11 +456,11 @@ impl CudaSession {
         })
     }
 
-    /// Device address of layer `layer`'s row of the expert counts (`[N_EXPERTS]` i32; the
-    /// buffer lives as long as the session, so graphs may hold it).
-    pub(crate) fn expert_hist_row(&self, cx: &CudaContext, layer: usize) -> u64 {
+    /// Layer → device address of its row of the expert counts (`[N_EXPERTS]` i32; the buffer
+    /// lives as long as the session, so graphs may hold it). Borrows nothing of the session.
+    pub(crate) fn expert_hist_rows(&self, cx: &CudaContext) -> impl Fn(usize) -> u64 {
         let (base, _guard) = self.expert_hist.device_ptr(cx.stream());
-        base + (layer * p::N_EXPERTS * std::mem::size_of::<i32>()) as u64
+        move |layer| base + (layer * p::N_EXPERTS * std::mem::size_of::<i32>()) as u64
     }
 
     /// Per layer and expert, the token slots the MoE routed to it (each token counts once
@@ -496,13 +496,13 @@ impl CudaSession {
             let mut x = self.x.slice_mut(..);
             cx.embed_gather(&mut x, &m.embed, &self.ids.slice(..), &self.pos.slice(..))?;
         }
-        let hist_base = self.expert_hist_row(cx, 0);
+        let hist_row = self.expert_hist_rows(cx);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;
             self.attn_scratch.l2_prefetch = mixer_pf;
             self.moe_scratch.l2_prefetch = router_pf;
-            self.moe_scratch.hist_row = hist_base + (i * p::N_EXPERTS * std::mem::size_of::<i32>()) as u64;
+            self.moe_scratch.hist_row = hist_row(i);
             if !fuse && on(ablate::NORM) {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &lw.input_norm.slice(..))?;
             }

@@ -198,7 +198,7 @@ impl Prefiller {
         mark(&mut self.profile, cx, "embedding")?;
         let st = cx.stream().clone();
         let mut x_in = Vec::new();
-        let hist_base = s.expert_hist_row(cx, 0);
+        let hist_row = s.expert_hist_rows(cx);
         for (l, ((lw, ls), pm)) in m.layers.iter().zip(s.layers.iter_mut()).zip(&self.moe).enumerate() {
             if self.trace.is_some() {
                 x_in = st.clone_dtoh(&self.x.slice(..t * d))?;
@@ -259,7 +259,7 @@ impl Prefiller {
             let ne = p::N_EXPERTS + 1;
             cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
             mark(&mut self.profile, cx, "router (f32)")?;
-            self.routing.count_into = hist_base + (l * p::N_EXPERTS * std::mem::size_of::<i32>()) as u64;
+            self.routing.count_into = hist_row(l);
             cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing)?;
             self.routing.count_into = 0;
             mark(&mut self.profile, cx, "top-k, count, sort")?;
