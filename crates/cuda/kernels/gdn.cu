@@ -85,24 +85,6 @@ __device__ __forceinline__ float silu_acc(float x) { return x * sigmoid_acc(x); 
 // PyTorch softplus (threshold 20): x for x > 20, else log(1 + e^x).
 __device__ __forceinline__ float softplus_acc(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-__device__ __forceinline__ unsigned cluster_ctarank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ unsigned cluster_id_x() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-    return r;
-}
-// Arrival that orders nothing: only says "this block has started" (DSMEM may be accessed only in
-// blocks that have started and not exited).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 // Causal conv of one channel: taps (w.x .. w.z) on the three cached rows, w.w on the current
 // input; then SiLU.
 __device__ __forceinline__ float conv_silu(float4 w, float s0, float s1, float s2, float x) {
@@ -138,37 +120,6 @@ __device__ __forceinline__ float4 ld_nc_f4(const float* p) {
     return v;
 }
 
-// mbarrier in this block's shared memory, completed by remote st.async byte counts.
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ unsigned mapa_u32(unsigned local, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void mbar_init_expect(unsigned long long* m, unsigned tx_bytes) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(m)) : "memory");
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_u32(m)), "r"(tx_bytes)
-                 : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_wait_phase0(unsigned long long* m) {
-    unsigned done = 0;
-    while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(smem_u32(m))
-                     : "memory");
-    }
-}
-// Stores v at `dst` (a __shared__ address of this block) in block `rank` of the cluster and
-// counts 4 bytes on that block's mbarrier `m` (the complete-tx has release semantics at
-// cluster scope).
-__device__ __forceinline__ void st_async_f32(float* dst, unsigned long long* m, unsigned rank, float v) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(mapa_u32(smem_u32(dst), rank)),
-                 "r"(__float_as_uint(v)), "r"(mapa_u32(smem_u32(m), rank))
-                 : "memory");
-}
-
 // The step for the block of V-head j, columns [c0, c0 + COLS) (see the file header).
 __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
                                      const float* __restrict__ proj, const float* __restrict__ conv_w,
@@ -183,15 +134,15 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     __shared__ __align__(8) unsigned long long mbar;  // completes when all CLUSTER sums arrived
 
     const int t = threadIdx.x;
-    const unsigned rank = cluster_ctarank();
-    const int i = (int)cluster_id_x();             // QK head of the cluster
+    const unsigned rank = calla_cluster_ctarank();
+    const int i = (int)calla_cluster_id_x();             // QK head of the cluster
     const int j = i * V_PER_K + (int)rank / COL_BLOCKS;  // V head of the block
     const int c0 = ((int)rank % COL_BLOCKS) * COLS;
     const int c4 = t % C4, rg = t / C4;
     const int lane = t & 31, warp = t >> 5;
 
-    if (t == 0) mbar_init_expect(&mbar, CLUSTER * sizeof(float));
-    cluster_arrive_relaxed();  // "started, mbarrier ready"; waited for before the first send
+    if (t == 0) calla_mbar_init_expect(&mbar, CLUSTER * sizeof(float));
+    calla_cluster_arrive_relaxed();  // "started, mbarrier ready"; waited for before the first send
 
     // --- loads that do not depend on the previous kernel, before the PDL wait: weights, and
     // S and the conv state, which only this kernel writes (once per decode step; the previous
@@ -334,12 +285,12 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     // --- this block's sum of o^2 to every block of the cluster (slot = this rank): the V-head
     // siblings need it for the norm, and its arrival tells the q/k conv-state owners that this
     // block is done reading (row group 0 of warp 0 holds the block's columns)
-    cluster_wait();  // every block started and initialised its mbarrier
+    calla_cluster_wait();  // every block started and initialised its mbarrier
     if (warp == 0) {
         float ss = o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
 #pragma unroll
         for (int off = 1; off < C4; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        if (lane < CLUSTER) st_async_f32(&ssq_s[rank], &mbar, lane, ss);
+        if (lane < CLUSTER) calla_st_async_f32(&ssq_s[rank], &mbar, lane, ss);
     }
 
     // --- state update (while the sums travel)
@@ -353,7 +304,7 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
         reinterpret_cast<float4*>(srow)[(size_t)(rg + RG * m) * (DV / 4)] = n;
     }
 
-    mbar_wait_phase0(&mbar);  // all CLUSTER sums are here: every block passed its prologue
+    calla_mbar_wait_phase0(&mbar);  // all CLUSTER sums are here: every block passed its prologue
 
     // --- gated RMSNorm over the V-head
     if (t < C4) {

@@ -72,9 +72,6 @@ struct Cfg {
     static constexpr int SMEM = RING + NW * STAGES * STAGE_BYTES; // dynamic shared memory (lib.rs gemv_smem_bytes)
 };
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -334,7 +331,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     const int step0 = slice << spu_log2;           // first step of this warp's k-slice
 
     unsigned char* ring = smem + C::RING + warp * (STAGES * C::STAGE_BYTES);
-    const unsigned ring_s = smem_u32(ring);
+    const unsigned ring_s = calla_smem_u32(ring);
     const unsigned cp_dst = ring_s + lane * 16;                         // + stage + slot * 512
     const unsigned sb_dst = ring_s + C::CODE_BYTES + sb_cell(lane) * 8; // + stage
     const unsigned short* sb_src = (t & 2) ? biases : scales;

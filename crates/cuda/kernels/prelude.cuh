@@ -12,6 +12,13 @@
 // With CALLA_TIMELINE defined (cuda::timeline, `calla cuda-bench --timeline`), thread 0 of every
 // block also appends one record to a device log around the wait and stamps the trigger, so the
 // host can lay out when each kernel's blocks became resident, were released and triggered.
+// The GPU's nanosecond timer (advances in steps of ~256 ns on the H200; docs/CUDA.md).
+__device__ __forceinline__ unsigned long long calla_globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 #ifdef CALLA_TIMELINE
 // Set by the host in every module (cuda::timeline): the log of CALLA_TL_WORDS-word records, its
 // append cursor, its capacity in records and an epoch the host bumps at every reset;
@@ -27,11 +34,6 @@ __device__ CallaTimeline calla_tl;
 // the same shared memory
 __shared__ unsigned calla_tl_slot, calla_tl_tag;
 #define CALLA_TL_WORDS 8
-__device__ __forceinline__ unsigned long long calla_globaltimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 __device__ __forceinline__ unsigned long long calla_gridid() {
     unsigned long long g;
     asm("mov.u64 %0, %%gridid;" : "=l"(g));
@@ -292,4 +294,66 @@ __device__ __forceinline__ void calla_block_best(float& bv, int& bi) {
         calla_warp_best(bv, bi);
     }
     __syncthreads();
+}
+
+// ---- thread-block clusters (sm_90): used by kernels/gdn.cu and kernels/moe.cu
+
+__device__ __forceinline__ unsigned calla_cluster_ctarank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned calla_cluster_id_x() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+// Arrival that orders nothing: only says "this block has started" (DSMEM may be accessed only in
+// blocks that have started and not exited).
+__device__ __forceinline__ void calla_cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void calla_cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// mbarrier in this block's shared memory, completed by remote st.async byte counts.
+__device__ __forceinline__ unsigned calla_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ unsigned calla_mapa_u32(unsigned local, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void calla_mbar_init_expect(unsigned long long* m, unsigned tx_bytes) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(calla_smem_u32(m)) : "memory");
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(calla_smem_u32(m)), "r"(tx_bytes)
+                 : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void calla_mbar_wait_phase0(unsigned long long* m) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(calla_smem_u32(m))
+                     : "memory");
+    }
+}
+// Stores v at `dst` (a __shared__ address of this block) in block `rank` of the cluster and
+// counts 4 bytes on that block's mbarrier `m` (the complete-tx has release semantics at
+// cluster scope).
+__device__ __forceinline__ void calla_st_async_f32(float* dst, unsigned long long* m, unsigned rank, float v) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(calla_mapa_u32(calla_smem_u32(dst), rank)),
+                 "r"(__float_as_uint(v)), "r"(calla_mapa_u32(calla_smem_u32(m), rank))
+                 : "memory");
+}
+// The same for 16 bytes (dst 16-byte aligned; counts 16 bytes) and 8 bytes (dst 8-byte aligned).
+__device__ __forceinline__ void calla_st_async_u4(void* dst, unsigned long long* m, unsigned rank, uint4 v) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(calla_mapa_u32(calla_smem_u32(dst), rank)),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(calla_mapa_u32(calla_smem_u32(m), rank))
+                 : "memory");
+}
+__device__ __forceinline__ void calla_st_async_u2(void* dst, unsigned long long* m, unsigned rank, uint2 v) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(calla_mapa_u32(calla_smem_u32(dst), rank)),
+                 "r"(v.x), "r"(v.y), "r"(calla_mapa_u32(calla_smem_u32(m), rank))
+                 : "memory");
 }
