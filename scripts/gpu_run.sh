@@ -4,7 +4,7 @@
 #   1. the kernel self-test (every kernel against the CPU reference at the real shapes),
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
-#      (also with the fused MoE kernel),
+#      (also with each other MoE path: `--moe three|fold|cluster|fused`),
 #      and `calla serve --device cuda` over HTTP (scripts/gpu_serve_check.py),
 #   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`, then
 #      the engine on the GPU (`calla generate --device cuda`, `calla serve --device cuda`)
@@ -84,12 +84,13 @@ if [ "$check" = 1 ]; then
   step "cuda-check with programmatic dependent launch"
   $to $b/calla cuda-check --model "$work/L4-q4" --pdl > "$out/cuda-check-pdl.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check-pdl.txt"
-  step "cuda-check with PDL and the fused MoE kernel"
-  $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe-fused > "$out/cuda-check-moe-fused.txt" 2>&1 || status=1
-  tail -3 "$out/cuda-check-moe-fused.txt"
-  step "cuda-check with PDL and the router folded into the output projection"
-  $to $b/calla cuda-check --model "$work/L4-q4" --pdl --router-fold > "$out/cuda-check-router-fold.txt" 2>&1 || status=1
-  tail -3 "$out/cuda-check-router-fold.txt"
+  # the default MoE path (4-bit experts) is the router folded into the output projection and a
+  # cluster per expert; the other paths of `--moe` too
+  for path in three fold cluster fused; do
+    step "cuda-check with PDL, MoE path $path"
+    $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe $path > "$out/cuda-check-moe-$path.txt" 2>&1 || status=1
+    tail -3 "$out/cuda-check-moe-$path.txt"
+  done
   step "calla serve --device cuda over HTTP (scripts/gpu_serve_check.py)"
   $to python3 -u scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1
   cat "$out/serve-check.txt"

@@ -12,6 +12,43 @@ use cuda::CudaContext;
 use model::{Logits, Model};
 use spec::production as p;
 
+/// The decode step's MoE launches (`--moe`), for measurement and checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MoePath {
+    /// What `CudaSession::new` picks: `fold-cluster` when every expert matrix is 4-bit, else
+    /// `three`.
+    Auto,
+    /// The router kernel (top-k in its last block), gate/up, down + combine: three kernels.
+    Three,
+    /// The router folded into the output projection, then gate/up and down.
+    Fold,
+    /// The router kernel, then one thread-block cluster per expert (gate/up, down, combine).
+    Cluster,
+    /// The router folded into the output projection, then a cluster per expert.
+    FoldCluster,
+    /// Router, top-k, gate/up and down as one launch with grid-wide barriers.
+    Fused,
+}
+
+impl MoePath {
+    /// Sets the session's router fold and MoE flags for this path (`Auto`: leaves the
+    /// defaults, with `down_r48` applied).
+    fn apply(self, sess: &mut CudaSession, down_r48: bool) {
+        use cuda::moe::MoeFlags;
+        let base = MoeFlags { down_reg_cap: down_r48, ..MoeFlags::DEFAULT };
+        let (fold, flags) = match self {
+            MoePath::Auto => (sess.router_fold(), MoeFlags { down_reg_cap: down_r48, ..sess.moe_flags() }),
+            MoePath::Three => (false, base),
+            MoePath::Fold => (true, base),
+            MoePath::Cluster => (false, MoeFlags { cluster: true, ..base }),
+            MoePath::FoldCluster => (true, MoeFlags { cluster: true, ..base }),
+            MoePath::Fused => (false, MoeFlags { fused: true, ..base }),
+        };
+        sess.set_router_fold(fold);
+        sess.set_moe_flags(flags);
+    }
+}
+
 /// Arguments of `calla cuda-bench`.
 #[derive(Args)]
 pub struct CudaBenchArgs {
@@ -47,10 +84,10 @@ pub struct CudaBenchArgs {
     /// comparison).
     #[arg(long)]
     l2_prefetch: bool,
-    /// Run each layer's MoE block as one launch (router, top-k, gate/up, down separated by
-    /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
-    #[arg(long)]
-    moe_fused: bool,
+    /// How the decode step runs each layer's MoE block (see `MoePath`): `auto` (the session's
+    /// default), `three`, `fold`, `cluster`, `fold-cluster` or `fused`.
+    #[arg(long, value_enum, default_value_t = MoePath::Auto)]
+    moe: MoePath,
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
     /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
     #[arg(long)]
@@ -63,10 +100,6 @@ pub struct CudaBenchArgs {
     /// so an input-projection GEMV block fits beside it in every SM sub-partition.
     #[arg(long)]
     moe_down_r48: bool,
-    /// Fold the MoE router into the output projection (`CudaSession::set_router_fold`: no
-    /// router launch; measured no faster, for comparison).
-    #[arg(long)]
-    router_fold: bool,
     /// Also measure decode (first decode context) with each step option off in turn, in this
     /// process on the same weights: L2 prefetch, fused norms, both.
     #[arg(long)]
@@ -117,13 +150,10 @@ pub struct CudaCheckArgs {
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
-    /// Run each layer's MoE block as one launch (router, top-k, gate/up, down separated by
-    /// grid-wide barriers; the same bits as the three kernels) where its widths allow.
-    #[arg(long)]
-    moe_fused: bool,
-    /// Fold the MoE router into the output projection (`CudaSession::set_router_fold`).
-    #[arg(long)]
-    router_fold: bool,
+    /// How the decode step runs each layer's MoE block (see `MoePath`): `auto` (the session's
+    /// default), `three`, `fold`, `cluster`, `fold-cluster` or `fused`.
+    #[arg(long, value_enum, default_value_t = MoePath::Auto)]
+    moe: MoePath,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -325,8 +355,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     sess.set_fuse_norm(!a.no_fuse_norm);
-    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..cuda::moe::MoeFlags::DEFAULT });
-    sess.set_router_fold(a.router_fold);
+    a.moe.apply(&mut sess, a.moe_down_r48);
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -424,9 +453,12 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
-        let d = MoeFlags { fused: a.moe_fused, down_reg_cap: a.moe_down_r48, ..MoeFlags::DEFAULT };
-        let gate_up_topk = MoeFlags { topk_in_router: false, ..d };
-        let down_r48 = MoeFlags { down_reg_cap: true, ..d };
+        let d = sess.moe_flags();
+        // the router kernel (or the fold), gate/up and down as two kernels
+        let three = MoeFlags { down_reg_cap: a.moe_down_r48, ..MoeFlags::DEFAULT };
+        let moe_cluster = MoeFlags { cluster: true, ..MoeFlags::DEFAULT };
+        let gate_up_topk = MoeFlags { topk_in_router: false, ..three };
+        let down_r48 = MoeFlags { down_reg_cap: true, ..three };
         let moe_fused = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
         // (name, fused norms, L2 prefetch, MoE variant, carve-out setting (CARVEOUTS), fused
         // GEMV at 56 registers (the default), GEMV early trigger)
@@ -446,7 +478,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
         let early0 = a.gemv_early_trigger;
         // one step variant: every option the rows below vary, set together
-        let fold0 = a.router_fold;
+        let fold0 = sess.router_fold();
         let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, fold: bool| -> Result<()> {
             sess.set_router_fold(fold);
             sess.set_fuse_norm(fuse);
@@ -459,7 +491,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         };
         for (name, fuse, pf, flags, carve, cap, early, fold) in [
             ("as configured", fuse0, pf0, d, carve0, true, early0, fold0),
-            ("MoE router folded into out_proj", fuse0, pf0, d, carve0, true, early0, true),
+            ("MoE router kernel, gate/up, down", fuse0, pf0, three, carve0, true, early0, false),
+            ("MoE router folded, gate/up, down", fuse0, pf0, three, carve0, true, early0, true),
             ("GEMV+norm, registers unbounded", fuse0, pf0, d, carve0, false, early0, fold0),
             ("norms as launches", false, pf0, d, carve0, true, early0, fold0),
             ("L2 prefetch on", fuse0, true, d, carve0, true, early0, fold0),
@@ -472,13 +505,15 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, fold0),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, fold0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fold0),
+            ("MoE router kernel, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, false),
+            ("MoE router folded, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, true),
             // the first row again: how far the machine drifted over the rows
             ("as configured, again", fuse0, pf0, d, carve0, true, early0, fold0),
         ] {
             apply(&mut sess, fuse, pf, flags, carve, cap, early, fold)?;
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "moe_cluster": flags.cluster, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
@@ -597,8 +632,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "pdl": a.pdl,
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
-        "moe_fused": a.moe_fused,
-        "moe_down_r48": a.moe_down_r48, "router_fold": a.router_fold,
+        "moe_path": format!("{:?}", a.moe), "moe_fused": sess.moe_flags().fused,
+        "moe_cluster": sess.moe_flags().cluster,
+        "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold(),
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
@@ -688,8 +724,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     let max_ctx = a.prompt_tokens.iter().max().copied().unwrap_or(1) + 2 * a.steps + 32;
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
-    sess.set_moe_flags(cuda::moe::MoeFlags { fused: a.moe_fused, ..cuda::moe::MoeFlags::DEFAULT });
-    sess.set_router_fold(a.router_fold);
+    a.moe.apply(&mut sess, false);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;
@@ -708,7 +743,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             m.forward_traced(&mut st, &prompt, Logits::Last, if batched { Some(&mut tr) } else { None })?
         };
         // expert-load telemetry (not counted by the fused MoE kernel): start from zero
-        let count_experts = !a.moe_fused;
+        let count_experts = !sess.moe_flags().fused;
         sess.take_expert_counts(&cx)?;
         let k_top = m.cfg.num_experts_per_tok as u64;
         if batched {

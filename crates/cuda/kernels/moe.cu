@@ -217,13 +217,9 @@ __device__ __forceinline__ float swiglu_row(const float (*red)[16], int i) {
     return g * sigmoid_ref(g) * up;
 }
 
-// Half a warp (16 lanes, q = lane & 15) writes one group of 64 values xg[0..63] as digits (see
-// the header): lane q = 8h + 4r + t converts x[32h + 16r + 4t + 0..3]. words: the group's 64
-// words; meta: {2^(E-30), Σ x}. Must be called by all 32 lanes (shuffles).
-// quantize_group_v takes this lane's four values x[32h + 16r + 4t + 0..3] already loaded (e.g.
-// with __ldcg when another block of the same launch wrote them).
-__device__ __forceinline__ void quantize_group_v(float4 v, int q, unsigned* words, float2* meta) {
-    const int t = q & 3, r = (q >> 2) & 1, h = q >> 3;
+// The arithmetic of quantize_group_v: this lane's four words (digit n of its four values: word n)
+// and the group's {2^(E-30), Σ x} (in every lane of the half-warp).
+__device__ __forceinline__ void quantize_words(float4 v, unsigned (&w)[4], float2& meta) {
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     float s = (v.x + v.y) + (v.z + v.w);
 #pragma unroll
@@ -242,12 +238,45 @@ __device__ __forceinline__ void quantize_group_v(float4 v, int q, unsigned* word
     // transpose 4 values x 4 digits -> 4 digits x 4 values
     const unsigned lo01 = __byte_perm(d0, d1, 0x5140), hi01 = __byte_perm(d0, d1, 0x7362);
     const unsigned lo23 = __byte_perm(d2, d3, 0x5140), hi23 = __byte_perm(d2, d3, 0x7362);
+    w[0] = __byte_perm(lo01, lo23, 0x5410);
+    w[1] = __byte_perm(lo01, lo23, 0x7632);
+    w[2] = __byte_perm(hi01, hi23, 0x5410);
+    w[3] = __byte_perm(hi01, hi23, 0x7632);
+    meta = make_float2(__uint_as_float((unsigned)(e + 97) << 23), s);  // 2^(e-30)
+}
+// Half a warp (16 lanes, q = lane & 15) writes one group of 64 values xg[0..63] as digits (see
+// the header): lane q = 8h + 4r + t converts x[32h + 16r + 4t + 0..3]. words: the group's 64
+// words; meta: {2^(E-30), Σ x}. Must be called by all 32 lanes (shuffles).
+// quantize_group_v takes this lane's four values x[32h + 16r + 4t + 0..3] already loaded (e.g.
+// with __ldcg when another block of the same launch wrote them).
+__device__ __forceinline__ void quantize_group_v(float4 v, int q, unsigned* words, float2* meta) {
+    const int t = q & 3, r = (q >> 2) & 1, h = q >> 3;
+    unsigned w[4];
+    float2 mt;
+    quantize_words(v, w, mt);
     const int base = 4 * t + 2 * h + r;
-    words[base] = __byte_perm(lo01, lo23, 0x5410);
-    words[16 + base] = __byte_perm(lo01, lo23, 0x7632);
-    words[32 + base] = __byte_perm(hi01, hi23, 0x5410);
-    words[48 + base] = __byte_perm(hi01, hi23, 0x7632);
-    if (q == 0) *meta = make_float2(__uint_as_float((unsigned)(e + 97) << 23), s);  // 2^(e-30)
+#pragma unroll
+    for (int n = 0; n < 4; ++n) words[16 * n + base] = w[n];
+    if (q == 0) *meta = mt;
+}
+// The same without shared memory: each half-warp quantizes one group (this lane's values v as
+// quantize_group_v takes them, q = lane & 15), and lane q = 4n + t of the half receives its B
+// fragment (words 16n + 4t .. +3: digit n of values from lanes t, t + 4, t + 8, t + 12) by
+// shuffles. Every lane of the warp must call it.
+__device__ __forceinline__ void quantize_group_frag(float4 v, int lane, uint4& frag, float2& meta) {
+    unsigned w[4];
+    quantize_words(v, w, meta);
+    const int t = lane & 3, n = (lane & 15) >> 2, half = lane & 16;
+    unsigned c[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) {
+            const unsigned val = __shfl_sync(0xffffffffu, w[nn], half + 4 * x + t);
+            if (nn == n) c[x] = val;
+        }
+    }
+    frag = make_uint4(c[0], c[1], c[2], c[3]);
 }
 __device__ __forceinline__ void quantize_group(const float* __restrict__ xg, int q, unsigned* words, float2* meta) {
     const int t = q & 3, r = (q >> 2) & 1, h = q >> 3;
@@ -1069,6 +1098,326 @@ __device__ __forceinline__ void fused_body(const uint4* __restrict__ r_packed, c
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// 5. one expert per thread-block cluster: gate/up + SwiGLU + down + combine in one launch after
+//    the router kernel (MoeFlags::cluster; every expert matrix 4-bit)
+//
+// Grid NSLOT clusters of CL blocks (__cluster_dims__); cluster c = slot c (the chosen experts in
+// sel_ids order, then the shared expert), block rank r of it:
+//  * all of the block's weights arrive by bulk copies (cp.async.bulk, the TMA engine) into
+//    shared memory, requested at once as soon as the expert id is known: gate/up row tiles
+//    CL_GU_RT·r .. +CL_GU_RT-1 (one copy of codes and one of scales per row tile, each on its
+//    own mbarrier, so the first row tiles are used while the rest arrive), and down row tiles
+//    CL_DN_RT·r .. +CL_DN_RT-1 (one more mbarrier). (A first version with per-thread 16-byte
+//    cp.async and register loads streamed only ~1.3 TB/s from these 72 SMs.)
+//  * gate/up: act values 64r .. 64r+63, exactly group r of the down projection's K. 16 warps =
+//    (row tile, K quarter) units in two rounds, SwiGLU as in moe_gate_up_* (the quarters summed
+//    in order);
+//  * the block writes its group as digits (quantize_group, as moe_down_* does) and sends them to
+//    every block of the cluster with st.async (slot r of their s_dq, counted on their mbarrier):
+//    no block reads another's shared memory, so none has to wait for the others before exiting;
+//  * down row tile CL_DN_RT·r + warp (output rows 256r .. 256r+255 in all) over all EG groups,
+//    the two K halves summed as moe_down_* does;
+//  * y (not yet weighted) to part[slot][row]; the last of the NSLOT blocks of rank r to finish
+//    (counter counts[r], release/acquire, which it resets) adds them up for rows 256r .. 256r+255 as
+//    combine_row does: out = resid + Σ_k w_k y_k in slot order.
+// The routed ids are read after calla_pdl_wait() (the router kernel wrote them), the shared
+// expert's weights are requested before it. Every product and sum is that of moe_gate_up_* then
+// moe_down_*, in their order: out is equal bit for bit to the three-kernel path.
+constexpr int CL = 8;                  // blocks per cluster (portable size)
+constexpr int CL_WARPS = 16;
+constexpr int CL_THREADS = CL_WARPS * 32;
+constexpr int CL_GU_RT = GU_RT / CL;   // gate/up row tiles per block
+constexpr int CL_DN_RT = DN_RT / CL;   // down row tiles per block
+constexpr int CL_MSG = GROUP * 4 + 8;  // bytes each block sends to each: a group's digits and meta
+constexpr int CL_COPIES = 2 * CL_GU_RT + 2;
+constexpr int CL_MARKS = 11;  // words per block of the phase probe (moe.rs CL_MARKS)  // bulk copies per block: codes and scales of each gate/up row tile, of the down tiles
+static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
+static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
+static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
+static_assert(DN_KS == 2 && EG == 2 * DN_GPW, "down: two K halves, as moe_down_*");
+static_assert(CL_DN_RT * 16 <= CL_THREADS && NSLOT <= 32 && CL_COPIES <= 32, "thread roles");
+
+// Dynamic shared memory (lib: moe.rs cluster_smem_bytes): gate/up codes [CL_GU_RT][DG] tiles,
+// their {scale|bias} pairs [CL_GU_RT][DG][8], down codes [CL_DN_RT][EG] tiles, their pairs.
+template <int BITS>
+struct ClSmem {
+    static constexpr int GU_CODES = CL_GU_RT * DG * BITS * 128;
+    static constexpr int GU_SB = CL_GU_RT * DG * 64;
+    static constexpr int DN_CODES = CL_DN_RT * EG * BITS * 128;
+    static constexpr int DN_SB = CL_DN_RT * EG * 64;
+    static constexpr int BYTES = GU_CODES + GU_SB + DN_CODES + DN_SB;
+};
+
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+// One bulk copy global -> this block's shared memory, completing `bytes` on mbarrier m.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* m) {
+    unsigned long long g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     calla_smem_u32(dst)),
+                 "l"(g), "r"(bytes), "r"(calla_smem_u32(m))
+                 : "memory");
+}
+
+// A tile from shared memory: codes (tile_u4 uint4), pairs (8 uint2), as tile_load lays it out.
+template <int BITS>
+__device__ __forceinline__ void tile_from_smem(Tile<BITS>& t, const uint4* codes, const uint2* sb, int lane) {
+#pragma unroll
+    for (int c = 0; c < BITS / 4; ++c) t.c[c] = codes[c * 32 + lane];
+    t.sb = sb[lane >> 2];
+}
+
+// Where the routing and u's digits come from: the router kernel (FOLD = false: its ids, weights
+// and digits), or the router folded into the output projection (FOLD = true: every block runs the
+// top-k from the accumulator set racc in warp 0, as moe_down_fold_* does, and its warps make
+// the digits of u = h · inv · (1 + norm_w) of their K quarter themselves, as moe_gate_up_fold_*
+// does, in registers; block 0 stores sel_ids/sel_w and zeroes racc_zero, the next layer's set).
+struct ClRoute {
+    int* sel_ids;
+    float* sel_w;
+    const unsigned* uq;
+    const float2* umeta;
+    const float* h;
+    const float* norm_w;
+    float eps;
+    const double* racc;
+    double* racc_zero;
+};
+
+template <int BITS, bool FOLD>
+__device__ __forceinline__ void cluster_body(float* out, const float* resid, const uint4* __restrict__ gu_e,
+                                             const uint2* __restrict__ gu_sb_e, const uint4* __restrict__ gu_s,
+                                             const uint2* __restrict__ gu_sb_s, const uint4* __restrict__ dn_e,
+                                             const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
+                                             const uint2* __restrict__ dn_sb_s, const ClRoute rt, float* part,
+                                             unsigned* counts, int* __restrict__ hist_row,
+                                             unsigned long long* probe) {
+    using S = ClSmem<BITS>;
+    // Measurement (probe != null): thread 0 of each block records %globaltimer at its start and
+    // after its PDL wait, then clock64 cycles since the wait at each phase (CL_MARKS words).
+    unsigned long long c_wait = 0;
+    auto mark = [&](int i) {
+        if (probe != nullptr && threadIdx.x == 0) probe[blockIdx.x * CL_MARKS + i] = clock64() - c_wait;
+    };
+    if (probe != nullptr && threadIdx.x == 0) probe[blockIdx.x * CL_MARKS] = calla_globaltimer();
+    static_assert(S::BYTES + 6 * 1024 <= 227 * 1024, "shared memory of one block");
+    extern __shared__ __align__(128) unsigned char cl_dyn[];
+    __shared__ float s_gu[CL_GU_RT][GU_KS][16];         // row sums of each unit
+    __shared__ __align__(16) float s_act[GROUP];        // this block's act values (group r)
+    __shared__ __align__(16) unsigned s_myq[2][GROUP];  // group r as digits (half-warp 0's; 1: scratch)
+    __shared__ __align__(8) float2 s_mym[2];
+    __shared__ __align__(16) unsigned s_dq[CL][GROUP];  // every block's group as digits, by rank
+    __shared__ __align__(8) float2 s_dm[CL];
+    __shared__ __align__(8) unsigned long long mbar_x;            // all CL groups arrived
+    __shared__ __align__(8) unsigned long long mbar_gu[CL_GU_RT];  // a gate/up row tile arrived
+    __shared__ __align__(8) unsigned long long mbar_dn;            // the down tiles arrived
+    __shared__ float s_w[NSLOT];
+    __shared__ int s_ids[TOPK];
+    __shared__ float s_logits[FOLD ? NE + 1 : 1];
+    __shared__ unsigned s_last;
+
+    const uint4* sm_gu = reinterpret_cast<const uint4*>(cl_dyn);
+    const uint2* sm_gsb = reinterpret_cast<const uint2*>(cl_dyn + S::GU_CODES);
+    const uint4* sm_dn = reinterpret_cast<const uint4*>(cl_dyn + S::GU_CODES + S::GU_SB);
+    const uint2* sm_dsb = reinterpret_cast<const uint2*>(cl_dyn + S::GU_CODES + S::GU_SB + S::DN_CODES);
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned r = calla_cluster_ctarank();
+    const int slot = (int)calla_cluster_id_x();
+    const bool routed = slot < TOPK;
+
+    if (threadIdx.x == 0) {
+        calla_mbar_init_expect(&mbar_x, CL * CL_MSG);
+        for (int j = 0; j < CL_GU_RT; ++j)
+            calla_mbar_init_expect(&mbar_gu[j], DG * (BITS * 128 + 64));
+        calla_mbar_init_expect(&mbar_dn, S::DN_CODES + S::DN_SB);
+    }
+    calla_cluster_arrive_relaxed();  // "started, mbarrier ready"; waited for before the first send
+    __syncthreads();                 // the mbarriers are initialised before anyone polls them
+    // lanes of warp 0: one bulk copy each (expert e)
+    auto request = [&](int e) {
+        const uint4* gu = routed ? gu_e : gu_s;
+        const uint2* gsb = routed ? gu_sb_e : gu_sb_s;
+        const uint4* dn = routed ? dn_e : dn_s;
+        const uint2* dsb = routed ? dn_sb_e : dn_sb_s;
+        const size_t gt = ((size_t)e * GU_RT + (int)r * CL_GU_RT) * DG;  // first gate/up tile
+        const size_t dt = ((size_t)e * DN_RT + (int)r * CL_DN_RT) * EG;  // first down tile
+        // row tile j's codes and scales from lanes 2j, 2j + 1 (in the order they are used)
+        if (lane < 2 * CL_GU_RT && (lane & 1) == 0) {
+            const int j = lane >> 1;
+            bulk_copy(cl_dyn + j * DG * BITS * 128, gu + (gt + j * DG) * tile_u4<BITS>(), DG * BITS * 128, &mbar_gu[j]);
+        } else if (lane < 2 * CL_GU_RT) {
+            const int j = lane >> 1;
+            bulk_copy(cl_dyn + S::GU_CODES + j * DG * 64, gsb + (gt + j * DG) * 8, DG * 64, &mbar_gu[j]);
+        } else if (lane == 2 * CL_GU_RT) {
+            bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB, dn + dt * tile_u4<BITS>(), S::DN_CODES, &mbar_dn);
+        } else if (lane == 2 * CL_GU_RT + 1) {
+            bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB + S::DN_CODES, dsb + dt * 8, S::DN_SB, &mbar_dn);
+        }
+    };
+    if (!routed && warp == 0) request(0);  // the shared expert: before the wait
+    calla_pdl_wait();  // the routing and u come from the previous kernel (router or output projection)
+    if (probe != nullptr && threadIdx.x == 0) {
+        probe[blockIdx.x * CL_MARKS + 1] = calla_globaltimer();
+        c_wait = clock64();
+    }
+    // The small reads of this launch go out before the bulk copies (measured: a load issued
+    // after them waits ~2 us behind their data), then warp 0 requests the expert's tiles.
+    const int kq = warp % GU_KS, g0 = kq * GU_GPW;  // this warp's K quarter (both rounds)
+    uint4 bq[GU_GPW];                               // u's digits of it, in registers
+    float2 bm[GU_GPW];
+    if constexpr (FOLD) {
+        calla_pdl_launch_dependents();
+        // this lane's values of h and norm_w for the digits of u = h · inv · (1 + norm_w), two
+        // groups per pass (one per half-warp), as moe_gate_up_fold_* lays them out
+        static_assert(GU_GPW % 2 == 0, "two groups per pass");
+        const int q = lane & 15, hh = lane >> 4;
+        const int off = 32 * (q >> 3) + 16 * ((q >> 2) & 1) + 4 * (q & 3);
+        float4 hx[GU_GPW / 2], hw[GU_GPW / 2];
+#pragma unroll
+        for (int pp = 0; pp < GU_GPW / 2; ++pp) {
+            const int c = (g0 + 2 * pp + hh) * GROUP + off;
+            hx[pp] = __ldcg(reinterpret_cast<const float4*>(rt.h + c));
+            hw[pp] = __ldg(reinterpret_cast<const float4*>(rt.norm_w + c));
+        }
+        const double ss = __ldcg(rt.racc + RF_SS * RF_STRIDE);
+        if (warp == 0) fold_topk(rt.racc, rt.eps, s_logits, s_ids, s_w, lane);
+        __syncthreads();
+        if (routed && warp == 0) request(s_ids[slot]);
+        mark(2);  // bulk copies issued
+        const float inv = rsqrtf((float)ss / float(D) + rt.eps);
+#pragma unroll
+        for (int pp = 0; pp < GU_GPW / 2; ++pp) {
+            const float4 x = hx[pp], nw = hw[pp];
+            const float4 u = make_float4(x.x * inv * (1.f + nw.x), x.y * inv * (1.f + nw.y), x.z * inv * (1.f + nw.z),
+                                         x.w * inv * (1.f + nw.w));
+            uint4 f;
+            float2 mt;
+            quantize_group_frag(u, lane, f, mt);
+            const uint4 hi = make_uint4(__shfl_down_sync(0xffffffffu, f.x, 16), __shfl_down_sync(0xffffffffu, f.y, 16),
+                                        __shfl_down_sync(0xffffffffu, f.z, 16), __shfl_down_sync(0xffffffffu, f.w, 16));
+            bq[2 * pp] = lane < 16 ? f : make_uint4(0u, 0u, 0u, 0u);
+            bq[2 * pp + 1] = lane < 16 ? hi : make_uint4(0u, 0u, 0u, 0u);
+            bm[2 * pp] = make_float2(__shfl_sync(0xffffffffu, mt.x, 0), __shfl_sync(0xffffffffu, mt.y, 0));
+            bm[2 * pp + 1] = make_float2(__shfl_sync(0xffffffffu, mt.x, 16), __shfl_sync(0xffffffffu, mt.y, 16));
+        }
+        if (blockIdx.x == 0) {  // for telemetry and the host; the next layer's accumulators
+            if (threadIdx.x < TOPK) rt.sel_ids[threadIdx.x] = s_ids[threadIdx.x];
+            if (threadIdx.x < NSLOT) rt.sel_w[threadIdx.x] = s_w[threadIdx.x];
+            if (threadIdx.x <= NE + 1) rt.racc_zero[threadIdx.x * RF_STRIDE] = 0.0;
+        }
+    } else {
+        const int e = routed && warp == 0 ? rt.sel_ids[slot] : 0;
+#pragma unroll
+        for (int i = 0; i < GU_GPW; ++i) {
+            bq[i] = lane < 16 ? reinterpret_cast<const uint4*>(rt.uq)[(g0 + i) * 16 + lane] : make_uint4(0u, 0u, 0u, 0u);
+            bm[i] = rt.umeta[g0 + i];
+        }
+        if (threadIdx.x < TOPK) s_ids[threadIdx.x] = rt.sel_ids[threadIdx.x];
+        if (threadIdx.x < NSLOT) s_w[threadIdx.x] = rt.sel_w[threadIdx.x];
+        if (routed && warp == 0) request(e);
+        mark(2);  // bulk copies issued
+        calla_pdl_launch_dependents();
+    }
+    __syncthreads();  // s_ids, s_w
+    // expert-load telemetry: this layer's row of counts (the ids are distinct)
+    if (hist_row != nullptr && blockIdx.x == 0 && threadIdx.x < TOPK) hist_row[s_ids[threadIdx.x]] += 1;
+
+    // ---- gate/up: units (row tile j, K quarter kq), j = warp / GU_KS and one round later
+    const int t = lane & 3;
+    const float tmul = (t & 1) ? 65536.0f : 1.0f, xmask = t == 0 ? 1.0f : 0.0f;
+#pragma unroll
+    for (int round = 0; round < 2; ++round) {
+        const int j = warp / GU_KS + round * (CL_WARPS / GU_KS);
+        calla_mbar_wait_phase0(&mbar_gu[j]);
+        mark(3 + round);  // row tile j's weights are here
+        float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < GU_GPW; ++i) {
+            Tile<BITS> tl;
+            const int tile = j * DG + g0 + i;
+            tile_from_smem<BITS>(tl, sm_gu + tile * tile_u4<BITS>(), sm_gsb + tile * 8, lane);
+            tile_dot<BITS>(tl, bq[i], bm[i], tmul, xmask, acc0, acc1);
+        }
+        store_rows(s_gu[j][kq], quad_sum(acc0), quad_sum(acc1), lane);
+    }
+    __syncthreads();
+    if (threadIdx.x < GROUP) s_act[threadIdx.x] = swiglu_row(s_gu[threadIdx.x / 8], threadIdx.x % 8);
+    __syncthreads();
+    mark(5);  // gate/up done
+
+    // ---- group r's digits to every block of the cluster
+    calla_cluster_wait();  // every block started and initialised its mbarriers
+    if (warp == 0) {
+        quantize_group(s_act, lane & 15, s_myq[lane >> 4], &s_mym[lane >> 4]);  // both halves alike
+        __syncwarp();
+        constexpr int ITEMS = GROUP / 4 + 1;  // 16-byte pieces of the digits, then the meta
+        for (int it = lane; it < CL * ITEMS; it += 32) {
+            const int k = it / ITEMS, i = it % ITEMS;
+            if (i < GROUP / 4)
+                calla_st_async_u4(&s_dq[r][4 * i], &mbar_x, (unsigned)k, reinterpret_cast<const uint4*>(s_myq[0])[i]);
+            else
+                calla_st_async_u2(&s_dm[r], &mbar_x, (unsigned)k, *reinterpret_cast<const uint2*>(&s_mym[0]));
+        }
+    }
+    calla_mbar_wait_phase0(&mbar_dn);  // the down tiles
+    mark(6);
+    calla_mbar_wait_phase0(&mbar_x);   // all CL groups
+    mark(7);
+
+    // ---- down: this warp's row tile over both K halves (as moe_down_*: a warp per half)
+    const int drt = (int)r * CL_DN_RT + warp;
+    float y0 = 0.f, y1 = 0.f;  // rows g and g+8 of the tile
+#pragma unroll
+    for (int h = 0; h < DN_KS; ++h) {
+        float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < DN_GPW; ++i) {
+            const int g = h * DN_GPW + i;
+            Tile<BITS> dt;
+            const int tile = warp * EG + g;
+            tile_from_smem<BITS>(dt, sm_dn + tile * tile_u4<BITS>(), sm_dsb + tile * 8, lane);
+            const uint4 b = lane < 16 ? reinterpret_cast<const uint4*>(s_dq[g])[lane] : make_uint4(0u, 0u, 0u, 0u);
+            tile_dot<BITS>(dt, b, s_dm[g], tmul, xmask, acc0, acc1);
+        }
+        y0 += quad_sum(acc0);
+        y1 += quad_sum(acc1);
+    }
+    if (t == 0) {
+        float* py = part + slot * D + drt * 16;
+        py[lane >> 2] = y0;
+        py[8 + (lane >> 2)] = y1;
+    }
+
+    // ---- the last block of rank r adds every slot's rows up. The barrier orders every
+    // thread's y before thread 0's counter increment, whose release (gpu scope, cumulative)
+    // publishes them; the last block's acquire, then its barrier, orders its reads after.
+    __syncthreads();
+    mark(8);  // y written
+    if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(counts + r, 1u) == NSLOT - 1 ? 1u : 0u;
+    __syncthreads();
+    mark(9);  // counted
+    if (s_last == 0u) return;
+    if (threadIdx.x < CL_DN_RT * 16) {
+        const int row = (int)r * CL_DN_RT * 16 + threadIdx.x;
+        float y[NSLOT];
+#pragma unroll
+        for (int k = 0; k < NSLOT; ++k) y[k] = __ldcg(part + k * D + row);
+        float m = 0.f;
+#pragma unroll
+        for (int k = 0; k < NSLOT; ++k) m = fmaf(s_w[k], y[k], m);
+        out[row] = resid[row] + m;
+    }
+    if (threadIdx.x == 0) counts[r] = 0u;  // for the next launch (kernel boundaries order it)
+    mark(10);  // the last block: combined
+}
+
 }  // namespace calla_moe
 
 // ---------------------------------------------------------------------------------------------
@@ -1185,6 +1534,33 @@ CALLA_MOE_FUSED(moe_fused_r4_e4, 4, 4)
 CALLA_MOE_FUSED(moe_fused_r4_e8, 4, 8)
 CALLA_MOE_FUSED(moe_fused_r8_e4, 8, 4)
 CALLA_MOE_FUSED(moe_fused_r8_e8, 8, 8)
+
+// One expert per cluster of CL blocks, after moe_router_* (top-k in its last block): gate/up,
+// down and the combine (cluster_body). 4-bit experts, routed and shared; one block per SM.
+extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds__(calla_moe::CL_THREADS, 1)
+    moe_cluster_e4(float* out, const float* resid, const uint4* __restrict__ gu_e, const uint2* __restrict__ gu_sb_e,
+                   const uint4* __restrict__ gu_s, const uint2* __restrict__ gu_sb_s, const uint4* __restrict__ dn_e,
+                   const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s, const uint2* __restrict__ dn_sb_s,
+                   int* sel_ids, float* sel_w, const unsigned* __restrict__ uq, const float2* __restrict__ umeta,
+                   float* part, unsigned* counts, int* hist_row, unsigned long long* probe) {
+    const calla_moe::ClRoute rt = {sel_ids, sel_w, uq, umeta, nullptr, nullptr, 0.f, nullptr, nullptr};
+    calla_moe::cluster_body<4, false>(out, resid, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part,
+                                      counts, hist_row, probe);
+}
+// The same after the output projection with the router folded in (gemv_resid_rf_*): h is the
+// residual stream after it (and resid), norm_w the post_attention_layernorm, racc its set of
+// sums, racc_zero the next layer's set (zeroed here); no router launch.
+extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds__(calla_moe::CL_THREADS, 1)
+    moe_cluster_fold_e4(float* out, const float* h, const uint4* __restrict__ gu_e, const uint2* __restrict__ gu_sb_e,
+                        const uint4* __restrict__ gu_s, const uint2* __restrict__ gu_sb_s, const uint4* __restrict__ dn_e,
+                        const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
+                        const uint2* __restrict__ dn_sb_s, int* sel_ids, float* sel_w, const float* __restrict__ norm_w,
+                        float eps, const double* racc, double* racc_zero, float* part, unsigned* counts, int* hist_row,
+                        unsigned long long* probe) {
+    const calla_moe::ClRoute rt = {sel_ids, sel_w, nullptr, nullptr, h, norm_w, eps, racc, racc_zero};
+    calla_moe::cluster_body<4, true>(out, h, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part, counts,
+                                     hist_row, probe);
+}
 
 // Measurement only (cuda_selftest): n flag barriers (calla_flag_arrive + calla_flag_wait in
 // prelude.cuh, epochs base + 1 .. base + n) in a row on the fused kernel's block shape.

@@ -386,10 +386,10 @@ pub struct CudaSession {
     /// Latency-bound kernels prefetch the next weights into L2 (off by default: measured
     /// slower; see [`Self::set_l2_prefetch`]).
     pub(crate) l2_prefetch: bool,
-    /// MoE launch variant ([`crate::moe::MoeFlags::DEFAULT`] unless measuring).
+    /// MoE launch variant (see [`Self::new`] for the default).
     pub(crate) moe_flags: crate::moe::MoeFlags,
-    /// The MoE router folded into the output projection ([`Self::set_router_fold`]; off by
-    /// default: measured no faster; used only with fused norms and the three-kernel MoE).
+    /// The MoE router folded into the output projection ([`Self::set_router_fold`]; used only
+    /// with fused norms and not with [`crate::moe::MoeFlags::fused`]).
     pub(crate) router_fold: bool,
     /// On-device sampling ([`Self::set_sampling`]): the device state and the parameters the
     /// next sequence starts with; `None`: the greedy pick (`argmax_step`).
@@ -402,6 +402,13 @@ pub struct CudaSession {
 
 impl CudaSession {
     /// Allocates a sequence with room for `max_ctx` tokens.
+    ///
+    /// The MoE runs as measured fastest on the H200 (docs/CUDA.md): when every layer's expert
+    /// matrices are 4-bit and the model has at least two layers, the router folded into the
+    /// output projection ([`Self::set_router_fold`]) and one thread-block cluster per expert
+    /// for gate/up, down and the combine ([`crate::moe::MoeFlags::cluster`]): 1,266.8 against
+    /// 1,305.8 µs per token for the router kernel, gate/up and down, in one process. Otherwise
+    /// those three kernels.
     ///
     /// # Errors
     /// Driver errors (out of memory).
@@ -421,6 +428,7 @@ impl CudaSession {
                 },
             });
         }
+        let cluster = m.layers.len() >= 2 && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe));
         Ok(CudaSession {
             max_ctx,
             expert_hist: st.alloc_zeros::<i32>(cfg.layer_types.len() * p::N_EXPERTS)?,
@@ -448,8 +456,8 @@ impl CudaSession {
             skip: 0,
             fuse_norm: true,
             l2_prefetch: false,
-            moe_flags: crate::moe::MoeFlags::DEFAULT,
-            router_fold: false,
+            moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
+            router_fold: cluster,
             sampling: None,
             graph_model: None,
             graph_gen: 0,
@@ -576,6 +584,11 @@ impl CudaSession {
                     cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
                 }
             }
+            if fold && self.moe_flags.cluster && cx.moe_cluster_ready(&lw.moe) && on(ablate::MOE_DOWN) {
+                // gate/up, down and the combine as one cluster launch (MoeFlags::cluster)
+                cx.moe_fold_cluster(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
+                continue;
+            }
             if fold {
                 if on(ablate::MOE_GATE_UP) {
                     cx.moe_fold_gate_up(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, set)?;
@@ -680,6 +693,17 @@ impl CudaSession {
         self.graph_prompt = None;
     }
 
+    /// The MoE launch variant in use ([`Self::set_moe_flags`]; the default: [`Self::new`]).
+    #[doc(hidden)]
+    pub fn moe_flags(&self) -> crate::moe::MoeFlags {
+        self.moe_flags
+    }
+
+    /// Whether the MoE router is folded into the output projection ([`Self::set_router_fold`]).
+    pub fn router_fold(&self) -> bool {
+        self.router_fold
+    }
+
     /// Runs the MoE with another launch variant (for measurement); graphs are captured again
     /// on the next [`Self::start`] when it changes.
     #[doc(hidden)]
@@ -692,15 +716,16 @@ impl CudaSession {
 
     /// Folds the MoE router into the output projection (`true`: no router launch,
     /// [`CudaContext::gemv_residual_router`], 40 kernels fewer per step) or runs it as its own
-    /// kernel (`false`, the default). Measured on the H200 (docs/CUDA.md): the same time per
-    /// token (1,333.4 against 1,333.8 µs), the router's work moving into the output projection
-    /// and the MoE kernels' top-k. The fold applies with fused norms, the three-kernel MoE (not
-    /// [`MoeFlags::fused`]) and at least two layers; its logits equal the router kernel's up
-    /// to f32 rounding. With the fold the router kernel's L2 prefetch hints
+    /// kernel (`false`). The default is [`Self::new`]'s. Measured on the H200 (docs/CUDA.md):
+    /// with gate/up and down as two kernels, the same time per token (1,333.4 against 1,333.8
+    /// µs); with a cluster per expert ([`MoeFlags::cluster`]) 1,266.8 against 1,305.8 µs. The
+    /// fold applies with fused norms, not with [`MoeFlags::fused`], and with at least two
+    /// layers; its logits equal the router kernel's up to f32 rounding. With the fold the router kernel's L2 prefetch hints
     /// ([`Self::set_l2_prefetch`]) are not issued. The step graphs are captured again on the
     /// next [`Self::start`] when this changes.
     ///
     /// [`MoeFlags::fused`]: crate::moe::MoeFlags::fused
+    /// [`MoeFlags::cluster`]: crate::moe::MoeFlags::cluster
     pub fn set_router_fold(&mut self, on: bool) {
         if on != self.router_fold {
             self.router_fold = on;

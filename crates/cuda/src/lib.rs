@@ -202,6 +202,8 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_fused_r4_e8",
             "moe_fused_r8_e4",
             "moe_fused_r8_e8",
+            "moe_cluster_e4",
+            "moe_cluster_fold_e4",
             "moe_grid_barrier_probe",
             "moe_flag_barrier_probe",
         ],
@@ -460,6 +462,13 @@ impl CudaContext {
                     func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::N_V_HEADS * p::D_V) as i32)?;
                     func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
                 }
+            }
+        }
+        {
+            // the MoE's expert-per-cluster kernel (moe.rs MoeFlags::cluster): staged tiles
+            use cudarc::driver::sys::CUfunction_attribute_enum as A;
+            for name in ["moe_cluster_e4", "moe_cluster_fold_e4"] {
+                funcs[name].set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, moe::cluster_smem_bytes(4) as i32)?;
             }
         }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;

@@ -67,6 +67,36 @@ fn fused_smem_bytes(bits: u32) -> usize {
     DN_KS * (p::TOP_K + 1) * DN_GPW * (bits as usize * 128 + 64)
 }
 
+/// Blocks per cluster of the expert-per-cluster kernel (`CL` in `moe.cu`).
+const CL: usize = 8;
+/// Words per block of the expert-per-cluster kernel's phase probe (`CL_MARKS` in `moe.cu`).
+#[doc(hidden)]
+pub const CL_MARKS: usize = 11;
+/// Blocks of the expert-per-cluster kernel.
+#[doc(hidden)]
+pub const CL_BLOCKS: usize = (p::TOP_K + 1) * CL;
+/// Warps per block of the expert-per-cluster kernel (`CL_WARPS` in `moe.cu`).
+const CL_WARPS: usize = 16;
+
+/// Dynamic shared memory of `moe_cluster_e4` at `bits` expert bits (`ClSmem` in `moe.cu`): the
+/// block's gate/up tiles (`D_EXPERT·2 / 16 / CL` row tiles × `D_MODEL / 64` groups) and down
+/// tiles (`D_MODEL / 16 / CL` × `D_EXPERT / 64`), each `bits · 128` code bytes and 8
+/// `{scale|bias}` pairs.
+pub(crate) fn cluster_smem_bytes(bits: u32) -> usize {
+    let tiles = 2 * p::D_EXPERT / TILE_ROWS / CL * (p::D_MODEL / QUANT_GROUP) + p::D_MODEL / TILE_ROWS / CL * (p::D_EXPERT / QUANT_GROUP);
+    tiles * (bits as usize * 128 + 64)
+}
+
+/// Launch shape of `moe_cluster_e4` / `moe_cluster_fold_e4`: `TOP_K + 1` clusters of [`CL`]
+/// blocks (the cluster shape is the kernels' `__cluster_dims__`).
+fn cluster_cfg() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (((p::TOP_K + 1) * CL) as u32, 1, 1),
+        block_dim: ((CL_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: cluster_smem_bytes(4) as u32,
+    }
+}
+
 /// Blocks of the fused kernel: enough for one round of every phase (a down row tile per
 /// block, FU_WARPS / GU_KS gate/up units per block, a router row per warp), at most one per SM.
 fn fused_grid(sm_count: u32) -> u32 {
@@ -102,11 +132,22 @@ pub struct MoeFlags {
     /// first, as part 0, and the fused kernel does gate/up and down only (part 1; one barrier),
     /// reading the router's ids, weights and u digits.
     pub fused_keep_router: bool,
+    /// After the router kernel (top-k in its last block), gate/up, down and the combine in one
+    /// launch of one thread-block cluster of 8 blocks per expert (`moe_cluster_e4`: the gate/up
+    /// outputs move to the expert's down blocks through distributed shared memory, no grid
+    /// barrier; the last block of each 256-row slice adds the experts up; the same bits as the
+    /// three kernels). Used when every expert matrix (routed and shared) is 4-bit
+    /// ([`CudaContext::moe_cluster_ready`]), else the three kernels run. Part 1 of
+    /// [`CudaContext::moe_decode_part`] is then the cluster kernel and part 2 launches nothing;
+    /// `topk_in_router` is taken as set, `prefetch_down` and `down_reg_cap` do not apply.
+    /// Ignored with `fused`.
+    pub cluster: bool,
 }
 
 impl MoeFlags {
     /// What `moe_decode_step` runs: the fastest on the H200 with PDL edges (docs/CUDA.md).
-    pub const DEFAULT: MoeFlags = MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false };
+    pub const DEFAULT: MoeFlags =
+        MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false, cluster: false };
 
     fn bits(self) -> i32 {
         i32::from(self.topk_in_router) | (i32::from(self.prefetch_down) << 1)
@@ -247,6 +288,12 @@ pub struct MoeScratch {
     /// The router fold's accumulators (see [`CudaContext::gemv_residual_router`]): [`FOLD_SETS`]
     /// sets of `N_EXPERTS + 2` f64 (logit sums, shared-gate sum, Σ h²), [`RF_STRIDE`] apart.
     racc: CudaSlice<f64>,
+    /// `[TOP_K + 1, D_MODEL]`: each slot's down projection (not yet weighted), from the
+    /// expert-per-cluster kernel ([`MoeFlags::cluster`]) to the block that combines a slice.
+    part: CudaSlice<f32>,
+    /// Finished-block counters of the expert-per-cluster kernel, one per 256-row slice (zero
+    /// between launches).
+    cl_counts: CudaSlice<u32>,
     /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
     /// blocks cannot all be resident at once (it then never launches).
     fused_grid: [u32; 2],
@@ -258,6 +305,13 @@ pub struct MoeScratch {
     /// layer); 0, the default: none. Not counted by the fused kernel ([`MoeFlags::fused`]).
     /// Must stay valid while launches that read it can run.
     pub hist_row: u64,
+    /// Measurement: device address of `[(TOP_K + 1) · 8 blocks, CL_MARKS]` u64 the
+    /// expert-per-cluster kernel fills with its phase times (block start and PDL release in
+    /// `%globaltimer` ns, then clock64 cycles since the release: copies issued, gate/up row
+    /// tiles of rounds 0 and 1 arrived, gate/up done, down tiles arrived, activations
+    /// exchanged, y written, counted, combined); 0: none.
+    #[doc(hidden)]
+    pub cl_probe: u64,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -536,11 +590,14 @@ impl CudaContext {
             counter: s.alloc_zeros::<u32>(1)?,
             bar: s.alloc_zeros::<u32>(2)?,
             racc: s.alloc_zeros::<f64>(FOLD_SETS * RF_SET)?,
+            part: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_MODEL)?,
+            cl_counts: s.alloc_zeros::<u32>(CL)?,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
             l2_prefetch: crate::L2Prefetch::default(),
             hist_row: 0,
+            cl_probe: 0,
         })
     }
 
@@ -571,6 +628,13 @@ impl CudaContext {
     /// the grid resident at once.
     pub fn moe_fused_ready(&self, m: &DeviceMoe, scratch: &MoeScratch) -> bool {
         self.fused_grid_for(m, scratch).is_some()
+    }
+
+    /// Whether [`MoeFlags::cluster`] runs the expert-per-cluster kernel for layer `m` (else
+    /// the three kernels): every expert matrix, routed and shared, 4-bit (at 8 bits the staged
+    /// tiles would not fit one block's shared memory).
+    pub fn moe_cluster_ready(&self, m: &DeviceMoe) -> bool {
+        [m.gate_up_bits, m.down_bits, m.shared_gate_up_bits, m.shared_down_bits].iter().all(|b| *b == Bits::B4)
     }
 
     fn fused_grid_for(&self, m: &DeviceMoe, scratch: &MoeScratch) -> Option<u32> {
@@ -685,6 +749,17 @@ impl CudaContext {
                 // part 0 with the router kept: the three-kernel router, top-k in its last block
             }
             flags = MoeFlags { fused: false, fused_keep_router: false, ..MoeFlags::DEFAULT };
+        } else if flags.cluster {
+            if self.moe_cluster_ready(m) {
+                flags = MoeFlags { cluster: false, ..MoeFlags::DEFAULT }; // part 0: the router, top-k in it
+                match part {
+                    1 => return self.moe_cluster_launch(m, resid, scratch, out),
+                    2 => return Ok(()),
+                    _ => {}
+                }
+            } else {
+                flags = MoeFlags { cluster: false, ..flags };
+            }
         }
         let fl = flags.bits();
         match part {
@@ -988,6 +1063,80 @@ impl CudaContext {
         Ok(())
     }
 
+    /// [`Self::moe_fold_gate_up`] and [`Self::moe_fold_down`] as one launch: one thread-block
+    /// cluster per expert (`moe_cluster_fold_e4`, see [`MoeFlags::cluster`]), every block running
+    /// the top-k from set `set` itself; the same results bit for bit, `sel_ids`/`sel_w` and set
+    /// `zero_set` as they leave them. `h` is the residual stream the output projection wrote
+    /// (and the residual of the sum), `norm_w` the post_attention_layernorm, `out` `[D_MODEL]`.
+    ///
+    /// # Errors
+    /// As the two; [`CudaError::Unsupported`] when an expert matrix is not 4-bit
+    /// ([`Self::moe_cluster_ready`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_fold_cluster(
+        &self,
+        m: &DeviceMoe,
+        h: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        set: usize,
+        zero_set: usize,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        check_set(set)?;
+        check_set(zero_set)?;
+        if set == zero_set {
+            return Err(unsupported(format!("moe_fold_cluster: reads and zeroes accumulator set {set}")));
+        }
+        if !self.moe_cluster_ready(m) {
+            return Err(unsupported(format!("moe_fold_cluster: expert widths {:?} (every expert matrix must be 4-bit)", m.bits())));
+        }
+        if h.len() != d || norm_w.len() != d || out.len() != d {
+            return Err(unsupported(format!("moe_fold_cluster: h {} norm_w {} out {} (D_MODEL = {d})", h.len(), norm_w.len(), out.len())));
+        }
+        let s = self.stream();
+        for (what, v) in [("h", h), ("norm_w", norm_w)] {
+            let (ptr, _guard) = v.device_ptr(s);
+            if ptr % 16 != 0 {
+                return Err(unsupported(format!("moe_fold_cluster: {what} must be 16-byte aligned (device address {ptr:#x})")));
+            }
+        }
+        let eps = p::RMS_EPS;
+        let (lo, hi) = (set.min(zero_set), set.max(zero_set));
+        let (mut below, mut above) = scratch.racc.split_at_mut(hi * RF_SET);
+        let lo_v = below.slice_mut(lo * RF_SET..(lo + 1) * RF_SET);
+        let hi_v = above.slice_mut(..RF_SET);
+        let (mut read, mut zero) = if set < zero_set { (lo_v, hi_v) } else { (hi_v, lo_v) };
+        let mut b = s.launch_builder(self.func("moe_cluster_fold_e4")?);
+        b.arg(out)
+            .arg(h)
+            .arg(&m.gu_codes)
+            .arg(&m.gu_sb)
+            .arg(&m.sh_gu_codes)
+            .arg(&m.sh_gu_sb)
+            .arg(&m.down_codes)
+            .arg(&m.down_sb)
+            .arg(&m.sh_down_codes)
+            .arg(&m.sh_down_sb)
+            .arg(&mut scratch.sel_ids)
+            .arg(&mut scratch.sel_w)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(&mut read)
+            .arg(&mut zero)
+            .arg(&mut scratch.part)
+            .arg(&mut scratch.cl_counts)
+            .arg(&scratch.hist_row)
+            .arg(&scratch.cl_probe);
+        // SAFETY: arguments match `moe_cluster_fold_e4` in kernels/moe.cu; lengths checked above
+        // and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets RF_SET f64
+        // each, distinct; hist_row null or an [N_EXPERTS] i32 row. Cluster shape and shared
+        // memory as moe_cluster_launch.
+        unsafe { b.launch(cluster_cfg()) }?;
+        Ok(())
+    }
+
     /// Zero every router-fold accumulator set (what [`Self::moe_fold_down`] does for the next
     /// layer), for a step that leaves the down launch out (the ablation).
     ///
@@ -1056,6 +1205,44 @@ impl CudaContext {
         // SAFETY: flags holds a word per SM (>= grid); a cooperative launch (every block
         // resident, or the driver refuses it), so the polling ends.
         unsafe { b.launch_cooperative(cfg) }?;
+        Ok(())
+    }
+
+    /// The expert-per-cluster kernel (see [`MoeFlags::cluster`]): `TOP_K + 1` clusters of
+    /// [`CL`] blocks, after the router kernel (its ids, weights and u digits in `scratch`).
+    fn moe_cluster_launch(
+        &self,
+        m: &DeviceMoe,
+        resid: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let s = self.stream();
+        let mut b = s.launch_builder(self.func("moe_cluster_e4")?);
+        b.arg(out)
+            .arg(resid)
+            .arg(&m.gu_codes)
+            .arg(&m.gu_sb)
+            .arg(&m.sh_gu_codes)
+            .arg(&m.sh_gu_sb)
+            .arg(&m.down_codes)
+            .arg(&m.down_sb)
+            .arg(&m.sh_down_codes)
+            .arg(&m.sh_down_sb)
+            .arg(&mut scratch.sel_ids)
+            .arg(&mut scratch.sel_w)
+            .arg(&scratch.uq)
+            .arg(&scratch.umeta)
+            .arg(&mut scratch.part)
+            .arg(&mut scratch.cl_counts)
+            .arg(&scratch.hist_row)
+            .arg(&scratch.cl_probe);
+        // SAFETY: arguments match `moe_cluster_e4` in kernels/moe.cu; lengths fixed by
+        // upload_moe_refs (every expert matrix 4-bit: moe_cluster_ready) and moe_scratch;
+        // hist_row is null or an [N_EXPERTS] i32 row (its owner's contract). The cluster shape
+        // is a compile-time attribute of the kernel (__cluster_dims__), and the grid a multiple
+        // of it; the dynamic shared-memory limit was raised when the module loaded.
+        unsafe { b.launch(cluster_cfg()) }?;
         Ok(())
     }
 

@@ -283,6 +283,20 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
             fused_equals_three(s, &format!("{name} [{v}] = three kernels, fused norm, input {i}"), fl, &dm, &mut scratch, &h, &h, Some(&nw));
         }
     }
+    // the expert-per-cluster kernel equals the three kernels bit for bit; it runs when every
+    // expert matrix is 4-bit
+    let cl_ready = cx.moe_cluster_ready(&dm);
+    let all4 = bits[2..].iter().all(|b| *b == 4);
+    let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: cl_ready == all4, msg: format!("cluster kernel ready {cl_ready}, experts all 4-bit {all4}") };
+    s.record(SEC, &format!("{name}: cluster kernel used iff every expert matrix is 4-bit"), &c, "");
+    for i in 0..if cl_ready { 3u64 } else { 0 } {
+        let h = rand_f32s(d, seed ^ (0xA00 + i), 30.0);
+        let nw = rand_f32s(d, seed ^ (0xB00 + i), 0.6);
+        let resid = rand_f32s(d, seed ^ (0xC00 + i), 2.0);
+        let v = vname(CLUSTER);
+        fused_equals_three(s, &format!("{name} [{v}] = three kernels, input {i}"), CLUSTER, &dm, &mut scratch, &h, &resid, None);
+        fused_equals_three(s, &format!("{name} [{v}] = three kernels, fused norm, input {i}"), CLUSTER, &dm, &mut scratch, &h, &h, Some(&nw));
+    }
     // the router folded into the output projection, against the output projection then the
     // three kernels with the fused norm (4-bit output projection; 8-bit in the full run)
     for (i, ob) in [4u32, 8].into_iter().enumerate().take(if s.quick { 1 } else { 2 }) {
@@ -313,7 +327,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         }
         let dt = cx.upload_moe_refs(&w.refs(&tr)).expect("upload (ties)");
         let resid = rand_f32s(d, seed ^ 0x301, 2.0);
-        for fl in [VARIANTS[0], VARIANTS[2], FUSED, FUSED_AFTER_ROUTER] {
+        for fl in [VARIANTS[0], VARIANTS[2], FUSED, FUSED_AFTER_ROUTER, CLUSTER] {
             check_step(
                 s,
                 &format!("{name} exact router ties [{}]", vname(fl)),
@@ -371,7 +385,13 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         s.record(SEC, &format!("{name}: out after {reps}+1 PDL graph replays of {LAYERS} layers [{}]", vname(fl)), &c, "");
         // kernels alone (the fused kernel is part 0 only: parts 1 and 2 launch nothing)
         let mut t_part = [0f64; 3];
-        let parts = if fl.fused && cx.moe_fused_ready(&dm, &scratch) { 1 + usize::from(fl.fused_keep_router) } else { 3 };
+        let parts = if fl.fused && cx.moe_fused_ready(&dm, &scratch) {
+            1 + usize::from(fl.fused_keep_router)
+        } else if fl.cluster && !fl.fused && cx.moe_cluster_ready(&dm) {
+            2
+        } else {
+            3
+        };
         for (pt, t) in t_part.iter_mut().enumerate().take(parts) {
             *t = time_graph_pdl(s, false, reps, || step_all(Some(pt), fl, &mut scratch, &mut out)) / LAYERS as f64;
         }
@@ -411,27 +431,94 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
             rows.join(",")
         ),
     ));
+    if cx.moe_cluster_ready(&dm) {
+        cluster_phases(s, name, &layers, &us, &resid, &mut scratch, &mut out);
+    }
+}
+
+/// Where the expert-per-cluster kernel's time goes: the router and the cluster kernel over
+/// `layers` (distinct copies, so the last layer's weights come from DRAM), plain launches; the
+/// last launch's phase probe (`MoeScratch::cl_probe`), five times. Per phase, over the blocks:
+/// median and max of the time since the block's PDL release (clock64 at the SM clock), and the
+/// spread of the blocks' releases and starts (%globaltimer).
+fn cluster_phases(
+    s: &mut Suite,
+    name: &str,
+    layers: &[DeviceMoe],
+    us: &[cuda::cudarc::driver::CudaSlice<f32>],
+    resid: &cuda::cudarc::driver::CudaSlice<f32>,
+    scratch: &mut cuda::moe::MoeScratch,
+    out: &mut cuda::cudarc::driver::CudaSlice<f32>,
+) {
+    use cuda::moe::{CL_BLOCKS, CL_MARKS};
+    let cx = s.cx;
+    let mut probe = cx.stream().alloc_zeros::<u64>(CL_BLOCKS * CL_MARKS).unwrap();
+    scratch.cl_probe = {
+        let (ptr, _g) = cuda::cudarc::driver::DevicePtr::device_ptr(&probe, cx.stream());
+        ptr
+    };
+    // SM clock (kHz) for cycles -> us
+    let khz = cx.raw().attribute(cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).unwrap_or(1_980_000) as f64;
+    const PHASES: [&str; 9] = ["copies issued", "gate/up round 0 here", "gate/up round 1 here", "gate/up done", "down tiles here", "acts exchanged", "y written", "counted", "combined (last)"];
+    let mut rows: Vec<Vec<(f64, f64)>> = vec![Vec::new(); PHASES.len()];
+    let mut landing = Vec::new();
+    for _ in 0..5 {
+        cx.stream().memset_zeros(&mut probe).unwrap();
+        for (l, m) in layers.iter().enumerate() {
+            let mut ov = out.slice_mut(..);
+            for pt in 0..3 {
+                cx.moe_decode_part(m, &us[l].slice(..), &resid.slice(..), scratch, &mut ov, pt, MoeFlags { cluster: true, ..MoeFlags::DEFAULT }, None).expect("moe step");
+            }
+        }
+        let v: Vec<u64> = cx.stream().clone_dtoh(&probe).unwrap();
+        let rel_min = (0..CL_BLOCKS).map(|b| v[b * CL_MARKS + 1]).min().unwrap_or(0);
+        let start_max = (0..CL_BLOCKS).map(|b| v[b * CL_MARKS]).max().unwrap_or(0);
+        let rel_max = (0..CL_BLOCKS).map(|b| v[b * CL_MARKS + 1]).max().unwrap_or(0);
+        landing.push(((rel_max - rel_min) as f64 / 1e3, start_max as f64 / 1e3 - rel_min as f64 / 1e3));
+        for (i, row) in rows.iter_mut().enumerate() {
+            let mut c: Vec<f64> = (0..CL_BLOCKS).map(|b| v[b * CL_MARKS + 2 + i]).filter(|x| *x > 0 && *x < 1 << 40).map(|x| x as f64 / khz * 1e3).collect();
+            if c.is_empty() {
+                continue;
+            }
+            c.sort_by(|a, b| a.total_cmp(b));
+            row.push((c[c.len() / 2], c[c.len() - 1]));
+        }
+    }
+    scratch.cl_probe = 0;
+    println!("{SEC:<10} {name}: cluster kernel phases, us since each block's release (median / max over blocks; 5 runs, cold weights):");
+    for (i, row) in rows.iter().enumerate() {
+        let f = |v: Vec<f64>| v.iter().map(|x| format!("{x:5.2}")).collect::<Vec<_>>().join(" ");
+        println!("{SEC:<10}   {:<22} median {}  max {}", PHASES[i], f(row.iter().map(|r| r.0).collect()), f(row.iter().map(|r| r.1).collect()));
+    }
+    let f = |v: Vec<f64>| v.iter().map(|x| format!("{x:5.2}")).collect::<Vec<_>>().join(" ");
+    println!("{SEC:<10}   releases spread over (us) {}; last block start after the first release (us) {}", f(landing.iter().map(|l| l.0).collect()), f(landing.iter().map(|l| l.1).collect()));
 }
 
 /// The variants timed (the default is marked in the output).
-const VARIANTS: [MoeFlags; 7] = [
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false },
-    MoeFlags { topk_in_router: true, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false },
-    MoeFlags { topk_in_router: false, prefetch_down: false, down_reg_cap: false, fused: false, fused_keep_router: false },
-    MoeFlags { topk_in_router: false, prefetch_down: true, down_reg_cap: false, fused: false, fused_keep_router: false },
-    MoeFlags { topk_in_router: true, prefetch_down: false, down_reg_cap: true, fused: false, fused_keep_router: false },
+const VARIANTS: [MoeFlags; 8] = [
+    MoeFlags::DEFAULT,
+    MoeFlags { prefetch_down: true, ..MoeFlags::DEFAULT },
+    MoeFlags { topk_in_router: false, ..MoeFlags::DEFAULT },
+    MoeFlags { topk_in_router: false, prefetch_down: true, ..MoeFlags::DEFAULT },
+    MoeFlags { down_reg_cap: true, ..MoeFlags::DEFAULT },
     FUSED,
     FUSED_AFTER_ROUTER,
+    CLUSTER,
 ];
 
 /// The fused kernel (one launch, grid barriers).
 const FUSED: MoeFlags = MoeFlags { fused: true, ..MoeFlags::DEFAULT };
 /// The router kernel, then the fused kernel for gate/up and down (one barrier).
 const FUSED_AFTER_ROUTER: MoeFlags = MoeFlags { fused: true, fused_keep_router: true, ..MoeFlags::DEFAULT };
+/// The router kernel, then one thread-block cluster per expert for gate/up, down and combine.
+const CLUSTER: MoeFlags = MoeFlags { cluster: true, ..MoeFlags::DEFAULT };
 
 fn vname(f: MoeFlags) -> String {
     if f.fused {
         return if f.fused_keep_router { "router, then fused gate/up + down".into() } else { "fused, grid barriers".into() };
+    }
+    if f.cluster {
+        return "router, then a cluster per expert".into();
     }
     format!(
         "top-k {}, {}{}",
@@ -464,9 +551,10 @@ pub fn run(s: &mut Suite) {
 
 /// `moe_decode_step_norm(h, w)` against `rms_norm(h, w)` then `moe_decode_step(u, h)`: the same
 /// chosen experts and routing weights and the same output, bit for bit; guard words intact.
-/// A fused variant against [`MoeFlags::DEFAULT`] on the same input (`norm`: u = rms_norm(u, norm)):
-/// output (with guards), chosen ids and routing weights equal bit for bit. Fails when the
-/// fused kernel does not run for this layer (the check would compare the default with itself).
+/// A fused variant (the fused kernel, or the cluster kernel) against [`MoeFlags::DEFAULT`] on the
+/// same input (`norm`: u = rms_norm(u, norm)): output (with guards), chosen ids and routing
+/// weights equal bit for bit. Fails when the variant's kernel does not run for this layer (the
+/// check would compare the default with itself).
 #[allow(clippy::too_many_arguments)]
 fn fused_equals_three(
     s: &mut Suite,
@@ -500,9 +588,10 @@ fn fused_equals_three(
     let reference: Vec<f64> = a[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
     let mut c = check_guarded(&b, &reference, Tol::F32);
     let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-    if !cx.moe_fused_ready(dm, scratch) {
+    let runs = if fused.fused { cx.moe_fused_ready(dm, scratch) } else { fused.cluster && cx.moe_cluster_ready(dm) };
+    if !runs {
         c.ok = false;
-        c.msg.push_str("the fused kernel does not run for this layer; ");
+        c.msg.push_str("the variant's kernel does not run for this layer; ");
     }
     if differ > 0 || ids_a != ids_b || w_a.iter().zip(&w_b).any(|(x, y)| x.to_bits() != y.to_bits()) {
         c.ok = false;
@@ -549,6 +638,21 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
     };
     // set 0 (zeroing set 1), then set 1 zeroing set 0, which the first run left full
     let (hf, of, idsf, wf, _) = run_fold(scratch, 0, 1);
+    // the expert-per-cluster kernel on the same sums (set 0 again, refilled by the output
+    // projection; zeroing set 1): equal to the gate/up + down pair bit for bit
+    let cluster = cx.moe_cluster_ready(dm).then(|| {
+        let mut hf = cx.upload_f32(&vec![0f32; d]).unwrap();
+        let mut of = guarded(cx, d);
+        // both sets filled (set 1 only to see it zeroed), set 0 from zero
+        cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+        for set in [1, 0] {
+            cx.gemv_residual_router(&mut hf.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
+        }
+        cx.moe_fold_cluster(dm, &hf.slice(..), &wd.slice(..), scratch, &mut of.slice_mut(GUARD..GUARD + d), 0, 1).expect("moe_fold_cluster");
+        let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+        let racc: Vec<f64> = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
+        (cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc)
+    });
     let (hf2, of2, idsf2, wf2, racc) = run_fold(scratch, 1, 0);
     cx.moe_fold_reset(scratch).expect("moe_fold_reset");
     let set_len = racc.len() / cuda::moe::FOLD_SETS;
@@ -582,6 +686,17 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     if !(same(&hf, &hf2) && same(&of, &of2) && same(&wf, &wf2) && idsf == idsf2) {
         fail(&mut c, "a second run differs from the first; ".into());
+    }
+    if let Some((oc, idsc, wc, raccc)) = cluster {
+        let differ = oc.iter().zip(&of).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        if differ > 0 || idsc != idsf || !same(&wc, &wf) {
+            fail(&mut c, format!("cluster kernel: {differ} words of out differ from gate/up + down's; ids {idsc:?} vs {idsf:?}; "));
+        }
+        let nz = raccc[set_len..2 * set_len].iter().filter(|v| **v != 0.0).count();
+        if nz > 0 {
+            fail(&mut c, format!("cluster kernel: {nz} accumulators of set 1 not zero after it zeroed them; "));
+        }
+        c.msg.push_str("cluster kernel equal bit for bit; ");
     }
     s.record(SEC, label, &c, "");
 }
