@@ -15,8 +15,9 @@ use spec::production as p;
 /// The decode step's MoE launches (`--moe`), for measurement and checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum MoePath {
-    /// What `CudaSession::new` picks: `fold-cluster` when every expert matrix is 4-bit, else
-    /// `three`.
+    /// What `CudaSession::new` picks: `fold-cluster` when every expert matrix is 4-bit and the
+    /// model has at least two layers, else `three` (the fold needs fused norms: with
+    /// `--no-fuse-norm`, `fold-cluster` runs as `cluster` and `fold` as `three`).
     Auto,
     /// The router kernel (top-k in its last block), gate/up, down + combine: three kernels.
     Three,
@@ -550,6 +551,15 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             if class == cuda::decode::ablate::NORM && !a.no_fuse_norm {
                 continue; // fused: no launch of its own to leave out
             }
+            // the router folded into the output projection, or down inside the cluster kernel
+            // (which is left out as "MoE gate/up"): no launch of their own either
+            let flags = sess.moe_flags();
+            if class == cuda::decode::ablate::MOE_ROUTER && sess.router_fold() && !a.no_fuse_norm && !flags.fused {
+                continue;
+            }
+            if class == cuda::decode::ablate::MOE_DOWN && flags.cluster && !flags.fused {
+                continue;
+            }
             let (us, k) = time_step(&mut sess, class)?;
             let launches = full_k.saturating_sub(k);
             let saved = full_us - us;
@@ -634,7 +644,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "l2_prefetch": a.l2_prefetch,
         "moe_path": format!("{:?}", a.moe), "moe_fused": sess.moe_flags().fused,
         "moe_cluster": sess.moe_flags().cluster,
-        "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold(),
+        "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold() && !a.no_fuse_norm && !sess.moe_flags().fused,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),

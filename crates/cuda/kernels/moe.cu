@@ -1130,8 +1130,9 @@ constexpr int CL_THREADS = CL_WARPS * 32;
 constexpr int CL_GU_RT = GU_RT / CL;   // gate/up row tiles per block
 constexpr int CL_DN_RT = DN_RT / CL;   // down row tiles per block
 constexpr int CL_MSG = GROUP * 4 + 8;  // bytes each block sends to each: a group's digits and meta
+// bulk copies per block: codes and scales of each gate/up row tile, of the down tiles
 constexpr int CL_COPIES = 2 * CL_GU_RT + 2;
-constexpr int CL_MARKS = 11;  // words per block of the phase probe (moe.rs CL_MARKS)  // bulk copies per block: codes and scales of each gate/up row tile, of the down tiles
+constexpr int CL_MARKS = 11;  // words per block of the phase probe (moe.rs CL_MARKS)
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -1201,11 +1202,12 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     using S = ClSmem<BITS>;
     // Measurement (probe != null): thread 0 of each block records %globaltimer at its start and
     // after its PDL wait, then clock64 cycles since the wait at each phase (CL_MARKS words).
+    // (Written after the wait, like every store of the kernel.)
     unsigned long long c_wait = 0;
+    const unsigned long long t_start = probe != nullptr && threadIdx.x == 0 ? calla_globaltimer() : 0;
     auto mark = [&](int i) {
         if (probe != nullptr && threadIdx.x == 0) probe[blockIdx.x * CL_MARKS + i] = clock64() - c_wait;
     };
-    if (probe != nullptr && threadIdx.x == 0) probe[blockIdx.x * CL_MARKS] = calla_globaltimer();
     static_assert(S::BYTES + 6 * 1024 <= 227 * 1024, "shared memory of one block");
     extern __shared__ __align__(128) unsigned char cl_dyn[];
     __shared__ float s_gu[CL_GU_RT][GU_KS][16];         // row sums of each unit
@@ -1264,6 +1266,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     if (!routed && warp == 0) request(0);  // the shared expert: before the wait
     calla_pdl_wait();  // the routing and u come from the previous kernel (router or output projection)
     if (probe != nullptr && threadIdx.x == 0) {
+        probe[blockIdx.x * CL_MARKS] = t_start;
         probe[blockIdx.x * CL_MARKS + 1] = calla_globaltimer();
         c_wait = clock64();
     }

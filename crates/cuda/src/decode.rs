@@ -428,7 +428,8 @@ impl CudaSession {
                 },
             });
         }
-        let cluster = m.layers.len() >= 2 && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe));
+        let moe_scratch = cx.moe_scratch()?;
+        let cluster = m.layers.len() >= 2 && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &moe_scratch));
         Ok(CudaSession {
             max_ctx,
             expert_hist: st.alloc_zeros::<i32>(cfg.layer_types.len() * p::N_EXPERTS)?,
@@ -446,7 +447,7 @@ impl CudaSession {
             layers,
             gdn_scratch: cx.gdn_scratch()?,
             attn_scratch: cx.attn_scratch(max_ctx)?,
-            moe_scratch: cx.moe_scratch()?,
+            moe_scratch,
             graph_full: None,
             graph_full_alt: None,
             sampler_idle: None,
@@ -505,6 +506,11 @@ impl CudaSession {
             cx.embed_gather(&mut x, &m.embed, &self.ids.slice(..), &self.pos.slice(..))?;
         }
         let hist_row = self.expert_hist_rows(cx);
+        // the experts of every layer as one cluster launch (MoeFlags::cluster; with the fold,
+        // all layers or none, so that every layer's accumulator set is zeroed by the layer before)
+        let cluster_all = self.moe_flags.cluster
+            && !self.moe_flags.fused
+            && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;
@@ -560,13 +566,14 @@ impl CudaSession {
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
-            // the router folded into the output projection: no router launch (fused norms and
-            // the three-kernel MoE only)
+            // the router folded into the output projection: no router launch (fused norms, not
+            // the fused MoE kernel)
             // (a single layer would read and zero one accumulator set: not folded)
             let n_layers = m.layers.len();
-            // (and not with gate/up left out by the ablation: down's top-k before its wait relies
-            // on gate/up's wait having seen the output projection complete)
-            let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && on(ablate::MOE_GATE_UP);
+            // (with gate/up and down as two kernels, not with gate/up left out by the ablation:
+            // down's top-k before its wait relies on gate/up's wait having seen the output
+            // projection complete)
+            let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && (cluster_all || on(ablate::MOE_GATE_UP));
             let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
             if on(ablate::OUT_PROJ) {
                 if fold {
@@ -584,9 +591,15 @@ impl CudaSession {
                     cx.gemv_residual(&mut self.h.slice_mut(..), out_mat, &self.mix.slice(..n_out), &self.x.slice(..))?;
                 }
             }
-            if fold && self.moe_flags.cluster && cx.moe_cluster_ready(&lw.moe) && on(ablate::MOE_DOWN) {
-                // gate/up, down and the combine as one cluster launch (MoeFlags::cluster)
-                cx.moe_fold_cluster(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
+            if fold && cluster_all {
+                // gate/up, down and the combine as one cluster launch (MoeFlags::cluster); the
+                // ablation leaves it out as the MoE gate/up class (it has no down launch of its
+                // own) and zeroes the next layer's accumulators instead
+                if on(ablate::MOE_GATE_UP) {
+                    cx.moe_fold_cluster(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
+                } else {
+                    cx.moe_fold_reset(&mut self.moe_scratch)?;
+                }
                 continue;
             }
             if fold {
@@ -718,7 +731,8 @@ impl CudaSession {
     /// [`CudaContext::gemv_residual_router`], 40 kernels fewer per step) or runs it as its own
     /// kernel (`false`). The default is [`Self::new`]'s. Measured on the H200 (docs/CUDA.md):
     /// with gate/up and down as two kernels, the same time per token (1,333.4 against 1,333.8
-    /// µs); with a cluster per expert ([`MoeFlags::cluster`]) 1,266.8 against 1,305.8 µs. The
+    /// µs); with a cluster per expert ([`MoeFlags::cluster`]) 1,266.2 against 1,316.9 µs for
+    /// the router kernel and the cluster, or for the router kernel, gate/up and down. The
     /// fold applies with fused norms, not with [`MoeFlags::fused`], and with at least two
     /// layers; its logits equal the router kernel's up to f32 rounding. With the fold the router kernel's L2 prefetch hints
     /// ([`Self::set_l2_prefetch`]) are not issued. The step graphs are captured again on the

@@ -464,13 +464,6 @@ impl CudaContext {
                 }
             }
         }
-        {
-            // the MoE's expert-per-cluster kernel (moe.rs MoeFlags::cluster): staged tiles
-            use cudarc::driver::sys::CUfunction_attribute_enum as A;
-            for name in ["moe_cluster_e4", "moe_cluster_fold_e4"] {
-                funcs[name].set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, moe::cluster_smem_bytes(4) as i32)?;
-            }
-        }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         let timeline = if timeline::enabled() { Some(std::sync::Mutex::new(timeline::DeviceLog::new(&stream, &modules)?)) } else { None };
         Ok(CudaContext {

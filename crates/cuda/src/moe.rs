@@ -82,7 +82,7 @@ const CL_WARPS: usize = 16;
 /// block's gate/up tiles (`D_EXPERT·2 / 16 / CL` row tiles × `D_MODEL / 64` groups) and down
 /// tiles (`D_MODEL / 16 / CL` × `D_EXPERT / 64`), each `bits · 128` code bytes and 8
 /// `{scale|bias}` pairs.
-pub(crate) fn cluster_smem_bytes(bits: u32) -> usize {
+fn cluster_smem_bytes(bits: u32) -> usize {
     let tiles = 2 * p::D_EXPERT / TILE_ROWS / CL * (p::D_MODEL / QUANT_GROUP) + p::D_MODEL / TILE_ROWS / CL * (p::D_EXPERT / QUANT_GROUP);
     tiles * (bits as usize * 128 + 64)
 }
@@ -95,6 +95,19 @@ fn cluster_cfg() -> LaunchConfig {
         block_dim: ((CL_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: cluster_smem_bytes(4) as u32,
     }
+}
+
+/// The expert weights of `moe_cluster_e4` / `moe_cluster_fold_e4`, in their parameter order:
+/// routed gate/up tiles and pairs, the shared expert's, routed down, shared down.
+fn cluster_tile_args<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, m: &'a DeviceMoe) {
+    b.arg(&m.gu_codes)
+        .arg(&m.gu_sb)
+        .arg(&m.sh_gu_codes)
+        .arg(&m.sh_gu_sb)
+        .arg(&m.down_codes)
+        .arg(&m.down_sb)
+        .arg(&m.sh_down_codes)
+        .arg(&m.sh_down_sb);
 }
 
 /// Blocks of the fused kernel: enough for one round of every phase (a down row tile per
@@ -294,14 +307,18 @@ pub struct MoeScratch {
     /// Finished-block counters of the expert-per-cluster kernel, one per 256-row slice (zero
     /// between launches).
     cl_counts: CudaSlice<u32>,
+    /// Whether the expert-per-cluster kernels can run here: their shared memory could be
+    /// granted and a block fits on an SM (else [`MoeFlags::cluster`] falls back to the three
+    /// kernels, never an error of the default path).
+    cluster_ok: bool,
     /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
     /// blocks cannot all be resident at once (it then never launches).
     fused_grid: [u32; 2],
     /// L2 prefetch hints passed with the next router launch (the decode step sets the next
     /// layer's input projection and GDN state here); empty by default.
     pub l2_prefetch: crate::L2Prefetch,
-    /// Device address of an `[N_EXPERTS]` i32 row the down launch adds one to for each chosen
-    /// expert (expert-load telemetry: the decode step points it at its session's row of the
+    /// Device address of an `[N_EXPERTS]` i32 row the down launch (or the cluster kernel) adds
+    /// one to for each chosen expert (expert-load telemetry: the decode step points it at its session's row of the
     /// layer); 0, the default: none. Not counted by the fused kernel ([`MoeFlags::fused`]).
     /// Must stay valid while launches that read it can run.
     pub hist_row: u64,
@@ -595,6 +612,7 @@ impl CudaContext {
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
+            cluster_ok: self.cluster_usable().unwrap_or(false),
             l2_prefetch: crate::L2Prefetch::default(),
             hist_row: 0,
             cl_probe: 0,
@@ -631,10 +649,27 @@ impl CudaContext {
     }
 
     /// Whether [`MoeFlags::cluster`] runs the expert-per-cluster kernel for layer `m` (else
-    /// the three kernels): every expert matrix, routed and shared, 4-bit (at 8 bits the staged
-    /// tiles would not fit one block's shared memory).
-    pub fn moe_cluster_ready(&self, m: &DeviceMoe) -> bool {
-        [m.gate_up_bits, m.down_bits, m.shared_gate_up_bits, m.shared_down_bits].iter().all(|b| *b == Bits::B4)
+    /// the three kernels): every expert matrix, routed and shared, 4-bit (at 8 bits a block's
+    /// tiles would not fit its shared memory), and the kernels usable on this GPU (`scratch`
+    /// found their shared memory granted and a block fitting on an SM; whether 8 such SMs
+    /// share a GPC, as a cluster needs, is not queried: true of every H100/H200).
+    pub fn moe_cluster_ready(&self, m: &DeviceMoe, scratch: &MoeScratch) -> bool {
+        scratch.cluster_ok && [m.gate_up_bits, m.down_bits, m.shared_gate_up_bits, m.shared_down_bits].iter().all(|b| *b == Bits::B4)
+    }
+
+    /// Raises the expert-per-cluster kernels' dynamic shared-memory limit to what they use and
+    /// says whether one of their blocks then fits on an SM.
+    fn cluster_usable(&self) -> Result<bool, CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute;
+        self.raw().bind_to_thread()?;
+        let smem = cluster_smem_bytes(4);
+        let mut ok = true;
+        for name in ["moe_cluster_e4", "moe_cluster_fold_e4"] {
+            let f = self.func(name)?;
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+            ok &= f.occupancy_max_active_blocks_per_multiprocessor((CL_WARPS * 32) as u32, smem, None)? >= 1;
+        }
+        Ok(ok)
     }
 
     fn fused_grid_for(&self, m: &DeviceMoe, scratch: &MoeScratch) -> Option<u32> {
@@ -750,7 +785,7 @@ impl CudaContext {
             }
             flags = MoeFlags { fused: false, fused_keep_router: false, ..MoeFlags::DEFAULT };
         } else if flags.cluster {
-            if self.moe_cluster_ready(m) {
+            if self.moe_cluster_ready(m, scratch) {
                 flags = MoeFlags { cluster: false, ..MoeFlags::DEFAULT }; // part 0: the router, top-k in it
                 match part {
                     1 => return self.moe_cluster_launch(m, resid, scratch, out),
@@ -1025,11 +1060,7 @@ impl CudaContext {
         zero_set: usize,
     ) -> Result<(), CudaError> {
         let d = p::D_MODEL;
-        check_set(set)?;
-        check_set(zero_set)?;
-        if set == zero_set {
-            return Err(unsupported(format!("moe_fold_down: reads and zeroes accumulator set {set}")));
-        }
+        check_read_zero_sets("moe_fold_down", set, zero_set)?;
         if resid.len() != d || out.len() != d {
             return Err(unsupported(format!("moe_fold_down: resid {} out {} (D_MODEL = {d})", resid.len(), out.len())));
         }
@@ -1041,26 +1072,24 @@ impl CudaContext {
         };
         let eps = p::RMS_EPS;
         // the two sets as disjoint views: `read` (set), `zero` (zero_set)
-        let (lo, hi) = (set.min(zero_set), set.max(zero_set));
-        let (mut below, mut above) = scratch.racc.split_at_mut(hi * RF_SET);
-        let lo_v = below.slice_mut(lo * RF_SET..(lo + 1) * RF_SET);
-        let hi_v = above.slice_mut(..RF_SET);
-        let (mut read, mut zero) = if set < zero_set { (lo_v, hi_v) } else { (hi_v, lo_v) };
-        let mut b = self.stream().launch_builder(self.func(&name)?);
-        b.arg(out)
-            .arg(resid)
-            .arg(&scratch.act)
-            .arg(&mut scratch.sel_ids)
-            .arg(&mut scratch.sel_w)
-            .arg(&m.down_codes)
-            .arg(&m.down_sb)
-            .arg(&m.sh_down_codes)
-            .arg(&m.sh_down_sb);
-        b.arg(&mut read).arg(&mut zero).arg(&eps).arg(&scratch.hist_row);
-        // SAFETY: arguments match `moe_down_fold_*` in kernels/moe.cu (shapes as moe_decode_part's
-        // down launch; racc sets RF_SET f64 each, distinct).
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let func = self.func(&name)?;
+        with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
+            let mut b = self.stream().launch_builder(func);
+            b.arg(out)
+                .arg(resid)
+                .arg(&scratch.act)
+                .arg(&mut scratch.sel_ids)
+                .arg(&mut scratch.sel_w)
+                .arg(&m.down_codes)
+                .arg(&m.down_sb)
+                .arg(&m.sh_down_codes)
+                .arg(&m.sh_down_sb);
+            b.arg(read).arg(zero).arg(&eps).arg(&scratch.hist_row);
+            // SAFETY: arguments match `moe_down_fold_*` in kernels/moe.cu (shapes as
+            // moe_decode_part's down launch; racc sets RF_SET f64 each, distinct).
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })
     }
 
     /// [`Self::moe_fold_gate_up`] and [`Self::moe_fold_down`] as one launch: one thread-block
@@ -1084,12 +1113,8 @@ impl CudaContext {
         zero_set: usize,
     ) -> Result<(), CudaError> {
         let d = p::D_MODEL;
-        check_set(set)?;
-        check_set(zero_set)?;
-        if set == zero_set {
-            return Err(unsupported(format!("moe_fold_cluster: reads and zeroes accumulator set {set}")));
-        }
-        if !self.moe_cluster_ready(m) {
+        check_read_zero_sets("moe_fold_cluster", set, zero_set)?;
+        if !self.moe_cluster_ready(m, scratch) {
             return Err(unsupported(format!("moe_fold_cluster: expert widths {:?} (every expert matrix must be 4-bit)", m.bits())));
         }
         if h.len() != d || norm_w.len() != d || out.len() != d {
@@ -1103,38 +1128,28 @@ impl CudaContext {
             }
         }
         let eps = p::RMS_EPS;
-        let (lo, hi) = (set.min(zero_set), set.max(zero_set));
-        let (mut below, mut above) = scratch.racc.split_at_mut(hi * RF_SET);
-        let lo_v = below.slice_mut(lo * RF_SET..(lo + 1) * RF_SET);
-        let hi_v = above.slice_mut(..RF_SET);
-        let (mut read, mut zero) = if set < zero_set { (lo_v, hi_v) } else { (hi_v, lo_v) };
-        let mut b = s.launch_builder(self.func("moe_cluster_fold_e4")?);
-        b.arg(out)
-            .arg(h)
-            .arg(&m.gu_codes)
-            .arg(&m.gu_sb)
-            .arg(&m.sh_gu_codes)
-            .arg(&m.sh_gu_sb)
-            .arg(&m.down_codes)
-            .arg(&m.down_sb)
-            .arg(&m.sh_down_codes)
-            .arg(&m.sh_down_sb)
-            .arg(&mut scratch.sel_ids)
-            .arg(&mut scratch.sel_w)
-            .arg(norm_w)
-            .arg(&eps)
-            .arg(&mut read)
-            .arg(&mut zero)
-            .arg(&mut scratch.part)
-            .arg(&mut scratch.cl_counts)
-            .arg(&scratch.hist_row)
-            .arg(&scratch.cl_probe);
-        // SAFETY: arguments match `moe_cluster_fold_e4` in kernels/moe.cu; lengths checked above
-        // and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets RF_SET f64
-        // each, distinct; hist_row null or an [N_EXPERTS] i32 row. Cluster shape and shared
-        // memory as moe_cluster_launch.
-        unsafe { b.launch(cluster_cfg()) }?;
-        Ok(())
+        let func = self.func("moe_cluster_fold_e4")?;
+        with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
+            let mut b = s.launch_builder(func);
+            b.arg(out).arg(h);
+            cluster_tile_args(&mut b, m);
+            b.arg(&mut scratch.sel_ids)
+                .arg(&mut scratch.sel_w)
+                .arg(norm_w)
+                .arg(&eps)
+                .arg(read)
+                .arg(zero)
+                .arg(&mut scratch.part)
+                .arg(&mut scratch.cl_counts)
+                .arg(&scratch.hist_row)
+                .arg(&scratch.cl_probe);
+            // SAFETY: arguments match `moe_cluster_fold_e4` in kernels/moe.cu; lengths checked
+            // above and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
+            // RF_SET f64 each, distinct; hist_row null or an [N_EXPERTS] i32 row. Cluster shape
+            // and shared memory as moe_cluster_launch.
+            unsafe { b.launch(cluster_cfg()) }?;
+            Ok(())
+        })
     }
 
     /// Zero every router-fold accumulator set (what [`Self::moe_fold_down`] does for the next
@@ -1147,6 +1162,33 @@ impl CudaContext {
         self.stream().memset_zeros(&mut scratch.racc)?;
         Ok(())
     }
+}
+
+/// Both sets exist and differ (a launch that reads `set` and zeroes `zero_set`: its blocks still
+/// read `set` when the first of them zeroes).
+fn check_read_zero_sets(what: &str, set: usize, zero_set: usize) -> Result<(), CudaError> {
+    check_set(set)?;
+    check_set(zero_set)?;
+    if set == zero_set {
+        return Err(unsupported(format!("{what}: reads and zeroes accumulator set {set}")));
+    }
+    Ok(())
+}
+
+/// Accumulator sets `set` (read) and `zero_set` (zeroed by the kernel) of `racc` as two
+/// disjoint views of [`RF_SET`] f64, for `f` (the sets must differ: [`check_read_zero_sets`]).
+fn with_read_zero_sets<R>(
+    racc: &mut CudaSlice<f64>,
+    set: usize,
+    zero_set: usize,
+    f: impl FnOnce(&mut CudaViewMut<'_, f64>, &mut CudaViewMut<'_, f64>) -> R,
+) -> R {
+    let (lo, hi) = (set.min(zero_set), set.max(zero_set));
+    let (mut below, mut above) = racc.split_at_mut(hi * RF_SET);
+    let lo_v = below.slice_mut(lo * RF_SET..(lo + 1) * RF_SET);
+    let hi_v = above.slice_mut(..RF_SET);
+    let (mut read, mut zero) = if set < zero_set { (lo_v, hi_v) } else { (hi_v, lo_v) };
+    f(&mut read, &mut zero)
 }
 
 fn check_set(set: usize) -> Result<(), CudaError> {
@@ -1219,17 +1261,9 @@ impl CudaContext {
     ) -> Result<(), CudaError> {
         let s = self.stream();
         let mut b = s.launch_builder(self.func("moe_cluster_e4")?);
-        b.arg(out)
-            .arg(resid)
-            .arg(&m.gu_codes)
-            .arg(&m.gu_sb)
-            .arg(&m.sh_gu_codes)
-            .arg(&m.sh_gu_sb)
-            .arg(&m.down_codes)
-            .arg(&m.down_sb)
-            .arg(&m.sh_down_codes)
-            .arg(&m.sh_down_sb)
-            .arg(&mut scratch.sel_ids)
+        b.arg(out).arg(resid);
+        cluster_tile_args(&mut b, m);
+        b.arg(&mut scratch.sel_ids)
             .arg(&mut scratch.sel_w)
             .arg(&scratch.uq)
             .arg(&scratch.umeta)
@@ -1241,7 +1275,8 @@ impl CudaContext {
         // upload_moe_refs (every expert matrix 4-bit: moe_cluster_ready) and moe_scratch;
         // hist_row is null or an [N_EXPERTS] i32 row (its owner's contract). The cluster shape
         // is a compile-time attribute of the kernel (__cluster_dims__), and the grid a multiple
-        // of it; the dynamic shared-memory limit was raised when the module loaded.
+        // of it; moe_scratch raised the dynamic shared-memory limit (cluster_usable, which
+        // moe_cluster_ready requires).
         unsafe { b.launch(cluster_cfg()) }?;
         Ok(())
     }

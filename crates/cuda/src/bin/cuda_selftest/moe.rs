@@ -285,7 +285,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
     }
     // the expert-per-cluster kernel equals the three kernels bit for bit; it runs when every
     // expert matrix is 4-bit
-    let cl_ready = cx.moe_cluster_ready(&dm);
+    let cl_ready = cx.moe_cluster_ready(&dm, &scratch);
     let all4 = bits[2..].iter().all(|b| *b == 4);
     let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: cl_ready == all4, msg: format!("cluster kernel ready {cl_ready}, experts all 4-bit {all4}") };
     s.record(SEC, &format!("{name}: cluster kernel used iff every expert matrix is 4-bit"), &c, "");
@@ -387,7 +387,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
         let mut t_part = [0f64; 3];
         let parts = if fl.fused && cx.moe_fused_ready(&dm, &scratch) {
             1 + usize::from(fl.fused_keep_router)
-        } else if fl.cluster && !fl.fused && cx.moe_cluster_ready(&dm) {
+        } else if fl.cluster && !fl.fused && cx.moe_cluster_ready(&dm, &scratch) {
             2
         } else {
             3
@@ -431,7 +431,7 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
             rows.join(",")
         ),
     ));
-    if cx.moe_cluster_ready(&dm) {
+    if cx.moe_cluster_ready(&dm, &scratch) {
         cluster_phases(s, name, &layers, &us, &resid, &mut scratch, &mut out);
     }
 }
@@ -588,7 +588,7 @@ fn fused_equals_three(
     let reference: Vec<f64> = a[GUARD..GUARD + d].iter().map(|v| f64::from(*v)).collect();
     let mut c = check_guarded(&b, &reference, Tol::F32);
     let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-    let runs = if fused.fused { cx.moe_fused_ready(dm, scratch) } else { fused.cluster && cx.moe_cluster_ready(dm) };
+    let runs = if fused.fused { cx.moe_fused_ready(dm, scratch) } else { fused.cluster && cx.moe_cluster_ready(dm, scratch) };
     if !runs {
         c.ok = false;
         c.msg.push_str("the variant's kernel does not run for this layer; ");
@@ -640,7 +640,7 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
     let (hf, of, idsf, wf, _) = run_fold(scratch, 0, 1);
     // the expert-per-cluster kernel on the same sums (set 0 again, refilled by the output
     // projection; zeroing set 1): equal to the gate/up + down pair bit for bit
-    let cluster = cx.moe_cluster_ready(dm).then(|| {
+    let cluster = cx.moe_cluster_ready(dm, scratch).then(|| {
         let mut hf = cx.upload_f32(&vec![0f32; d]).unwrap();
         let mut of = guarded(cx, d);
         // both sets filled (set 1 only to see it zeroed), set 0 from zero
