@@ -32,6 +32,10 @@
 //     kernel 3 runs. (Otherwise kernel 2 wrote the ids: read after the wait.) Given hist_row
 //     (expert-load telemetry), block 0 adds one to hist_row[id] for each chosen id.
 //
+// Kernels 2 and 3 also exist as one launch of a thread-block cluster per expert (section 5,
+// moe_cluster_*: 4-bit experts; with the router folded into the output projection the decode
+// step's default), and kernels 1-3 as one launch with grid barriers (section 4, measured slower).
+//
 // Expert products on the integer tensor cores (mma.m16n8k32 u8 x s8 -> s32), exact:
 //   * weights: the MLX codes q (0..15 or 0..255) are the u8 A operand as they are (4-bit codes are
 //     split into bytes with one LOP3 per 4 codes). The host restacks each expert into tiles of
