@@ -406,8 +406,8 @@ impl CudaSession {
     /// The MoE runs as measured fastest on the H200 (docs/CUDA.md): when every layer's expert
     /// matrices are 4-bit and the model has at least two layers, the router folded into the
     /// output projection ([`Self::set_router_fold`]) and one thread-block cluster per expert
-    /// for gate/up, down and the combine ([`crate::moe::MoeFlags::cluster`]): 1,266.8 against
-    /// 1,305.8 µs per token for the router kernel, gate/up and down, in one process. Otherwise
+    /// for gate/up, down and the combine ([`crate::moe::MoeFlags::cluster`]): 1,266.2 against
+    /// 1,316.9 µs per token for the router kernel, gate/up and down, in one process. Otherwise
     /// those three kernels.
     ///
     /// # Errors
@@ -734,8 +734,8 @@ impl CudaSession {
     /// µs); with a cluster per expert ([`MoeFlags::cluster`]) 1,266.2 against 1,316.9 µs for
     /// the router kernel and the cluster, or for the router kernel, gate/up and down. The
     /// fold applies with fused norms, not with [`MoeFlags::fused`], and with at least two
-    /// layers; its logits equal the router kernel's up to f32 rounding. With the fold the router kernel's L2 prefetch hints
-    /// ([`Self::set_l2_prefetch`]) are not issued. The step graphs are captured again on the
+    /// layers; its logits equal the router kernel's up to f32 rounding. With the fold the
+    /// router kernel's L2 prefetch hints ([`Self::set_l2_prefetch`]) are not issued. The step graphs are captured again on the
     /// next [`Self::start`] when this changes.
     ///
     /// [`MoeFlags::fused`]: crate::moe::MoeFlags::fused
