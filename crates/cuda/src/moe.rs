@@ -987,6 +987,22 @@ impl CudaContext {
         Ok(())
     }
 
+    /// The fold's MoE inputs: `h` and `norm_w` `[D_MODEL]` f32, 16-byte aligned (the kernels
+    /// read them as float4). `what` names the caller in the error.
+    fn check_fold_inputs(&self, what: &str, h: &CudaView<'_, f32>, norm_w: &CudaView<'_, f32>) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        if h.len() != d || norm_w.len() != d {
+            return Err(unsupported(format!("{what}: h {} norm_w {} (D_MODEL = {d})", h.len(), norm_w.len())));
+        }
+        for (name, v) in [("h", h), ("norm_w", norm_w)] {
+            let (ptr, _guard) = v.device_ptr(self.stream());
+            if ptr % 16 != 0 {
+                return Err(unsupported(format!("{what}: {name} must be 16-byte aligned (device address {ptr:#x})")));
+            }
+        }
+        Ok(())
+    }
+
     /// After [`Self::gemv_residual_router`] into set `set`: `u = rms_norm(h, norm_w)` (the norm
     /// factor from the set's Σ h²) and softmax + top-k from the set's logit sums in every block,
     /// then the chosen and the shared experts' `silu(gate·u)·(up·u)` into `scratch`. `h`: the
@@ -1004,18 +1020,9 @@ impl CudaContext {
         scratch: &mut MoeScratch,
         set: usize,
     ) -> Result<(), CudaError> {
-        let d = p::D_MODEL;
         let s = self.stream();
         check_set(set)?;
-        if h.len() != d || norm_w.len() != d {
-            return Err(unsupported(format!("moe_fold_gate_up: h {} norm_w {} (D_MODEL = {d})", h.len(), norm_w.len())));
-        }
-        for (what, v) in [("h", h), ("norm_w", norm_w)] {
-            let (ptr, _guard) = v.device_ptr(s);
-            if ptr % 16 != 0 {
-                return Err(unsupported(format!("moe_fold_gate_up: {what} must be 16-byte aligned (device address {ptr:#x})")));
-            }
-        }
+        self.check_fold_inputs("moe_fold_gate_up", h, norm_w)?;
         let name = format!("moe_gate_up_fold_e{}_s{}", bits_index(m.gate_up_bits), bits_index(m.shared_gate_up_bits));
         let cfg = LaunchConfig {
             grid_dim: (((p::TOP_K + 1) * 2 * p::D_EXPERT / TILE_ROWS) as u32, 1, 1),
@@ -1117,16 +1124,11 @@ impl CudaContext {
         if !self.moe_cluster_ready(m, scratch) {
             return Err(unsupported(format!("moe_fold_cluster: expert widths {:?} (every expert matrix must be 4-bit)", m.bits())));
         }
-        if h.len() != d || norm_w.len() != d || out.len() != d {
-            return Err(unsupported(format!("moe_fold_cluster: h {} norm_w {} out {} (D_MODEL = {d})", h.len(), norm_w.len(), out.len())));
+        self.check_fold_inputs("moe_fold_cluster", h, norm_w)?;
+        if out.len() != d {
+            return Err(unsupported(format!("moe_fold_cluster: out {} (D_MODEL = {d})", out.len())));
         }
         let s = self.stream();
-        for (what, v) in [("h", h), ("norm_w", norm_w)] {
-            let (ptr, _guard) = v.device_ptr(s);
-            if ptr % 16 != 0 {
-                return Err(unsupported(format!("moe_fold_cluster: {what} must be 16-byte aligned (device address {ptr:#x})")));
-            }
-        }
         let eps = p::RMS_EPS;
         let func = self.func("moe_cluster_fold_e4")?;
         with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
