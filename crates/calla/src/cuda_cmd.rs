@@ -89,6 +89,11 @@ pub struct CudaBenchArgs {
     /// default), `three`, `fold`, `cluster`, `fold-cluster` or `fused`.
     #[arg(long, value_enum, default_value_t = MoePath::Auto)]
     moe: MoePath,
+    /// Run each GDN layer's input projection and step as one launch (`CudaSession::set_gdn_in_step`;
+    /// restacks the GDN input projections first: 13.5 MB per layer at 4 bits) instead of the
+    /// fused-norm GEMV and the step (measured faster).
+    #[arg(long)]
+    gdn_in_step: bool,
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
     /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
     #[arg(long)]
@@ -155,6 +160,11 @@ pub struct CudaCheckArgs {
     /// default), `three`, `fold`, `cluster`, `fold-cluster` or `fused`.
     #[arg(long, value_enum, default_value_t = MoePath::Auto)]
     moe: MoePath,
+    /// Run each GDN layer's input projection and step as one launch (`CudaSession::set_gdn_in_step`;
+    /// restacks the GDN input projections first: 13.5 MB per layer at 4 bits) instead of the
+    /// fused-norm GEMV and the step (measured faster).
+    #[arg(long)]
+    gdn_in_step: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -345,7 +355,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.timeline {
         cuda::timeline::enable();
     }
-    let (m, cx, gm, upload_s) = open(&a.model, a.device)?;
+    let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
+    if a.gdn_in_step {
+        let n = gm.upload_gdn_in_step(&cx, &m.weights)?;
+        eprintln!("GDN input projection + step as one launch in {n} layers");
+    }
     if a.carveout_before_gemv {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
@@ -357,6 +371,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     sess.set_pdl(a.pdl);
     sess.set_fuse_norm(!a.no_fuse_norm);
     a.moe.apply(&mut sess, a.moe_down_r48);
+    sess.set_gdn_in_step(a.gdn_in_step);
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -480,6 +495,12 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let early0 = a.gemv_early_trigger;
         // one step variant: every option the rows below vary, set together
         let fold0 = sess.router_fold();
+        let gdn0 = sess.gdn_in_step();
+        // the one row that flips the GDN input projection + step (one launch or two)
+        const GDN_TWO: &str = "GDN in_proj + step flipped";
+        const GDN_EARLY: &str = "GDN in_proj + step, early trigger";
+        const GDN_L2: &str = "GDN in_proj + step, L2 first";
+        const GDN_L2_EARLY: &str = "GDN in_proj + step, L2 first, early trigger";
         let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, fold: bool| -> Result<()> {
             sess.set_router_fold(fold);
             sess.set_fuse_norm(fuse);
@@ -508,17 +529,29 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fold0),
             ("MoE router kernel, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, false),
             ("MoE router folded, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, true),
+            (GDN_TWO, fuse0, pf0, d, carve0, true, early0, fold0),
+            (GDN_EARLY, fuse0, pf0, d, carve0, true, early0, fold0),
+            (GDN_L2, fuse0, pf0, d, carve0, true, early0, fold0),
+            (GDN_L2_EARLY, fuse0, pf0, d, carve0, true, early0, fold0),
             // the first row again: how far the machine drifted over the rows
             ("as configured, again", fuse0, pf0, d, carve0, true, early0, fold0),
         ] {
+            if name.starts_with("GDN") && !a.gdn_in_step {
+                continue; // the fused GDN kernel's rows: only with its weights (--gdn-in-step)
+            }
             apply(&mut sess, fuse, pf, flags, carve, cap, early, fold)?;
+            // every row but one runs the GDN input projection as configured
+            sess.set_gdn_in_step(if name == GDN_TWO { !gdn0 } else { gdn0 });
+            sess.set_gdn_in_early_trigger(name == GDN_EARLY || name == GDN_L2_EARLY);
+            sess.set_gdn_in_l2_first(name == GDN_L2 || name == GDN_L2_EARLY);
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "moe_cluster": flags.cluster, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "moe_cluster": flags.cluster, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gdn_in_step": sess.gdn_in_step(), "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
         apply(&mut sess, fuse0, pf0, d, carve0, true, early0, fold0)?;
+        sess.set_gdn_in_step(gdn0);
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -642,7 +675,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "pdl": a.pdl,
         "fused_norm": !a.no_fuse_norm,
         "l2_prefetch": a.l2_prefetch,
-        "moe_path": format!("{:?}", a.moe), "moe_fused": sess.moe_flags().fused,
+        "moe_path": format!("{:?}", a.moe), "gdn_in_step": sess.gdn_in_step(), "moe_fused": sess.moe_flags().fused,
         "moe_cluster": sess.moe_flags().cluster,
         "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold() && !a.no_fuse_norm && !sess.moe_flags().fused,
         "carveout_before_gemv": a.carveout_before_gemv,
@@ -727,7 +760,11 @@ fn top2_margin(v: &[f32]) -> f32 {
 /// random-weight checkpoints the router's top-8 margins are tiny, so bf16 rounding flips some
 /// choices, which is inherent to bf16 inference (transformers in bf16 does the same).
 pub fn check(a: CudaCheckArgs) -> Result<()> {
-    let (m, cx, gm, upload_s) = open(&a.model, a.device)?;
+    let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
+    if a.gdn_in_step {
+        let n = gm.upload_gdn_in_step(&cx, &m.weights)?;
+        eprintln!("GDN input projection + step as one launch in {n} layers");
+    }
     eprintln!("uploaded in {upload_s:.1} s; {} layers", m.cfg.num_hidden_layers);
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     // room for the prefix-cache check's second turn: prompt, steps fed back, 23 new tokens, steps
@@ -735,6 +772,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     let mut sess = CudaSession::new(&cx, &gm, max_ctx)?;
     sess.set_pdl(a.pdl);
     a.moe.apply(&mut sess, false);
+    sess.set_gdn_in_step(a.gdn_in_step);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

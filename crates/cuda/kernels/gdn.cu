@@ -67,8 +67,6 @@ constexpr int CLUSTER = V_PER_K * COL_BLOCKS;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int C4 = COLS / 4;                 // threads across a row segment (float4 each)
-constexpr int RG = THREADS / C4;             // row groups
-constexpr int RPT = DK / RG;                 // rows per thread: rg, rg + RG, ...
 constexpr int QK_OWN = DK / CLUSTER;         // q/k conv-state channels written per block
 constexpr float L2_EPS = 1e-6f;              // l2norm epsilon (inside the sum), as in the reference
 
@@ -76,8 +74,6 @@ static_assert(CALLA_CONV_KERNEL == 4, "conv taps are read as one float4");
 static_assert(NV % NK == 0, "V heads must group evenly over QK heads");
 static_assert(CLUSTER <= 8, "portable cluster size");
 static_assert(DV % (4 * COL_BLOCKS) == 0 && 32 % C4 == 0, "column split");
-static_assert(RG * C4 == THREADS && DK % RG == 0, "row split");
-static_assert(DK % 32 == 0 && DK + COLS + 1 <= THREADS, "thread roles of the prologue");
 static_assert(DK % CLUSTER == 0, "conv-state ownership");
 
 __device__ __forceinline__ float sigmoid_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -120,81 +116,121 @@ __device__ __forceinline__ float4 ld_nc_f4(const float* p) {
     return v;
 }
 
-// The step for the block of V-head j, columns [c0, c0 + COLS) (see the file header).
-__device__ __forceinline__ void step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
-                                     const float* __restrict__ proj, const float* __restrict__ conv_w,
-                                     const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
-                                     const float* __restrict__ norm_w) {
-    __shared__ float q_s[DK], k_s[DK];             // raw (conv + SiLU) q and k of QK head i
-    __shared__ float v_s[COLS], sz_s[COLS], w_s[COLS];  // v, SiLU(z), norm weight of the columns
+// Thread roles of the step for NT threads per block: C4 threads across the block's COLS
+// columns (a float4 each), RG row groups, RPT rows of S per thread (rg, rg + RG, ...).
+template <int NT>
+struct StepShape {
+    static constexpr int WARPS = NT / 32;
+    static constexpr int RG = NT / C4;
+    static constexpr int RPT = DK / RG;
+    static_assert(RG * C4 == NT && DK % RG == 0, "row split");
+    static_assert(DK % 32 == 0 && DK + COLS + 1 <= NT, "thread roles of the prologue");
+};
+
+// What a thread loads before the PDL wait (nothing in it comes from the previous kernel).
+template <int NT>
+struct StepLoads {
+    float4 S[StepShape<NT>::RPT];  // its rows of the block's [d_k, COLS] slice of S
+    float4 wq, wk;                 // conv taps of its channel (q or v role) and of the k channel
+    float x0, x1, x2, y0, y1, y2;  // cached conv rows: q (or v), k
+    float nw, ane, dtb;            // gated-norm weight of its column; -exp(A_log), dt_bias
+    int ch;                        // conv channel (q role, or v role), -1 for none
+};
+
+// Shared memory step_core works in (the caller provides it: the fused kernel reuses its
+// consumed weight tiles).
+template <int NT>
+struct StepScratch {
+    float q[DK], k[DK];                             // raw (conv + SiLU) q and k of QK head i
+    float red[2][StepShape<NT>::WARPS][COLS];       // per-warp S^T k, S^T q
+};
+
+// The block's coordinates: QK head i (the cluster), V-head j, first column c0.
+struct StepAt {
+    unsigned rank;
+    int i, j, c0;
+};
+__device__ __forceinline__ StepAt step_at() {
+    StepAt a;
+    a.rank = calla_cluster_ctarank();
+    a.i = (int)calla_cluster_id_x();
+    a.j = a.i * V_PER_K + (int)a.rank / COL_BLOCKS;
+    a.c0 = ((int)a.rank % COL_BLOCKS) * COLS;
+    return a;
+}
+
+// Every load that does not depend on the previous kernel: weights, and S and the conv state,
+// which only this kernel writes (once per decode step; the previous step is an earlier graph
+// launch). Issued before any arithmetic.
+template <int NT>
+__device__ __forceinline__ void step_loads(StepLoads<NT>& L, const StepAt& at, const float* __restrict__ s,
+                                           const float* __restrict__ conv_state, const float* __restrict__ conv_w,
+                                           const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
+                                           const float* __restrict__ norm_w) {
+    using SH = StepShape<NT>;
+    const int t = threadIdx.x;
+    const int c4 = t % C4, rg = t / C4;
+    L.ch = -1;
+    if (t < DK) L.ch = at.i * DK + t;
+    else if (t < DK + COLS) L.ch = 2 * KEY_DIM + at.j * DV + at.c0 + (t - DK);
+    const float* srow = s + (size_t)at.j * DK * DV + at.c0 + 4 * c4;
+#pragma unroll
+    for (int m = 0; m < SH::RPT; ++m) L.S[m] = ld_f4(srow + (size_t)(rg + SH::RG * m) * DV);
+    L.wq = make_float4(0.f, 0.f, 0.f, 0.f);
+    L.wk = L.wq;
+    L.x0 = L.x1 = L.x2 = L.y0 = L.y1 = L.y2 = 0.f;
+    L.nw = L.ane = L.dtb = 0.f;
+    if (L.ch >= 0) {
+        L.wq = ld_nc_f4(conv_w + 4 * L.ch);
+        L.x0 = ld_f(conv_state + L.ch);
+        L.x1 = ld_f(conv_state + CONV_DIM + L.ch);
+        L.x2 = ld_f(conv_state + 2 * CONV_DIM + L.ch);
+    }
+    if (t < DK) {
+        const int kc = KEY_DIM + L.ch;
+        L.wk = ld_nc_f4(conv_w + 4 * kc);
+        L.y0 = ld_f(conv_state + kc);
+        L.y1 = ld_f(conv_state + CONV_DIM + kc);
+        L.y2 = ld_f(conv_state + 2 * CONV_DIM + kc);
+    } else if (t < DK + COLS) {
+        L.nw = ld_nc_f(norm_w + at.c0 + (t - DK));
+    } else if (t == DK + COLS) {
+        L.ane = ld_nc_f(a_neg_exp + at.j);
+        L.dtb = ld_nc_f(dt_bias + at.j);
+    }
+}
+
+// The step from this thread's pre-conv inputs on: xx = the q channel (t < DK) or the v
+// channel of its column (DK <= t < DK + COLS) or a (t == DK + COLS); yx = the k channel, z
+// of its column, or b. mbar (CLUSTER * 4 bytes expected) and ssq_s: this block's, initialised
+// before the cluster arrival; `waited`: the caller already passed calla_cluster_wait();
+// scratch: StepScratch<NT> in this block's shared memory (16-byte aligned).
+template <int NT>
+__device__ __forceinline__ void step_core(const StepLoads<NT>& L, const StepAt& at, float xx, float yx,
+                                          float* __restrict__ out, float* __restrict__ s,
+                                          float* __restrict__ conv_state, unsigned long long* mbar, float* ssq_s,
+                                          bool waited, StepScratch<NT>& sc) {
+    using SH = StepShape<NT>;
+    constexpr int RG = SH::RG, RPT = SH::RPT, WARPS = SH::WARPS;
+    float* q_s = sc.q;
+    float* k_s = sc.k;
+    auto& red_s = sc.red;
+    __shared__ __align__(16) float v_s[COLS], sz_s[COLS], w_s[COLS];  // v, SiLU(z), norm weight of the columns
     __shared__ float part_s[DK / 32][3];           // per-warp |q|^2, |k|^2, q.k
     __shared__ float gate_s[2];                    // alpha, beta
-    __shared__ __align__(16) float red_s[2][WARPS][COLS];  // per-warp S^T k, S^T q
-    __shared__ float ssq_s[CLUSTER];               // sum of o^2 of every block of the cluster, by rank
-    __shared__ __align__(8) unsigned long long mbar;  // completes when all CLUSTER sums arrived
 
     const int t = threadIdx.x;
-    const unsigned rank = calla_cluster_ctarank();
-    const int i = (int)calla_cluster_id_x();             // QK head of the cluster
-    const int j = i * V_PER_K + (int)rank / COL_BLOCKS;  // V head of the block
-    const int c0 = ((int)rank % COL_BLOCKS) * COLS;
     const int c4 = t % C4, rg = t / C4;
     const int lane = t & 31, warp = t >> 5;
-
-    if (t == 0) calla_mbar_init_expect(&mbar, CLUSTER * sizeof(float));
-    calla_cluster_arrive_relaxed();  // "started, mbarrier ready"; waited for before the first send
-
-    // --- loads that do not depend on the previous kernel, before the PDL wait: weights, and
-    // S and the conv state, which only this kernel writes (once per decode step; the previous
-    // step is an earlier graph launch). Every load is issued here, before any arithmetic.
-    int ch = -1;  // conv channel of this thread (q role, or v role)
-    if (t < DK) ch = i * DK + t;
-    else if (t < DK + COLS) ch = 2 * KEY_DIM + j * DV + c0 + (t - DK);
+    const int ch = L.ch;
+    const int j = at.j, c0 = at.c0;
+    const unsigned rank = at.rank;
     float* srow = s + (size_t)j * DK * DV + c0 + 4 * c4;
-    float4 S[RPT];
-#pragma unroll
-    for (int m = 0; m < RPT; ++m) S[m] = ld_f4(srow + (size_t)(rg + RG * m) * DV);
-    float4 wq = make_float4(0.f, 0.f, 0.f, 0.f), wk = wq;
-    float x0 = 0.f, x1 = 0.f, x2 = 0.f, y0 = 0.f, y1 = 0.f, y2 = 0.f;  // cached rows: q (or v), k
-    float nw = 0.f, ane = 0.f, dtb = 0.f;
-    if (ch >= 0) {
-        wq = ld_nc_f4(conv_w + 4 * ch);
-        x0 = ld_f(conv_state + ch);
-        x1 = ld_f(conv_state + CONV_DIM + ch);
-        x2 = ld_f(conv_state + 2 * CONV_DIM + ch);
-    }
-    if (t < DK) {
-        const int kc = KEY_DIM + ch;
-        wk = ld_nc_f4(conv_w + 4 * kc);
-        y0 = ld_f(conv_state + kc);
-        y1 = ld_f(conv_state + CONV_DIM + kc);
-        y2 = ld_f(conv_state + 2 * CONV_DIM + kc);
-    } else if (t < DK + COLS) {
-        nw = ld_nc_f(norm_w + c0 + (t - DK));
-    } else if (t == DK + COLS) {
-        ane = ld_nc_f(a_neg_exp + j);
-        dtb = ld_nc_f(dt_bias + j);
-    }
-
-    calla_pdl_wait();
-
-    // --- proj, written by the previous kernel
-    float xx = 0.f, yx = 0.f;  // current pre-conv q (or v) and k; z; or a and b
-    if (t < DK) {
-        xx = ld_f(proj + ch);
-        yx = ld_f(proj + KEY_DIM + ch);
-    } else if (t < DK + COLS) {
-        xx = ld_f(proj + ch);
-        yx = ld_f(proj + Z_OFF + j * DV + c0 + (t - DK));
-    } else if (t == DK + COLS) {
-        xx = ld_f(proj + A_OFF + j);
-        yx = ld_f(proj + B_OFF + j);
-    }
 
     // --- prologue: conv + SiLU, gates
     if (t < DK) {
-        const float qv = conv_silu(wq, x0, x1, x2, xx);
-        const float kv = conv_silu(wk, y0, y1, y2, yx);
+        const float qv = conv_silu(L.wq, L.x0, L.x1, L.x2, xx);
+        const float kv = conv_silu(L.wk, L.y0, L.y1, L.y2, yx);
         q_s[t] = qv;
         k_s[t] = kv;
         const float qq = calla_warp_sum(qv * qv), kk = calla_warp_sum(kv * kv), qk = calla_warp_sum(qv * kv);
@@ -206,15 +242,15 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     } else if (t < DK + COLS) {
         // v channel of this block's columns: the only reader, so it shifts the state itself
         const int cc = t - DK;
-        v_s[cc] = conv_silu(wq, x0, x1, x2, xx);
-        conv_state[ch] = x1;
-        conv_state[CONV_DIM + ch] = x2;
+        v_s[cc] = conv_silu(L.wq, L.x0, L.x1, L.x2, xx);
+        conv_state[ch] = L.x1;
+        conv_state[CONV_DIM + ch] = L.x2;
         conv_state[2 * CONV_DIM + ch] = xx;
         sz_s[cc] = silu_acc(yx);
-        w_s[cc] = nw;
+        w_s[cc] = L.nw;
     } else if (t == DK + COLS) {
         // g = -exp(A_log) * softplus(a + dt_bias); alpha = exp(g); beta = sigmoid(b)
-        const float g = ane * softplus_acc(xx + dtb);
+        const float g = L.ane * softplus_acc(xx + L.dtb);
         gate_s[0] = expf(g);
         gate_s[1] = sigmoid_acc(yx);
     }
@@ -240,10 +276,10 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
         const int row = rg + RG * m;
         const float kr = k_s[row], qr = q_s[row];
         khat[m] = kr * inv_k;
-        pk.x = fmaf(S[m].x, kr, pk.x); pk.y = fmaf(S[m].y, kr, pk.y);
-        pk.z = fmaf(S[m].z, kr, pk.z); pk.w = fmaf(S[m].w, kr, pk.w);
-        pq.x = fmaf(S[m].x, qr, pq.x); pq.y = fmaf(S[m].y, qr, pq.y);
-        pq.z = fmaf(S[m].z, qr, pq.z); pq.w = fmaf(S[m].w, qr, pq.w);
+        pk.x = fmaf(L.S[m].x, kr, pk.x); pk.y = fmaf(L.S[m].y, kr, pk.y);
+        pk.z = fmaf(L.S[m].z, kr, pk.z); pk.w = fmaf(L.S[m].w, kr, pk.w);
+        pq.x = fmaf(L.S[m].x, qr, pq.x); pq.y = fmaf(L.S[m].y, qr, pq.y);
+        pq.z = fmaf(L.S[m].z, qr, pq.z); pq.w = fmaf(L.S[m].w, qr, pq.w);
     }
 #pragma unroll
     for (int o = C4; o < 32; o <<= 1) {
@@ -285,26 +321,26 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     // --- this block's sum of o^2 to every block of the cluster (slot = this rank): the V-head
     // siblings need it for the norm, and its arrival tells the q/k conv-state owners that this
     // block is done reading (row group 0 of warp 0 holds the block's columns)
-    calla_cluster_wait();  // every block started and initialised its mbarrier
+    if (!waited) calla_cluster_wait();  // every block started and initialised its mbarrier
     if (warp == 0) {
         float ss = o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
 #pragma unroll
         for (int off = 1; off < C4; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        if (lane < CLUSTER) calla_st_async_f32(&ssq_s[rank], &mbar, lane, ss);
+        if (lane < CLUSTER) calla_st_async_f32(&ssq_s[rank], mbar, lane, ss);
     }
 
     // --- state update (while the sums travel)
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
         float4 n;
-        n.x = fmaf(khat[m], d.x, alpha * S[m].x);
-        n.y = fmaf(khat[m], d.y, alpha * S[m].y);
-        n.z = fmaf(khat[m], d.z, alpha * S[m].z);
-        n.w = fmaf(khat[m], d.w, alpha * S[m].w);
+        n.x = fmaf(khat[m], d.x, alpha * L.S[m].x);
+        n.y = fmaf(khat[m], d.y, alpha * L.S[m].y);
+        n.z = fmaf(khat[m], d.z, alpha * L.S[m].z);
+        n.w = fmaf(khat[m], d.w, alpha * L.S[m].w);
         reinterpret_cast<float4*>(srow)[(size_t)(rg + RG * m) * (DV / 4)] = n;
     }
 
-    calla_mbar_wait_phase0(&mbar);  // all CLUSTER sums are here: every block passed its prologue
+    calla_mbar_wait_phase0(mbar);  // all CLUSTER sums are here: every block passed its prologue
 
     // --- gated RMSNorm over the V-head
     if (t < C4) {
@@ -326,9 +362,339 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     // --- q/k conv-state shift (each channel has one writer; every reader is done)
     if (t < DK && t / QK_OWN == (int)rank) {
         const int kc = KEY_DIM + ch;
-        conv_state[ch] = x1; conv_state[CONV_DIM + ch] = x2; conv_state[2 * CONV_DIM + ch] = xx;
-        conv_state[kc] = y1; conv_state[CONV_DIM + kc] = y2; conv_state[2 * CONV_DIM + kc] = yx;
+        conv_state[ch] = L.x1; conv_state[CONV_DIM + ch] = L.x2; conv_state[2 * CONV_DIM + ch] = xx;
+        conv_state[kc] = L.y1; conv_state[CONV_DIM + kc] = L.y2; conv_state[2 * CONV_DIM + kc] = yx;
     }
+}
+
+// The step for the block of V-head j, columns [c0, c0 + COLS) (see the file header), proj
+// written by the previous kernel.
+__device__ __forceinline__ void step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
+                                     const float* __restrict__ proj, const float* __restrict__ conv_w,
+                                     const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
+                                     const float* __restrict__ norm_w) {
+    __shared__ float ssq_s[CLUSTER];               // sum of o^2 of every block of the cluster, by rank
+    __shared__ __align__(8) unsigned long long mbar;  // completes when all CLUSTER sums arrived
+    const int t = threadIdx.x;
+    const StepAt at = step_at();
+    if (t == 0) calla_mbar_init_expect(&mbar, CLUSTER * sizeof(float));
+    calla_cluster_arrive_relaxed();  // "started, mbarrier ready"; waited for before the first send
+
+    StepLoads<THREADS> L;
+    step_loads<THREADS>(L, at, s, conv_state, conv_w, a_neg_exp, dt_bias, norm_w);
+
+    calla_pdl_wait();
+
+    // --- proj, written by the previous kernel
+    float xx = 0.f, yx = 0.f;  // current pre-conv q (or v) and k; z; or a and b
+    if (t < DK) {
+        xx = ld_f(proj + L.ch);
+        yx = ld_f(proj + KEY_DIM + L.ch);
+    } else if (t < DK + COLS) {
+        xx = ld_f(proj + L.ch);
+        yx = ld_f(proj + Z_OFF + at.j * DV + at.c0 + (t - DK));
+    } else if (t == DK + COLS) {
+        xx = ld_f(proj + A_OFF + at.j);
+        yx = ld_f(proj + B_OFF + at.j);
+    }
+    __shared__ __align__(16) StepScratch<THREADS> sc;
+    step_core<THREADS>(L, at, xx, yx, out, s, conv_state, &mbar, ssq_s, false, sc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The input projection fused in front of the step (gdn_in_step_q{4,8}): one launch per GDN layer
+// instead of the stacked in_proj GEMV (gemv_norm_*) and gdn_decode_step.
+//
+// Same grid, clusters and threads as the step. The cluster of QK head i computes exactly the
+// in_proj rows its blocks read: the head's 256 q|k channels, and the v and z rows of the V_PER_K
+// V-heads' columns. Block rank r owns six 16-row tiles (IN_TILES), restacked by the host
+// (crates/cuda/src/gdn.rs `GdnInProj`) as the MoE's 16 x 64 tiles (kernels/qtile.cuh):
+//   tiles 0, 1: q|k channels 32r .. 32r + 31 of the head (q for r < 4, k after);
+//   tiles 2, 3: the v channels of its own columns (V-head j, columns c0 .. c0 + 31);
+//   tiles 4, 5: the z rows of its own columns.
+// The b and a rows of its V-head (two rows) are dot products on the CUDA cores from the stacked
+// matrix in the MLX layout.
+//  * before the PDL wait: the step's loads (S, conv state, weights), the b/a rows and the input
+//    norm's weights, then warp 0 requests the six tiles (codes and {scale|bias} pairs) by bulk
+//    copies (TMA) into shared memory, one mbarrier per tile (loads issued after the copies
+//    would wait behind their data);
+//  * after it: x = rms_norm(h) * (1 + w) (the layer's input_layernorm; Σ h² over the block),
+//    warp w builds the digits of K eighth w in registers (quantize_group_frag) and runs that
+//    eighth of the six tiles as they arrive; the eighths are summed in order;
+//  * the block sends its 32 q|k channels to every block of the cluster (st.async, counted on
+//    their mbarrier), then runs the step from its inputs (step_core) in the consumed tiles'
+//    shared memory.
+// Footprint: 108 KB of tiles (4-bit) + ~2 KB, at most 128 registers: two blocks fit on an SM, so
+// a cluster of 8 needs 4 SMs of one GPC (at one block per SM the H200's GPCs held 14 of the 16
+// clusters at once and the last two ran as a second wave). At 8 bits the tiles take 204 KB:
+// one block per SM (the host uses the kernel only when every cluster fits at once).
+// The sums are not those of the GEMV (other digits, other order): the projection agrees with the
+// stacked GEMV to ~1e-6 relative, not bit for bit.
+constexpr int IN_THREADS = THREADS;
+// `flags` bits of gdn_in_step_*: trigger the dependent launch right after the PDL wait (instead
+// of after the step's prologue, as gdn_decode_step does).
+constexpr int IN_EARLY_TRIGGER = 1;
+// ... and request the tiles into L2 only (cp.async.bulk.prefetch.L2) before the PDL wait, their
+// bulk copies into shared memory after h's loads (which would otherwise queue behind them).
+constexpr int IN_L2_FIRST = 2;
+constexpr int IN_MARKS = 6;  // probe words per block (gdn.rs IN_MARKS)
+constexpr int IN_WARPS = IN_THREADS / 32;
+constexpr int IN_D = CALLA_D_MODEL;
+constexpr int IN_DG = IN_D / CALLA_QUANT_GROUP;      // groups along K
+constexpr int IN_TILES = 6;                          // 16-row tiles per block
+constexpr int IN_GPW = IN_DG / IN_WARPS;             // groups per warp (its K part)
+constexpr int IN_CPT = IN_D / IN_THREADS;            // columns per thread (norm, b/a)
+constexpr int IN_QK = 2 * DK;                        // q|k channels of a QK head
+static_assert(CALLA_QUANT_GROUP == 64 && IN_DG % IN_WARPS == 0 && IN_GPW % 2 == 0, "K parts of whole group pairs");
+static_assert(IN_QK == 32 * CLUSTER && COLS == 32, "block r: q|k channels 32r.., 32 v and 32 z rows");
+static_assert(IN_CPT == 8 && CALLA_QUANT_GROUP % IN_CPT == 0, "two float4 of h per thread, in one group");
+
+// Dynamic shared memory of one block (host: gdn.rs in_step_smem_bytes): codes [IN_TILES][IN_DG]
+// tiles, then their {scale|bias} pairs [IN_TILES][IN_DG][8]; the same layout as the block's
+// region of the restacked weights. Once every tile is consumed it holds the units' row sums
+// (InRed) and the step's scratch.
+template <int BITS>
+struct InSmem {
+    static constexpr int CODES = IN_TILES * IN_DG * BITS * 128;
+    static constexpr int SB = IN_TILES * IN_DG * 64;
+    static constexpr int BYTES = CODES + SB;
+};
+struct InReuse {
+    float part[IN_TILES][IN_WARPS][16];  // row sums of each (tile, K part)
+    StepScratch<IN_THREADS> sc;
+};
+static_assert(sizeof(InReuse) <= InSmem<4>::BYTES, "the reused tiles hold the sums and the step's scratch");
+
+// Hint: bring `bytes` (a multiple of 16) at global `p` (16-byte aligned) into L2.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
+    unsigned long long g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
+}
+
+// b/a row `row` of the stacked in_proj (MLX layout): this thread's columns IN_CPT·t .. as codes
+// (BITS·IN_CPT bits), and their group's scale and bias.
+template <int BITS>
+__device__ __forceinline__ void ba_load(const unsigned char* packed, const unsigned short* scales,
+                                        const unsigned short* biases, int row, uint2& codes, float& sc, float& bi) {
+    const int t = threadIdx.x;
+    const unsigned char* p = packed + (size_t)row * (IN_D * BITS / 8) + t * (IN_CPT * BITS / 8);
+    if (BITS == 4) codes = make_uint2(__ldg(reinterpret_cast<const unsigned*>(p)), 0u);
+    else codes = __ldg(reinterpret_cast<const uint2*>(p));
+    const size_t g = (size_t)row * IN_DG + (IN_CPT * t) / CALLA_QUANT_GROUP;
+    sc = __uint_as_float((unsigned)__ldg(scales + g) << 16);
+    bi = __uint_as_float((unsigned)__ldg(biases + g) << 16);
+}
+// Σ over this thread's columns of (scale * q + bias) * u.
+template <int BITS>
+__device__ __forceinline__ float ba_part(uint2 codes, float sc, float bi, const float (&u)[IN_CPT]) {
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr int EPW = 32 / BITS;  // codes per word
+    float acc = 0.f;
+#pragma unroll
+    for (int c = 0; c < IN_CPT; ++c) {
+        const unsigned w = c < EPW ? codes.x : codes.y;
+        acc = fmaf(fmaf(sc, (float)((w >> ((c % EPW) * BITS)) & MASK), bi), u[c], acc);
+    }
+    return acc;
+}
+
+template <int BITS>
+__device__ __forceinline__ void in_step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
+                                        const float* __restrict__ h, const float* __restrict__ in_norm_w, float eps,
+                                        const unsigned char* __restrict__ tiles, const unsigned char* __restrict__ ba_packed,
+                                        const unsigned short* __restrict__ ba_scales,
+                                        const unsigned short* __restrict__ ba_biases, const float* __restrict__ conv_w,
+                                        const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
+                                        const float* __restrict__ norm_w, int flags, unsigned long long* probe) {
+    using namespace calla_qt;
+    // Measurement (probe != null): thread 0 of each block stores %globaltimer at its start, after
+    // the PDL wait, with the digits built, with the rows summed, with every q|k channel here, and
+    // at the end of the step (IN_MARKS words; written after the wait, like every store).
+    const unsigned long long t_start = probe != nullptr && threadIdx.x == 0 ? calla_globaltimer() : 0;
+    auto mark = [&](int i) {
+        if (probe != nullptr && threadIdx.x == 0) probe[blockIdx.x * IN_MARKS + i] = calla_globaltimer();
+    };
+    using S = InSmem<BITS>;
+    static_assert(S::BYTES + 3 * 1024 <= 227 * 1024, "shared memory of one block");
+    extern __shared__ __align__(128) unsigned char in_dyn[];
+    __shared__ __align__(8) unsigned long long mbar_t[IN_TILES];  // tile k's codes and pairs arrived
+    __shared__ __align__(8) unsigned long long mbar_qk;           // every block's q|k channels arrived
+    __shared__ __align__(8) unsigned long long mbar_ss;           // step_core: every block's Σ o²
+    __shared__ float ssq_s[CLUSTER];
+    __shared__ __align__(16) float s_qk[IN_QK];                   // the head's pre-conv q|k, by channel
+    __shared__ __align__(16) float s_rows[IN_TILES * 16];         // this block's projected rows
+    __shared__ float s_red[IN_WARPS][3];                          // per warp: Σ h², b and a partials
+
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const StepAt at = step_at();
+    const int blk = at.i * CLUSTER + (int)at.rank;  // this block's region of the tiles
+    const unsigned char* region = tiles + (size_t)blk * S::BYTES;
+
+    if (t == 0) {
+        for (int k = 0; k < IN_TILES; ++k) calla_mbar_init_expect(&mbar_t[k], IN_DG * (BITS * 128 + 64));
+        calla_mbar_init_expect(&mbar_qk, IN_QK * sizeof(float));
+        calla_mbar_init_expect(&mbar_ss, CLUSTER * sizeof(float));
+    }
+    calla_cluster_arrive_relaxed();  // "started, mbarriers ready"; waited for before the first send
+    __syncthreads();                 // the mbarriers are initialised before anyone polls them
+
+    // --- before the PDL wait: the step's loads, the b/a rows, the norm weights, then the tiles
+    StepLoads<IN_THREADS> L;
+    step_loads<IN_THREADS>(L, at, s, conv_state, conv_w, a_neg_exp, dt_bias, norm_w);
+    uint2 cb, ca;
+    float sb_, bb_, sa_, ba_;
+    ba_load<BITS>(ba_packed, ba_scales, ba_biases, B_OFF + at.j, cb, sb_, bb_);
+    ba_load<BITS>(ba_packed, ba_scales, ba_biases, A_OFF + at.j, ca, sa_, ba_);
+    const float4 nw_a = __ldg(reinterpret_cast<const float4*>(in_norm_w) + 2 * t);
+    const float4 nw_b = __ldg(reinterpret_cast<const float4*>(in_norm_w) + 2 * t + 1);
+    const int g0 = warp * IN_GPW;  // this warp's K part
+    const int q = lane & 15, hh = lane >> 4;
+    const int off = 32 * (q >> 3) + 16 * ((q >> 2) & 1) + 4 * (q & 3);  // quantize_group_frag's layout
+    float4 nwd[IN_GPW / 2];
+#pragma unroll
+    for (int pp = 0; pp < IN_GPW / 2; ++pp)
+        nwd[pp] = __ldg(reinterpret_cast<const float4*>(in_norm_w + (g0 + 2 * pp + hh) * CALLA_QUANT_GROUP + off));
+    const bool l2_first = flags & IN_L2_FIRST;
+    auto request = [&]() {  // lanes of warp 0: one bulk copy each
+        if (warp == 0 && lane < 2 * IN_TILES) {
+            const int k = lane >> 1;
+            if ((lane & 1) == 0)
+                bulk_copy(in_dyn + k * IN_DG * BITS * 128, region + k * IN_DG * BITS * 128, IN_DG * BITS * 128, &mbar_t[k]);
+            else
+                bulk_copy(in_dyn + S::CODES + k * IN_DG * 64, region + S::CODES + k * IN_DG * 64, IN_DG * 64, &mbar_t[k]);
+        }
+    };
+    if (!l2_first) {
+        request();
+    } else if (warp == 0 && lane < 2 * IN_TILES) {
+        const int k = lane >> 1;
+        if ((lane & 1) == 0) prefetch_l2_bulk(region + k * IN_DG * BITS * 128, IN_DG * BITS * 128);
+        else prefetch_l2_bulk(region + S::CODES + k * IN_DG * 64, IN_DG * 64);
+    }
+
+    calla_pdl_wait();  // h comes from the previous kernel
+    if (flags & IN_EARLY_TRIGGER) calla_pdl_launch_dependents();
+    if (probe != nullptr && threadIdx.x == 0) probe[blockIdx.x * IN_MARKS] = t_start;
+    mark(1);
+
+    // --- x = rms_norm(h) * (1 + w): Σ h² over the block (this thread's 8 values, warps in order)
+    const float4 ha = __ldcg(reinterpret_cast<const float4*>(h) + 2 * t);
+    const float4 hb = __ldcg(reinterpret_cast<const float4*>(h) + 2 * t + 1);
+    float4 hd[IN_GPW / 2];
+#pragma unroll
+    for (int pp = 0; pp < IN_GPW / 2; ++pp)
+        hd[pp] = __ldcg(reinterpret_cast<const float4*>(h + (g0 + 2 * pp + hh) * CALLA_QUANT_GROUP + off));
+    if (l2_first) request();  // after h's loads
+    {
+        const float ss = calla_warp_sum(ha.x * ha.x + ha.y * ha.y + ha.z * ha.z + ha.w * ha.w + hb.x * hb.x +
+                                        hb.y * hb.y + hb.z * hb.z + hb.w * hb.w);
+        if (lane == 0) s_red[warp][0] = ss;
+    }
+    __syncthreads();
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < IN_WARPS; ++w) tot += s_red[w][0];
+    const float inv = rsqrtf(tot / float(IN_D) + eps);
+    // b and a of V-head j: this thread's columns, then the warp, then (below) the block
+    {
+        const float u[IN_CPT] = {ha.x * inv * (1.f + nw_a.x), ha.y * inv * (1.f + nw_a.y), ha.z * inv * (1.f + nw_a.z),
+                                 ha.w * inv * (1.f + nw_a.w), hb.x * inv * (1.f + nw_b.x), hb.y * inv * (1.f + nw_b.y),
+                                 hb.z * inv * (1.f + nw_b.z), hb.w * inv * (1.f + nw_b.w)};
+        const float pb = calla_warp_sum(ba_part<BITS>(cb, sb_, bb_, u));
+        const float pa = calla_warp_sum(ba_part<BITS>(ca, sa_, ba_, u));
+        if (lane == 0) {
+            s_red[warp][1] = pb;
+            s_red[warp][2] = pa;
+        }
+    }
+    // this warp's groups as digits, in registers
+    uint4 bq[IN_GPW];
+    float2 bm[IN_GPW];
+#pragma unroll
+    for (int pp = 0; pp < IN_GPW / 2; ++pp) {
+        const float4 x = hd[pp], nw = nwd[pp];
+        const float4 u = make_float4(x.x * inv * (1.f + nw.x), x.y * inv * (1.f + nw.y), x.z * inv * (1.f + nw.z),
+                                     x.w * inv * (1.f + nw.w));
+        uint4 f;
+        float2 mt;
+        quantize_group_frag(u, lane, f, mt);
+        const uint4 hi = make_uint4(__shfl_down_sync(0xffffffffu, f.x, 16), __shfl_down_sync(0xffffffffu, f.y, 16),
+                                    __shfl_down_sync(0xffffffffu, f.z, 16), __shfl_down_sync(0xffffffffu, f.w, 16));
+        bq[2 * pp] = lane < 16 ? f : make_uint4(0u, 0u, 0u, 0u);
+        bq[2 * pp + 1] = lane < 16 ? hi : make_uint4(0u, 0u, 0u, 0u);
+        bm[2 * pp] = make_float2(__shfl_sync(0xffffffffu, mt.x, 0), __shfl_sync(0xffffffffu, mt.y, 0));
+        bm[2 * pp + 1] = make_float2(__shfl_sync(0xffffffffu, mt.x, 16), __shfl_sync(0xffffffffu, mt.y, 16));
+    }
+    mark(2);
+
+    // --- this warp's K part of every tile, as the tiles arrive (rows g and g+8 in r0, r1)
+    const uint4* sm_codes = reinterpret_cast<const uint4*>(in_dyn);
+    const uint2* sm_sb = reinterpret_cast<const uint2*>(in_dyn + S::CODES);
+    const int tq = lane & 3;
+    const float tmul = (tq & 1) ? 65536.0f : 1.0f, xmask = tq == 0 ? 1.0f : 0.0f;
+    float r0[IN_TILES], r1[IN_TILES];
+#pragma unroll
+    for (int k = 0; k < IN_TILES; ++k) {
+        calla_mbar_wait_phase0(&mbar_t[k]);
+        float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+        for (int gi = 0; gi < IN_GPW; ++gi) {
+            Tile<BITS> tl;
+            const int tile = k * IN_DG + g0 + gi;
+            tile_from_smem<BITS>(tl, sm_codes + tile * tile_u4<BITS>(), sm_sb + tile * 8, lane);
+            tile_dot<BITS>(tl, bq[gi], bm[gi], tmul, xmask, acc0, acc1);
+        }
+        r0[k] = quad_sum(acc0);
+        r1[k] = quad_sum(acc1);
+    }
+    __syncthreads();  // every tile consumed: its shared memory is reused from here
+    InReuse& ru = *reinterpret_cast<InReuse*>(in_dyn);
+#pragma unroll
+    for (int k = 0; k < IN_TILES; ++k) store_rows(ru.part[k][warp], r0[k], r1[k], lane);
+    __syncthreads();
+    if (t < IN_TILES * 16) {
+        float v = 0.f;
+#pragma unroll
+        for (int p = 0; p < IN_WARPS; ++p) v += ru.part[t / 16][p][t % 16];
+        s_rows[t] = v;
+    }
+    __syncthreads();
+    mark(3);
+
+    // --- this block's q|k channels to every block of the cluster
+    calla_cluster_wait();  // every block started and initialised its mbarriers
+    if (warp == 0) {
+        constexpr int PIECES = 32 / 4;  // 16-byte pieces of the block's 32 channels
+#pragma unroll
+        for (int it = lane; it < CLUSTER * PIECES; it += 32) {
+            const int dst = it / PIECES, pc = it % PIECES;
+            calla_st_async_u4(&s_qk[32 * at.rank + 4 * pc], &mbar_qk, (unsigned)dst,
+                              reinterpret_cast<const uint4*>(s_rows)[pc]);
+        }
+    }
+    float xx = 0.f, yx = 0.f;  // as step(): q (or v) and k; z; or a and b
+    if (t >= DK && t < DK + COLS) {
+        xx = s_rows[32 + (t - DK)];
+        yx = s_rows[64 + (t - DK)];
+    } else if (t == DK + COLS) {
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int w = 0; w < IN_WARPS; ++w) {
+            b += s_red[w][1];
+            a += s_red[w][2];
+        }
+        xx = a;
+        yx = b;
+    }
+    calla_mbar_wait_phase0(&mbar_qk);
+    mark(4);
+    if (t < DK) {
+        xx = s_qk[t];
+        yx = s_qk[DK + t];
+    }
+    step_core<IN_THREADS>(L, at, xx, yx, out, s, conv_state, &mbar_ss, ssq_s, true, ru.sc);
+    mark(5);
 }
 
 }  // namespace calla_gdn
@@ -343,6 +709,27 @@ gdn_decode_step(float* __restrict__ out, float* __restrict__ s, float* __restric
     calla_l2_prefetch_share(pf);  // e.g. out_proj's weights, read by the next kernel
     calla_gdn::step(out, s, conv_state, proj, conv_w, a_neg_exp, dt_bias, norm_w);
 }
+
+// The input projection fused in front of the step (see calla_gdn::in_step): grid N_V *
+// COL_BLOCKS blocks of IN_THREADS (at most two per SM) in clusters of CLUSTER, InSmem<BITS>::BYTES of dynamic shared
+// memory. h: the residual stream [D_MODEL] (16-byte aligned); in_norm_w: input_layernorm
+// (zero-centred); tiles: the layer's restacked q|k, v, z rows (gdn.rs GdnInProj); ba_*: the
+// stacked in_proj in the MLX layout (its b and a rows are read); flags: calla_gdn::IN_* bits;
+// probe: null, or IN_MARKS words per block (measurement).
+#define CALLA_GDN_IN_STEP(NAME, BITS)                                                                         \
+    extern "C" __global__ void __cluster_dims__(calla_gdn::CLUSTER, 1, 1) __launch_bounds__(calla_gdn::IN_THREADS, 2) \
+        NAME(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,                  \
+             const float* __restrict__ h, const float* __restrict__ in_norm_w, float eps,                     \
+             const unsigned char* __restrict__ tiles, const unsigned char* __restrict__ ba_packed,             \
+             const unsigned short* __restrict__ ba_scales, const unsigned short* __restrict__ ba_biases,      \
+             const float* __restrict__ conv_w, const float* __restrict__ a_neg_exp,                           \
+             const float* __restrict__ dt_bias, const float* __restrict__ norm_w, int flags,                  \
+             unsigned long long* probe) {                                                                     \
+        calla_gdn::in_step<BITS>(out, s, conv_state, h, in_norm_w, eps, tiles, ba_packed, ba_scales, ba_biases, \
+                                 conv_w, a_neg_exp, dt_bias, norm_w, flags, probe);                            \
+    }
+CALLA_GDN_IN_STEP(gdn_in_step_q4, 4)
+CALLA_GDN_IN_STEP(gdn_in_step_q8, 8)
 
 // Timing diagnostics for the self-test: empty kernels with the step's arguments and grid, with
 // and without the cluster shape (the launch floor).

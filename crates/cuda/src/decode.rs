@@ -127,6 +127,9 @@ pub enum DeviceMixer {
     /// weight, `out_proj`.
     Gdn {
         in_proj: StackedQMat,
+        /// `in_proj`'s q|k, v, z rows restacked for [`CudaContext::gdn_in_step`]
+        /// ([`CudaModel::upload_gdn_in_step`]; `None` until then).
+        in_step: Option<crate::gdn::GdnInProj>,
         conv_w: CudaSlice<f32>,
         a_neg_exp: CudaSlice<f32>,
         dt_bias: CudaSlice<f32>,
@@ -178,6 +181,9 @@ pub struct CudaModel {
     pub bytes_per_token: usize,
 }
 
+/// Source of [`CudaModel`] ids (unique per upload or change of the device weights).
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Checks that `cfg` has the production widths the kernels are compiled for (any number of
 /// layers in the published 3:1 pattern or any other order of the two kinds is fine).
 ///
@@ -219,6 +225,38 @@ pub fn check_config(cfg: &TextConfig) -> Result<(), CudaError> {
 }
 
 impl CudaModel {
+    /// Restacks every GDN layer's input projection for [`CudaContext::gdn_in_step`] (the input
+    /// projection and the step as one launch; [`CudaSession::set_gdn_in_step`]) and copies it to
+    /// the device: 13.5 MB per layer at 4 bits, beside the stacked matrix. A layer whose
+    /// `in_proj` parts differ in width, or whose clusters would not all fit on the device at once
+    /// ([`CudaContext::gdn_in_step_fits`]; the 8-bit kernel on the H200), keeps the two launches.
+    /// Measured slower than the two launches on the H200 (docs/CUDA.md), hence not done by
+    /// [`Self::upload`]. Returns the layers that have it.
+    ///
+    /// # Errors
+    /// As [`CudaContext::upload_gdn_in_proj`]; [`CudaError::Unsupported`] when `w` has other
+    /// layers than this model.
+    pub fn upload_gdn_in_step(&mut self, cx: &CudaContext, w: &Weights) -> Result<usize, CudaError> {
+        if w.layers.len() != self.layers.len() {
+            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
+        }
+        let mut n = 0;
+        for (dl, lw) in self.layers.iter_mut().zip(&w.layers) {
+            if let (DeviceMixer::Gdn { in_proj, in_step, .. }, Mixer::Gdn(g)) = (&mut dl.mixer, &lw.mixer) {
+                // one run: b and a share the width of qkv and z (the kernel reads them with it)
+                if let (1, Some(mq), Some(mz)) = (in_proj.runs.len(), g.in_proj_qkv.qref(), g.in_proj_z.qref()) {
+                    if mq.spec.bits == in_proj.runs[0].0.bits && cx.gdn_in_step_fits(mq.spec.bits)? {
+                        *in_step = Some(cx.upload_gdn_in_proj(mq, mz)?);
+                        n += 1;
+                    }
+                }
+            }
+        }
+        // sessions' captured graphs hold the old launches
+        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(n)
+    }
+
     /// Uploads a loaded model's weights (an MLX-layout quantized checkpoint, as loaded by
     /// `model::Model::open`).
     ///
@@ -246,6 +284,7 @@ impl CudaModel {
                     bytes += in_proj.stored_bytes() + out_proj.stored_bytes();
                     DeviceMixer::Gdn {
                         in_proj,
+                        in_step: None,
                         conv_w: f(&g.conv1d)?,
                         a_neg_exp: f(&g.a_neg_exp)?,
                         dt_bias: f(&g.dt_bias)?,
@@ -267,7 +306,6 @@ impl CudaModel {
             layers.push(DeviceLayer { input_norm: f(&lw.input_norm)?, post_norm: f(&lw.post_norm)?, mixer, moe });
         }
         let inv_freq = f(&model::reference::rope_inv_freq(cfg.rope_theta, cfg.rotary_dim()))?;
-        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(CudaModel {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cfg: cfg.clone(),
@@ -391,6 +429,9 @@ pub struct CudaSession {
     /// The MoE router folded into the output projection ([`Self::set_router_fold`]; used only
     /// with fused norms and not with [`crate::moe::MoeFlags::fused`]).
     pub(crate) router_fold: bool,
+    /// Each GDN layer's input projection and step as one launch ([`Self::set_gdn_in_step`];
+    /// with fused norms, for layers that have [`DeviceMixer::Gdn`]'s `in_step`).
+    pub(crate) gdn_in_step: bool,
     /// On-device sampling ([`Self::set_sampling`]): the device state and the parameters the
     /// next sequence starts with; `None`: the greedy pick (`argmax_step`).
     pub(crate) sampling: Option<(crate::sample::SampleState, sampler::SamplingParams)>,
@@ -459,6 +500,7 @@ impl CudaSession {
             l2_prefetch: false,
             moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
             router_fold: cluster,
+            gdn_in_step: false,
             sampling: None,
             graph_model: None,
             graph_gen: 0,
@@ -525,7 +567,15 @@ impl CudaSession {
                 DeviceMixer::Gdn { in_proj, out_proj, .. } => (in_proj, GDN_PROJ, out_proj, p::N_V_HEADS * p::D_V),
                 DeviceMixer::Attn { qkv, o_proj, .. } => (qkv, ATTN_PROJ, o_proj, p::N_Q_HEADS * p::HEAD_DIM),
             };
-            if on(ablate::IN_PROJ) {
+            // the GDN input projection and step as one launch (gdn_in_step; the ablation
+            // leaves it out as the mixer core)
+            let in_step = match &lw.mixer {
+                DeviceMixer::Gdn { in_step: Some(w), in_proj, .. } if fuse && self.gdn_in_step && in_proj.runs.len() == 1 => {
+                    Some((w, &in_proj.runs[0].0))
+                }
+                _ => None,
+            };
+            if on(ablate::IN_PROJ) && in_step.is_none() {
                 let out = &mut self.proj.slice_mut(..n_in);
                 if fuse {
                     in_mat.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
@@ -535,7 +585,22 @@ impl CudaSession {
             }
             match (&lw.mixer, ls) {
                 (DeviceMixer::Gdn { conv_w, a_neg_exp, dt_bias, norm, .. }, DeviceLayerState::Gdn { conv, s }) => {
-                    if on(ablate::MIXER) {
+                    if let (Some((w, stacked)), true) = (in_step, on(ablate::MIXER)) {
+                        cx.gdn_in_step(
+                            w,
+                            stacked,
+                            &self.x.slice(..),
+                            &lw.input_norm.slice(..),
+                            &conv_w.slice(..),
+                            &a_neg_exp.slice(..),
+                            &dt_bias.slice(..),
+                            &norm.slice(..),
+                            &mut conv.slice_mut(..),
+                            &mut s.slice_mut(..),
+                            &self.gdn_scratch,
+                            &mut self.mix.slice_mut(..n_out),
+                        )?;
+                    } else if in_step.is_none() && on(ablate::MIXER) {
                         cx.gdn_decode_step(
                             &self.proj.slice(..n_in),
                             &conv_w.slice(..),
@@ -745,6 +810,45 @@ impl CudaSession {
             self.router_fold = on;
             self.drop_graphs();
         }
+    }
+
+    /// Runs each GDN layer's stacked input projection and step as one launch
+    /// ([`CudaContext::gdn_in_step`]) or as the fused-norm GEMV and
+    /// [`CudaContext::gdn_decode_step`] (`false`, the default: measured faster on the H200,
+    /// docs/CUDA.md). Applies with fused norms to the layers that have the restacked weights
+    /// ([`CudaModel::upload_gdn_in_step`]). The step graphs are captured again on the next
+    /// [`Self::start`] when this changes.
+    pub fn set_gdn_in_step(&mut self, on: bool) {
+        if on != self.gdn_in_step {
+            self.gdn_in_step = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Lets [`CudaContext::gdn_in_step`] trigger the next launch right after its PDL wait (a
+    /// measured variant; see [`crate::gdn::GdnScratch::in_early_trigger`]). The step graphs are
+    /// captured again on the next [`Self::start`] when this changes.
+    pub fn set_gdn_in_early_trigger(&mut self, on: bool) {
+        if on != self.gdn_scratch.in_early_trigger {
+            self.gdn_scratch.in_early_trigger = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Lets [`CudaContext::gdn_in_step`] prefetch its weights into L2 before the PDL wait and copy
+    /// them into shared memory after `h`'s loads ([`crate::gdn::GdnScratch::in_l2_first`]). The
+    /// step graphs are captured again on the next [`Self::start`] when this changes.
+    pub fn set_gdn_in_l2_first(&mut self, on: bool) {
+        if on != self.gdn_scratch.in_l2_first {
+            self.gdn_scratch.in_l2_first = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Whether GDN layers run their input projection and step as one launch
+    /// ([`Self::set_gdn_in_step`]).
+    pub fn gdn_in_step(&self) -> bool {
+        self.gdn_in_step
     }
 
     fn capture(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<StepGraph, CudaError> {

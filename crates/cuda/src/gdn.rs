@@ -6,10 +6,13 @@
 //! gated RMSNorm. The CPU twin is the T = 1 path of `model::Model`'s GDN mixer
 //! (`reference::{causal_conv_silu, l2norm_inplace, gdn_step, gated_rms_norm}`).
 
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use quant::{Bits, QMatRef};
+use rayon::prelude::*;
 use spec::production as p;
 
-use crate::{CudaContext, CudaError};
+use crate::moe::{pack_tile, tile_words, TILE_ROWS};
+use crate::{CudaContext, CudaError, DeviceQMat, QUANT_GROUP};
 
 /// Channels of the causal conv: `q | k | v` = `2·n_k·d_k + n_v·d_v` = 8192.
 pub const GDN_CONV_DIM: usize = 2 * p::N_K_HEADS * p::D_K + p::N_V_HEADS * p::D_V;
@@ -31,6 +34,75 @@ pub const GDN_OUT: usize = p::N_V_HEADS * p::D_V;
 const COL_BLOCKS: usize = 4;
 /// Threads per block (must match `THREADS` in `kernels/gdn.cu`).
 const THREADS: u32 = 256;
+/// Blocks per cluster: the column blocks of the V-heads of one QK head (`CLUSTER`).
+const CLUSTER: usize = (p::N_V_HEADS / p::N_K_HEADS) * COL_BLOCKS;
+/// Value columns per block (`COLS`).
+const COLS: usize = p::D_V / COL_BLOCKS;
+/// Threads per block of the fused input projection + step (`IN_THREADS`).
+const IN_THREADS: u32 = THREADS;
+/// 16-row tiles of the input projection per block of [`CudaContext::gdn_in_step`]
+/// (`IN_TILES`): two of q|k channels, two of v, two of z.
+const IN_TILES: usize = 6;
+/// Key width of the stacked projection's q (and k) part: `n_k·d_k`.
+const KEY_DIM: usize = p::N_K_HEADS * p::D_K;
+
+/// u32 words of one block's region of [`GdnInProj`]: `IN_TILES × D_MODEL/64` tiles, then
+/// their `{scale|bias}` pairs (`[IN_TILES][D_MODEL/64][8][2]`: 16 words per tile).
+fn in_block_words(bits: Bits) -> usize {
+    IN_TILES * (p::D_MODEL / QUANT_GROUP) * (tile_words(bits) + 16)
+}
+
+/// Dynamic shared memory of [`CudaContext::gdn_in_step`] (`InSmem<BITS>::BYTES`): one block's
+/// region of the tiles.
+fn in_step_smem_bytes(bits: Bits) -> usize {
+    4 * in_block_words(bits)
+}
+
+/// Row `tile`·16 + `rho` of block `blk`'s tiles as a row of the stacked projection
+/// `qkv | z | b | a` (`GDN_PROJ` rows): tiles 0-1 are the q|k channels 32r.. of QK head `i`
+/// (q for rank r < 4, k after), tiles 2-3 the v channels and tiles 4-5 the z rows of the
+/// block's own V-head columns (`kernels/gdn.cu`, `in_step`).
+fn in_row(blk: usize, tile: usize, rho: usize) -> usize {
+    let (i, r) = (blk / CLUSTER, blk % CLUSTER);
+    let j = i * (p::N_V_HEADS / p::N_K_HEADS) + r / COL_BLOCKS;
+    let c0 = (r % COL_BLOCKS) * COLS;
+    let within = 16 * (tile % 2) + rho;
+    match tile / 2 {
+        0 => {
+            let c = 32 * r + within;
+            if c < p::D_K {
+                i * p::D_K + c
+            } else {
+                KEY_DIM + i * p::D_K + (c - p::D_K)
+            }
+        }
+        1 => 2 * KEY_DIM + j * p::D_V + c0 + within,
+        _ => GDN_CONV_DIM + j * p::D_V + c0 + within,
+    }
+}
+
+/// One GDN layer's input projection rows restacked for [`CudaContext::gdn_in_step`]: for each
+/// of the `n_v·4` blocks, its six 16-row tiles (q|k, v, z rows; `in_row`) as the MoE kernels'
+/// 16 × 64 tiles (`moe.rs pack_tile`: each lane's A fragments contiguous), so that one block's
+/// weights are one contiguous region its bulk copies fetch. Holds the `qkv` and `z` rows once
+/// (the `b` and `a` rows stay in the stacked matrix): 13.5 MB at 4 bits, in addition to the
+/// stacked matrix the prefill reads.
+pub struct GdnInProj {
+    bits: Bits,
+    tiles: CudaSlice<u32>,
+}
+
+impl GdnInProj {
+    /// Bits per code of the restacked rows.
+    pub fn bits(&self) -> Bits {
+        self.bits
+    }
+
+    /// Bytes of weights one application reads (codes and `{scale|bias}` pairs).
+    pub fn stored_bytes(&self) -> usize {
+        4 * self.tiles.len()
+    }
+}
 
 /// Scratch of [`CudaContext::gdn_decode_step`]. The fused kernel needs none (blocks exchange
 /// the gated norm's partial sums through cluster shared memory); the type keeps the API stable
@@ -40,12 +112,78 @@ pub struct GdnScratch {
     /// L2 prefetch hints passed with the next [`CudaContext::gdn_decode_step`] (the decode step
     /// sets the layer's `out_proj` here); empty by default.
     pub l2_prefetch: crate::L2Prefetch,
+    /// [`CudaContext::gdn_in_step`]: trigger the next kernel's launch right after the PDL wait
+    /// (a measured variant; off by default).
+    pub in_early_trigger: bool,
+    /// [`CudaContext::gdn_in_step`]: before the PDL wait only prefetch the weight tiles into L2,
+    /// and copy them into shared memory after `h`'s loads (a measured variant; off by default).
+    pub in_l2_first: bool,
+    /// [`CudaContext::gdn_in_step`]'s phase probe: 0, or the device address of
+    /// [`IN_MARKS`] u64 per block (`%globaltimer` ns at: start, after the PDL wait, digits
+    /// built, rows summed, every q|k channel arrived, end). Measurement only.
+    #[doc(hidden)]
+    pub in_probe: u64,
 }
 
+/// Words per block of [`GdnScratch::in_probe`] (`IN_MARKS` in `kernels/gdn.cu`).
+pub const IN_MARKS: usize = 6;
+/// Blocks of [`CudaContext::gdn_in_step`]'s grid.
+pub const IN_BLOCKS: usize = p::N_V_HEADS * COL_BLOCKS;
+
 impl CudaContext {
+    /// Restacks one GDN layer's `in_proj_qkv` (`[conv_dim, D_MODEL]`) and `in_proj_z`
+    /// (`[n_v·d_v, D_MODEL]`) for [`Self::gdn_in_step`] and copies them to the device.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] naming the matrix when a shape differs from the above, the
+    /// group size is not 64, or the two differ in bits; [`CudaError::Driver`] on allocation.
+    pub fn upload_gdn_in_proj(&self, qkv: QMatRef<'_>, z: QMatRef<'_>) -> Result<GdnInProj, CudaError> {
+        for (what, m, rows) in [("in_proj_qkv", &qkv, GDN_CONV_DIM), ("in_proj_z", &z, p::N_V_HEADS * p::D_V)] {
+            quant::validate(m).map_err(|e| CudaError::Unsupported(format!("{what}: {e}")))?;
+            if m.rows != rows || m.cols != p::D_MODEL || m.spec.group_size != QUANT_GROUP {
+                return Err(CudaError::Unsupported(format!(
+                    "{what} is [{}, {}] with group {}; the fused GDN input projection is built for \
+                     [{rows}, {}] with group {QUANT_GROUP}",
+                    m.rows,
+                    m.cols,
+                    m.spec.group_size,
+                    p::D_MODEL
+                )));
+            }
+        }
+        if qkv.spec.bits != z.spec.bits {
+            return Err(CudaError::Unsupported(format!(
+                "in_proj_qkv has {} bits, in_proj_z {}: the fused GDN input projection needs one width",
+                qkv.spec.bits.bits(),
+                z.spec.bits.bits()
+            )));
+        }
+        let bits = qkv.spec.bits;
+        let groups = p::D_MODEL / QUANT_GROUP;
+        let tw = tile_words(bits);
+        let blocks = p::N_V_HEADS * COL_BLOCKS;
+        let per_block = in_block_words(bits);
+        let mut host = vec![0u32; blocks * per_block];
+        host.par_chunks_mut(per_block).enumerate().for_each(|(blk, region)| {
+            let (codes, sb) = region.split_at_mut(IN_TILES * groups * tw);
+            for tile in 0..IN_TILES {
+                let rows: [(QMatRef<'_>, usize); TILE_ROWS] = std::array::from_fn(|rho| {
+                    let row = in_row(blk, tile, rho);
+                    if row < GDN_CONV_DIM {
+                        (qkv, row)
+                    } else {
+                        (z, row - GDN_CONV_DIM)
+                    }
+                });
+                pack_tile(&rows, &mut codes[tile * groups * tw..(tile + 1) * groups * tw], &mut sb[tile * groups * 16..(tile + 1) * groups * 16]);
+            }
+        });
+        Ok(GdnInProj { bits, tiles: self.stream().clone_htod(&host)? })
+    }
+
     /// Scratch for [`Self::gdn_decode_step`] (currently no device memory).
     pub fn gdn_scratch(&self) -> Result<GdnScratch, CudaError> {
-        Ok(GdnScratch { l2_prefetch: crate::L2Prefetch::default() })
+        Ok(GdnScratch { l2_prefetch: crate::L2Prefetch::default(), in_early_trigger: false, in_l2_first: false, in_probe: 0 })
     }
 
     /// One Gated DeltaNet decode step for one layer (batch 1, one token), one kernel launch:
@@ -141,4 +279,148 @@ impl CudaContext {
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
+
+    /// The stacked input projection and the Gated DeltaNet step of one layer as one launch
+    /// (`gdn_in_step_q4|q8`): `proj = [W_qkv|W_z|W_b|W_a]·rms_norm(h)` as
+    /// [`CudaContext::gemv_norm`] computes it, then [`Self::gdn_decode_step`] on it, without
+    /// `proj` ever leaving the chip. Each cluster computes the rows its blocks read (the QK
+    /// head's q|k channels, exchanged in the cluster; the v, z, b, a rows of its own V-head
+    /// columns); the weights arrive by bulk copies requested before the PDL wait.
+    ///
+    /// * `w`: the layer's restacked `qkv`/`z` rows ([`Self::upload_gdn_in_proj`]);
+    /// * `stacked`: the same layer's stacked `in_proj` (`[GDN_PROJ, D_MODEL]`, one run, the
+    ///   bits of `w`): its `b` and `a` rows are read in the MLX layout;
+    /// * `h`: `[D_MODEL]` residual stream, 16-byte aligned; `in_norm_w`: `[D_MODEL]`
+    ///   `input_layernorm` weight (zero-centred: the scale is `1 + w`), 16-byte aligned; the
+    ///   norm's epsilon is `RMS_EPS`;
+    /// * the rest as [`Self::gdn_decode_step`]; `scratch`: its options (no device memory).
+    ///
+    /// The projection is not that of the GEMV bit for bit (other digits and order of sums):
+    /// both are within ~1e-6 relative of `quant::reference::gemv`.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] on a length or alignment as above, or a `stacked` matrix of
+    /// another shape or width than `w`; [`CudaError::Driver`] when the launch fails.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_in_step(
+        &self,
+        w: &GdnInProj,
+        stacked: &DeviceQMat,
+        h: &CudaView<'_, f32>,
+        in_norm_w: &CudaView<'_, f32>,
+        conv_w: &CudaView<'_, f32>,
+        a_neg_exp: &CudaView<'_, f32>,
+        dt_bias: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        conv_state: &mut CudaViewMut<'_, f32>,
+        s: &mut CudaViewMut<'_, f32>,
+        scratch: &GdnScratch,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        if stacked.rows != GDN_PROJ || stacked.cols != p::D_MODEL || stacked.bits != w.bits {
+            return Err(CudaError::Unsupported(format!(
+                "gdn_in_step: the stacked in_proj is [{}, {}] at {} bits; expected [{GDN_PROJ}, {}] at {} bits",
+                stacked.rows,
+                stacked.cols,
+                stacked.bits.bits(),
+                p::D_MODEL,
+                w.bits.bits()
+            )));
+        }
+        let checks = [
+            ("h", h.len(), p::D_MODEL),
+            ("in_norm_w", in_norm_w.len(), p::D_MODEL),
+            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
+            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
+            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
+            ("norm_w", norm_w.len(), p::D_V),
+            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
+            ("s", s.len(), GDN_STATE_LEN),
+            ("out", out.len(), GDN_OUT),
+        ];
+        for (name, got, want) in checks {
+            if got != want {
+                return Err(CudaError::Unsupported(format!("gdn_in_step: {name} has {got} elements, expected {want}")));
+            }
+        }
+        let stream = self.stream();
+        let aligned = [
+            ("h", h.device_ptr(stream).0),
+            ("in_norm_w", in_norm_w.device_ptr(stream).0),
+            ("s", s.device_ptr(stream).0),
+            ("conv_w", conv_w.device_ptr(stream).0),
+            ("out", out.device_ptr(stream).0),
+        ];
+        for (name, ptr) in aligned {
+            if ptr % 16 != 0 {
+                return Err(CudaError::Unsupported(format!(
+                    "gdn_in_step: {name} at {ptr:#x} is not 16-byte aligned (float4 access)"
+                )));
+            }
+        }
+        let name = match w.bits {
+            Bits::B4 => "gdn_in_step_q4",
+            Bits::B8 => "gdn_in_step_q8",
+        };
+        let cfg = LaunchConfig {
+            grid_dim: ((p::N_V_HEADS * COL_BLOCKS) as u32, 1, 1),
+            block_dim: (IN_THREADS, 1, 1),
+            shared_mem_bytes: in_step_smem_bytes(w.bits) as u32,
+        };
+        let eps = p::RMS_EPS;
+        let flags = i32::from(scratch.in_early_trigger) | (i32::from(scratch.in_l2_first) << 1);
+        let mut b = stream.launch_builder(self.func(name)?);
+        b.arg(out)
+            .arg(s)
+            .arg(conv_state)
+            .arg(h)
+            .arg(in_norm_w)
+            .arg(&eps)
+            .arg(&w.tiles)
+            .arg(&stacked.packed)
+            .arg(&stacked.scales)
+            .arg(&stacked.biases)
+            .arg(conv_w)
+            .arg(a_neg_exp)
+            .arg(dt_bias)
+            .arg(norm_w)
+            .arg(&flags)
+            .arg(&scratch.in_probe);
+        // SAFETY: argument order and types match `gdn_in_step_*`; lengths and alignment checked
+        // above, the tiles hold one region per block (upload_gdn_in_proj), and the stacked
+        // matrix has the b and a rows the kernel reads. The dynamic shared memory was allowed at
+        // context creation (in_step_smem_allow). A nonzero probe address is the caller's promise of
+        // IN_MARKS u64 per block.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+impl CudaContext {
+    /// Whether every cluster of [`Self::gdn_in_step`] at `bits` can be resident at once on this
+    /// device (`cuOccupancyMaxActiveClusters` ≥ the grid's 16 clusters). When not, the last
+    /// clusters would run as a second wave (measured on the H200 with one 512-thread block per
+    /// SM: 14 of 16 fit) and the two-launch path is faster.
+    ///
+    /// # Errors
+    /// Driver errors of the query.
+    pub fn gdn_in_step_fits(&self, bits: Bits) -> Result<bool, CudaError> {
+        let name = match bits {
+            Bits::B4 => "gdn_in_step_q4",
+            Bits::B8 => "gdn_in_step_q8",
+        };
+        let grid = (p::N_V_HEADS * COL_BLOCKS) as u32;
+        let n = self.max_active_clusters(name, grid, IN_THREADS, in_step_smem_bytes(bits) as u32)?;
+        Ok(n as usize >= p::N_V_HEADS * COL_BLOCKS / CLUSTER)
+    }
+}
+
+/// Allows `gdn_in_step_q4|q8` their dynamic shared memory (more than the default 48 KB); called
+/// once at context creation.
+pub(crate) fn in_step_smem_allow(cx: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    for (name, bits) in [("gdn_in_step_q4", Bits::B4), ("gdn_in_step_q8", Bits::B8)] {
+        cx.func(name)?.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, in_step_smem_bytes(bits) as i32)?;
+    }
+    Ok(())
 }

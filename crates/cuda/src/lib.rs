@@ -142,6 +142,8 @@ pub const KERNELS: &[KernelSource] = &[
         src: include_str!("../kernels/gdn.cu"),
         entries: &[
             "gdn_decode_step",
+            "gdn_in_step_q4",
+            "gdn_in_step_q8",
             "gdn_diag_null_cluster",
             "gdn_diag_null",
         ],
@@ -253,7 +255,13 @@ pub fn dims_header() -> String {
 /// reductions): `kernels/prelude.cuh`.
 pub const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
 
-/// Full NVRTC source of a kernel file: the dims header, the prelude, then the file.
+/// Quantized 16 × 64 tile products on the integer tensor cores and the activation digits
+/// (`kernels/qtile.cuh`, namespace `calla_qt`), shared by the MoE kernels and the fused GDN
+/// input projection; prepended to every kernel file after [`PRELUDE`].
+pub const QTILE: &str = include_str!("../kernels/qtile.cuh");
+
+/// Full NVRTC source of a kernel file: the dims header, the prelude, the tile helpers, then the
+/// file.
 pub fn full_source(k: &KernelSource) -> String {
     full_source_with(k, timeline::enabled())
 }
@@ -261,10 +269,11 @@ pub fn full_source(k: &KernelSource) -> String {
 /// [`full_source`] with or without the timeline probe (`CALLA_TIMELINE`, see [`timeline`]).
 pub fn full_source_with(k: &KernelSource, timeline: bool) -> String {
     format!(
-        "{}{}#line 1 \"prelude.cuh\"\n{}\n#line 1 \"{}.cu\"\n{}",
+        "{}{}#line 1 \"prelude.cuh\"\n{}\n#line 1 \"qtile.cuh\"\n{}\n#line 1 \"{}.cu\"\n{}",
         dims_header(),
         if timeline { "#define CALLA_TIMELINE 1\n" } else { "" },
         PRELUDE,
+        QTILE,
         k.name,
         k.src
     )
@@ -466,7 +475,7 @@ impl CudaContext {
         }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         let timeline = if timeline::enabled() { Some(std::sync::Mutex::new(timeline::DeviceLog::new(&stream, &modules)?)) } else { None };
-        Ok(CudaContext {
+        let cx = CudaContext {
             timeline,
             rms_norm_d_model: f("rms_norm", "rms_norm_d_model")?,
             gemv,
@@ -481,7 +490,9 @@ impl CudaContext {
             ctx,
             stream,
             sm_count,
-        })
+        };
+        gdn::in_step_smem_allow(&cx)?;
+        Ok(cx)
     }
 
     /// The loaded entry point `name` (an `extern "C"` kernel listed in [`KERNELS`]).
@@ -492,6 +503,37 @@ impl CudaContext {
         self.funcs
             .get(name)
             .ok_or_else(|| CudaError::Unsupported(format!("no kernel entry point named {name}")))
+    }
+
+    /// Thread-block clusters of entry point `name` (compiled with `__cluster_dims__`) that can be
+    /// resident on the device at once, with `grid` blocks of `block` threads and `smem` bytes of
+    /// dynamic shared memory each (`cuOccupancyMaxActiveClusters`).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for an unknown entry point; driver errors of the query.
+    pub fn max_active_clusters(&self, name: &str, grid: u32, block: u32, smem: u32) -> Result<i32, CudaError> {
+        use cudarc::driver::sys;
+        let f = self.func(name)?.cu_function();
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: std::ptr::null_mut(),
+            numAttrs: 0,
+        };
+        let mut n: std::ffi::c_int = 0;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `f` is a loaded function of this context, `cfg` a complete launch
+        // configuration without attributes (the cluster shape is the kernel's own), `n` a valid
+        // out-pointer.
+        let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) };
+        r.result()?;
+        Ok(n)
     }
 
     /// The underlying cudarc context.

@@ -23,7 +23,7 @@ use spec::production as p;
 use crate::{CudaContext, CudaError, QUANT_GROUP};
 
 /// Rows of one tile (the `m16n8k32` mma's M).
-const TILE_ROWS: usize = 16;
+pub(crate) const TILE_ROWS: usize = 16;
 /// Router-kernel warps per block (`R_WARPS` in `moe.cu`).
 const ROUTER_WARPS: usize = 8;
 /// Warps per gate/up block splitting K (`GU_KS` in `moe.cu`).
@@ -363,7 +363,7 @@ fn spread4(a: u32) -> u32 {
 }
 
 /// u32 words of one 16 × 64 tile.
-fn tile_words(bits: Bits) -> usize {
+pub(crate) fn tile_words(bits: Bits) -> usize {
     TILE_ROWS * QUANT_GROUP * bits.bits() as usize / 32
 }
 
@@ -378,7 +378,7 @@ fn tile_words(bits: Bits) -> usize {
 ///   `16j + 4t .. +3` of the group, one code per byte; the kernel splits it into `a[2j]`
 ///   (`& 0x0F0F0F0F`) and `a[2j+1]` (`>> 4 & 0x0F0F0F0F`);
 /// * 8 bits: chunk `c` word `j` is `a[4c + j]` as stored.
-fn pack_tile(rows: &[(QMatRef<'_>, usize); TILE_ROWS], codes: &mut [u32], sb: &mut [u32]) {
+pub(crate) fn pack_tile(rows: &[(QMatRef<'_>, usize); TILE_ROWS], codes: &mut [u32], sb: &mut [u32]) {
     let m0 = rows[0].0;
     let bits = m0.spec.bits;
     let groups = m0.cols / QUANT_GROUP;

@@ -206,7 +206,7 @@ impl Prefiller {
             cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.x.slice(..t * d), &lw.input_norm.slice(..))?;
             mark(&mut self.profile, cx, "rms norms")?;
             match (&lw.mixer, ls) {
-                (DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj }, DeviceLayerState::Gdn { conv, s }) => {
+                (DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj, .. }, DeviceLayerState::Gdn { conv, s }) => {
                     let n_out = p::N_V_HEADS * p::D_V;
                     cx.qgemm(&mut self.proj.slice_mut(..t * GDN_PROJ), &in_proj.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
                     mark(&mut self.profile, cx, "GDN in_proj GEMM")?;

@@ -41,14 +41,14 @@ const EXACT: Tol = Tol {
 };
 
 /// One layer's GDN weights used by the step (host copies).
-struct Weights {
-    conv_w: Vec<f32>,    // [conv_dim, 4]
-    a_neg_exp: Vec<f32>, // [n_v]
-    dt_bias: Vec<f32>,   // [n_v]
-    norm_w: Vec<f32>,    // [d_v]
+pub(crate) struct Weights {
+    pub(crate) conv_w: Vec<f32>,    // [conv_dim, 4]
+    pub(crate) a_neg_exp: Vec<f32>, // [n_v]
+    pub(crate) dt_bias: Vec<f32>,   // [n_v]
+    pub(crate) norm_w: Vec<f32>,    // [d_v]
 }
 
-fn weights(seed: u64) -> Weights {
+pub(crate) fn weights(seed: u64) -> Weights {
     let nv = p::N_V_HEADS;
     Weights {
         // taps ~ ±0.5 uniform (std 0.29)
@@ -73,7 +73,7 @@ fn proj(seed: u64) -> Vec<f32> {
 
 /// The CPU twin: crates/model/src/lib.rs `Model::gdn` for t = 1, after the projections.
 /// `conv`: [k-1, conv_dim]; `s`: [n_v, d_k, d_v]. Returns the gated-normed output [n_v·d_v].
-fn cpu_step(w: &Weights, proj: &[f32], conv: &mut Vec<f32>, s: &mut [f32]) -> Vec<f32> {
+pub(crate) fn cpu_step(w: &Weights, proj: &[f32], conv: &mut Vec<f32>, s: &mut [f32]) -> Vec<f32> {
     let (nk, nv, dk, dv, kk) = (p::N_K_HEADS, p::N_V_HEADS, p::D_K, p::D_V, p::CONV_KERNEL);
     let (key_dim, conv_dim) = (nk * dk, GDN_CONV_DIM);
     let qkv = &proj[..conv_dim];
@@ -123,18 +123,18 @@ fn cpu_step(w: &Weights, proj: &[f32], conv: &mut Vec<f32>, s: &mut [f32]) -> Ve
 }
 
 /// Device copy of `data` between `GUARD` sentinel words on each side.
-fn upload_guarded(cx: &cuda::CudaContext, data: &[f32]) -> CudaSlice<f32> {
+pub(crate) fn upload_guarded(cx: &cuda::CudaContext, data: &[f32]) -> CudaSlice<f32> {
     let mut v = vec![f32::from_bits(SENTINEL); data.len() + 2 * GUARD];
     v[GUARD..GUARD + data.len()].copy_from_slice(data);
     cx.upload_f32(&v).expect("upload")
 }
 
-fn f64s(v: &[f32]) -> Vec<f64> {
+pub(crate) fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| f64::from(x)).collect()
 }
 
 /// Keeps the comparison with the largest relative error (failures first).
-fn worst(acc: &mut Option<Cmp>, c: Cmp) {
+pub(crate) fn worst(acc: &mut Option<Cmp>, c: Cmp) {
     let replace = match acc {
         None => true,
         Some(a) => (a.ok && !c.ok) || (a.ok == c.ok && (c.rel > a.rel || c.rel.is_nan())),

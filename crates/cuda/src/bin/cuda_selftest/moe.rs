@@ -44,7 +44,7 @@ struct HostMoe {
 
 /// Random MLX affine weights: uniform codes, scales giving `w = s·q + b` a standard deviation
 /// of about `sigma` (±40% per group, 1 in 20 negative), biases centring the codes (±20%).
-fn rand_qmat(rows: usize, cols: usize, bits: u32, seed: u64, sigma: f32) -> QMat {
+pub(crate) fn rand_qmat(rows: usize, cols: usize, bits: u32, seed: u64, sigma: f32) -> QMat {
     let spec = QuantSpec::new(bits, cuda::QUANT_GROUP).unwrap();
     let packed = rand_u32s(rows * spec.words_per_row(cols), seed);
     let n = rows * spec.groups_per_row(cols);
