@@ -4,7 +4,8 @@
 #   1. the kernel self-test (every kernel against the CPU reference at the real shapes),
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
-#      (also with each other MoE path: `--moe three|fold|cluster|fused`),
+#      (also with each other MoE path: `--moe three|fold|cluster|fused`, and with the measured
+#      variants `--gdn-in-step` and `--gemv-staged`),
 #      and `calla serve --device cuda` over HTTP (scripts/gpu_serve_check.py),
 #   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`, then
 #      the engine on the GPU (`calla generate --device cuda`, `calla serve --device cuda`)
@@ -90,6 +91,13 @@ if [ "$check" = 1 ]; then
     step "cuda-check with PDL, MoE path $path"
     $to $b/calla cuda-check --model "$work/L4-q4" --pdl --moe $path > "$out/cuda-check-moe-$path.txt" 2>&1 || status=1
     tail -3 "$out/cuda-check-moe-$path.txt"
+  done
+  # the measured-slower variants kept for comparison: the GDN input projection + step as one
+  # launch, and the decode GEMVs reading staged copies by bulk copies
+  for v in gdn-in-step gemv-staged; do
+    step "cuda-check with PDL, --$v"
+    $to $b/calla cuda-check --model "$work/L4-q4" --pdl --$v > "$out/cuda-check-$v.txt" 2>&1 || status=1
+    tail -3 "$out/cuda-check-$v.txt"
   done
   step "calla serve --device cuda over HTTP (scripts/gpu_serve_check.py)"
   $to python3 -u scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1

@@ -94,6 +94,11 @@ pub struct CudaBenchArgs {
     /// fused-norm GEMV and the step (measured faster).
     #[arg(long)]
     gdn_in_step: bool,
+    /// Give the 4-bit input and output projections a staged copy (`CudaModel::stage_gemvs`, ~720 MB
+    /// at full size) that their decode GEMVs read by bulk copies (TMA) instead of per-thread
+    /// copies of the MLX layout (the same bits; measured slower).
+    #[arg(long)]
+    gemv_staged: bool,
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
     /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
     #[arg(long)]
@@ -165,6 +170,11 @@ pub struct CudaCheckArgs {
     /// fused-norm GEMV and the step (measured faster).
     #[arg(long)]
     gdn_in_step: bool,
+    /// Give the 4-bit input and output projections a staged copy (`CudaModel::stage_gemvs`, ~720 MB
+    /// at full size) that their decode GEMVs read by bulk copies (TMA) instead of per-thread
+    /// copies of the MLX layout (the same bits; measured slower).
+    #[arg(long)]
+    gemv_staged: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -360,6 +370,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let n = gm.upload_gdn_in_step(&cx, &m.weights)?;
         eprintln!("GDN input projection + step as one launch in {n} layers");
     }
+    if a.gemv_staged {
+        let n = gm.stage_gemvs(&cx, &m.weights)?;
+        eprintln!("staged copies (bulk-copy GEMVs) of {n} projections");
+    }
     if a.carveout_before_gemv {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
@@ -498,6 +512,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let gdn0 = sess.gdn_in_step();
         // the one row that flips the GDN input projection + step (one launch or two)
         const GDN_TWO: &str = "GDN in_proj + step flipped";
+        // the decode GEMVs on the MLX layout with per-thread copies instead of the staged copy
+        const GEMV_MLX: &str = "GEMV staged copies unused";
+        const GEMV_ALL_EARLY: &str = "GEMV staged, every stage before the wait";
         const GDN_EARLY: &str = "GDN in_proj + step, early trigger";
         const GDN_L2: &str = "GDN in_proj + step, L2 first";
         const GDN_L2_EARLY: &str = "GDN in_proj + step, L2 first, early trigger";
@@ -525,6 +542,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0, false),
             ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0, false),
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, fold0),
+            (GEMV_MLX, fuse0, pf0, d, carve0, true, early0, fold0),
+            (GEMV_ALL_EARLY, fuse0, pf0, d, carve0, true, early0, fold0),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, fold0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fold0),
             ("MoE router kernel, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, false),
@@ -539,11 +558,16 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             if name.starts_with("GDN") && !a.gdn_in_step {
                 continue; // the fused GDN kernel's rows: only with its weights (--gdn-in-step)
             }
+            if (name == GEMV_MLX || name == GEMV_ALL_EARLY) && !a.gemv_staged {
+                continue; // the staged GEMVs' rows: only with the staged copies (--gemv-staged)
+            }
             apply(&mut sess, fuse, pf, flags, carve, cap, early, fold)?;
             // every row but one runs the GDN input projection as configured
             sess.set_gdn_in_step(if name == GDN_TWO { !gdn0 } else { gdn0 });
             sess.set_gdn_in_early_trigger(name == GDN_EARLY || name == GDN_L2_EARLY);
             sess.set_gdn_in_l2_first(name == GDN_L2 || name == GDN_L2_EARLY);
+            cx.set_gemv_staged(name != GEMV_MLX);
+            cx.set_gemv_staged_all_early(name == GEMV_ALL_EARLY);
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
             variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "moe_cluster": flags.cluster, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gdn_in_step": sess.gdn_in_step(), "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
@@ -552,6 +576,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // stays in afterwards: the sampling cases change nothing else)
         apply(&mut sess, fuse0, pf0, d, carve0, true, early0, fold0)?;
         sess.set_gdn_in_step(gdn0);
+        cx.set_gemv_staged(true);
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -764,6 +789,10 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     if a.gdn_in_step {
         let n = gm.upload_gdn_in_step(&cx, &m.weights)?;
         eprintln!("GDN input projection + step as one launch in {n} layers");
+    }
+    if a.gemv_staged {
+        let n = gm.stage_gemvs(&cx, &m.weights)?;
+        eprintln!("staged copies (bulk-copy GEMVs) of {n} projections");
     }
     eprintln!("uploaded in {upload_s:.1} s; {} layers", m.cfg.num_hidden_layers);
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);

@@ -51,6 +51,10 @@ constexpr int GEMV_EARLY_TRIGGER = 1;
 // The chain kernel (gemv_chain_*) only: request a GEMV's weights after its flag barrier instead
 // of before, to measure what requesting them early buys.
 constexpr int GEMV_CHAIN_LATE_WEIGHTS = 2;
+// Staged (TMA) GEMVs: stages requested before the PDL wait (the others right after x's loads),
+// unless GEMV_STAGED_ALL_EARLY (flags) asks for all of them before it, as the per-thread copies do.
+constexpr int STAGED_PRE = 2;
+constexpr int GEMV_STAGED_ALL_EARLY = 4;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
 template <int BITS, int K>
@@ -115,8 +119,20 @@ __device__ __forceinline__ int sb_cell(int c) { return c ^ (((c >> 4) & 1) << 1)
 // GEMV bit for bit): x <- x / sqrt(mean(x^2) + eps) * (1 + nw), nw = this thread's 8 norm
 // weights. Must then be called by every thread of the block (one barrier); `ss_red` holds NW
 // floats.
+// This thread's 8 values of x (columns 8t .. 8t+7; zero past K), as build_x_table takes them.
+template <int K>
+__device__ __forceinline__ void load_x(const float* __restrict__ x, float4& xa, float4& xb) {
+    const int c0 = threadIdx.x * 8;
+    xa = make_float4(0.f, 0.f, 0.f, 0.f);
+    xb = xa;
+    if (c0 < K) {
+        xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
+        xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
+    }
+}
+
 template <int BITS, int K, bool NORM>
-__device__ __forceinline__ void build_x_table(unsigned char* smem, const float* __restrict__ x, const float4 (&nw)[2],
+__device__ __forceinline__ void build_x_table(unsigned char* smem, float4 xa, float4 xb, const float4 (&nw)[2],
                                               float eps, float* ss_red) {
     using C = Cfg<BITS, K>;
     unsigned* btab = reinterpret_cast<unsigned*>(smem);
@@ -125,11 +141,6 @@ __device__ __forceinline__ void build_x_table(unsigned char* smem, const float* 
     const int c0 = threadIdx.x * 8;
     const bool live = c0 < K; // warp-uniform (K / 8 is a multiple of 32)
     if (!NORM && !live) return;
-    float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), xb = xa;
-    if (live) {
-        xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
-        xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
-    }
     if (NORM) {
         static_assert(!NORM || K / 8 <= THREADS, "one thread per 8 columns");
         float ss = xa.x * xa.x + xa.y * xa.y + xa.z * xa.z + xa.w * xa.w + xb.x * xb.x + xb.y * xb.y + xb.z * xb.z + xb.w * xb.w;
@@ -297,7 +308,7 @@ __device__ __forceinline__ float rf_part(uint4 w, unsigned sbw, const float* h, 
 // previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
 // barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
 // are issued before, as before a PDL wait.
-template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0>
+template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0, bool STAGED = false>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
@@ -316,6 +327,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     static_assert(!RF || (CALLA_N_EXPERTS + 2 <= THREADS && RF_CAP * 16 <= THREADS), "a thread per router row, Σ h² and stashed row");
     __shared__ float s_h[RF ? RF_CAP * 16 : 1];    // RF: this block's rows of out, by tile slot
     __shared__ float s_nw1[RF ? RF_CAP * 16 : 1];  // RF: 1 + norm weight of those rows
+    // STAGED: one mbarrier per ring stage of each warp (a stage is one bulk copy)
+    __shared__ __align__(8) unsigned long long s_mbar[STAGED ? NW * STAGES : 1];
+    static_assert(!STAGED || !CHAIN, "the chain kernel reads the MLX layout");
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -337,37 +351,61 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     const unsigned short* sb_src = (t & 2) ? biases : scales;
 
     // Producer state: the next step to copy (p_n-th of this warp), its stage, unit and pointers.
+    // STAGED: `packed` is the staged layout (lib.rs stage_qmat): per (tile, step) one stage
+    // image of STAGE_BYTES, steps of a tile consecutive; lane 0 copies it with one bulk copy.
     int p_n = 0, p_stage = 0, p_ss = 0, p_it = 0;
     bool p_live = false;
     const unsigned char* p_row0 = packed;
     const unsigned char* p_row1 = packed;
     const unsigned short* p_sb = scales;
+    unsigned long long* mb = s_mbar + (STAGED ? warp * STAGES : 0);
+    if (STAGED) {
+        if (lane == 0) {
+            for (int i = 0; i < STAGES; ++i) calla_mbar_init(mb + i, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncwarp();
+    }
 #define CALLA_GEMV_UNIT()                                                                          \
     {                                                                                              \
         const int tile = (p_it * G + B) * tpb + tile_local;                                        \
         p_live = tile < m_tiles;                                                                   \
-        const int r0 = min(tile * 16 + g, rows - 1), r1 = min(tile * 16 + g + 8, rows - 1);        \
-        p_row0 = packed + (size_t)r0 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;          \
-        p_row1 = packed + (size_t)r1 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;          \
-        p_sb = sb_src + (size_t)((t & 1) ? r1 : r0) * C::GPR + 4 * step0;                          \
+        if (STAGED) {                                                                              \
+            p_row0 = packed + ((size_t)tile * C::NSTEP + step0) * C::STAGE_BYTES;                  \
+        } else {                                                                                   \
+            const int r0 = min(tile * 16 + g, rows - 1), r1 = min(tile * 16 + g + 8, rows - 1);    \
+            p_row0 = packed + (size_t)r0 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;      \
+            p_row1 = packed + (size_t)r1 * C::ROW_BYTES + step0 * C::STEP_ROW_BYTES + t * 16;      \
+            p_sb = sb_src + (size_t)((t & 1) ? r1 : r0) * C::GPR + 4 * step0;                      \
+        }                                                                                          \
     }
 #define CALLA_GEMV_ISSUE()                                                                         \
     {                                                                                              \
-        if (p_n < total && p_live) {                                                               \
-            const unsigned st = p_stage * C::STAGE_BYTES;                                          \
-            _Pragma("unroll") for (int j = 0; j < CPT; ++j) {                                      \
-                cp_async16(cp_dst + st + j * 512, p_row0 + j * 64);                                \
-                cp_async16(cp_dst + st + (CPT + j) * 512, p_row1 + j * 64);                        \
+        if (STAGED) {                                                                              \
+            if (p_n < total && p_live && lane == 0) {                                              \
+                calla_fence_proxy_async(); /* the warp's reads of this stage come first */         \
+                calla_mbar_arrive_expect_tx(mb + p_stage, C::STAGE_BYTES);                         \
+                calla_bulk_copy(ring + p_stage * C::STAGE_BYTES, p_row0, C::STAGE_BYTES, mb + p_stage); \
             }                                                                                      \
-            cp_async8(sb_dst + st, p_sb);                                                          \
+        } else {                                                                                   \
+            if (p_n < total && p_live) {                                                           \
+                const unsigned st = p_stage * C::STAGE_BYTES;                                      \
+                _Pragma("unroll") for (int j = 0; j < CPT; ++j) {                                  \
+                    cp_async16(cp_dst + st + j * 512, p_row0 + j * 64);                            \
+                    cp_async16(cp_dst + st + (CPT + j) * 512, p_row1 + j * 64);                    \
+                }                                                                                  \
+                cp_async8(sb_dst + st, p_sb);                                                      \
+            }                                                                                      \
+            cp_async_commit(); /* empty groups keep the count uniform */                           \
         }                                                                                          \
-        cp_async_commit(); /* empty groups keep the count uniform */                               \
         ++p_n;                                                                                     \
         if (++p_stage == STAGES) p_stage = 0;                                                      \
         if (++p_ss == spu) {                                                                       \
             p_ss = 0;                                                                              \
             ++p_it;                                                                                \
             CALLA_GEMV_UNIT();                                                                     \
+        } else if (STAGED) {                                                                       \
+            p_row0 += C::STAGE_BYTES;                                                              \
         } else {                                                                                   \
             p_row0 += C::STEP_ROW_BYTES;                                                           \
             p_row1 += C::STEP_ROW_BYTES;                                                           \
@@ -404,15 +442,22 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     // (a null chain_flags: the chain's first GEMV, whose input predates the launch)
     const bool late = CHAIN && (flags & GEMV_CHAIN_LATE_WEIGHTS);
     if (late && chain_flags != nullptr) calla_flag_wait(chain_flags, chain_epoch);
+    // Weights only before the PDL wait. STAGED: STAGED_PRE stages; the rest right after x's loads
+    // are issued (a load issued after a block's bulk copies waits behind their data).
+    const int PRE = STAGED && !(flags & GEMV_STAGED_ALL_EARLY) ? (STAGED_PRE < STAGES - 1 ? STAGED_PRE : STAGES - 1) : STAGES - 1;
 #pragma unroll 1
-    for (int s = 0; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE(); // weights only: before the PDL wait
+    for (int s = 0; s < PRE; ++s) CALLA_GEMV_ISSUE();
     if (!CHAIN)
         calla_pdl_wait();
     else if (!late && chain_flags != nullptr)
         calla_flag_wait(chain_flags, chain_epoch);
     const bool early = flags & GEMV_EARLY_TRIGGER;
     if (early) calla_pdl_launch_dependents();
-    build_x_table<BITS, K, NORM>(smem, x, nw, eps, ss_red);
+    float4 xa, xb;
+    load_x<K>(x, xa, xb);
+#pragma unroll 1
+    for (int s = PRE; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE();
+    build_x_table<BITS, K, NORM>(smem, xa, xb, nw, eps, ss_red);
     __syncthreads();
 
     const uint4* btab = reinterpret_cast<const uint4*>(smem) + lane;
@@ -431,7 +476,13 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         __syncwarp();
         CALLA_GEMV_ISSUE();
         if (j == last_issue && !early) calla_pdl_launch_dependents(); // every weight copy is queued
-        cp_async_wait<STAGES - 1>();
+        if (STAGED) {
+            // this step's stage, unless its tile is past the end (never copied; tiles only run
+            // out at the end of a warp's walk, so the phases of the stages stay in step)
+            if ((c_it * G + B) * tpb + tile_local < m_tiles) calla_mbar_wait_parity(mb + c_stage, (unsigned)(j / STAGES) & 1u);
+        } else {
+            cp_async_wait<STAGES - 1>();
+        }
         __syncwarp();
         const unsigned char* st = ring + c_stage * C::STAGE_BYTES;
         const int ks = 2 * (step0 + c_ss); // super-step A; B is ks + 1
@@ -577,20 +628,24 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 //     fe51d13, docs/CUDA.md) and was removed.
 #define CALLA_GEMV_ONE_PER_SM __launch_bounds__(calla_gemv::THREADS, 1)
 #define CALLA_GEMV_56_REGS __maxnreg__(56)
-#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS)                                                         \
+// STAGED: `packed` is the staged layout (crates/cuda/src/lib.rs `stage_qmat`; scales and biases
+// unused), each warp's steps arrive by bulk copies (TMA) on per-stage mbarriers.
+#define CALLA_GEMV_NORM_ENTRY_S(NAME, BITS, K, QUALS, STAGED)                                               \
     extern "C" __global__ void QUALS                                                                       \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
              int ks_log2, int flags) {                                                                     \
-        calla_gemv::gemv_body<BITS, K, false, true>(out, packed, scales, biases, x, nullptr, norm_w, eps,  \
-                                                    rows, ks_log2, flags);                                 \
+        calla_gemv::gemv_body<BITS, K, false, true, false, 0, 0, STAGED>(out, packed, scales, biases, x,   \
+                                                                         nullptr, norm_w, eps, rows,       \
+                                                                         ks_log2, flags);                  \
     }
+#define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS) CALLA_GEMV_NORM_ENTRY_S(NAME, BITS, K, QUALS, false)
 
 // The output projection + residual with the MoE router folded in (see RouterFold): out [D_MODEL]
 // as gemv_resid_*, and every router row's share added into racc. rows = D_MODEL (= the router's
 // K); the grid may give a block at most RF_CAP tiles (the host checks).
-#define CALLA_GEMV_RF_ENTRY(NAME, BITS, K, RB, GB)                                                          \
+#define CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, STAGED)                                                \
     extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
@@ -598,10 +653,16 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
              int flags, const unsigned char* __restrict__ r_packed, const unsigned* __restrict__ r_sb,     \
              const unsigned char* __restrict__ g_packed, const unsigned* __restrict__ g_sb,                \
              const float* __restrict__ norm_w, double* racc) {                                             \
-        calla_gemv::gemv_body<BITS, K, true, false, false, RB, GB>(                                         \
+        calla_gemv::gemv_body<BITS, K, true, false, false, RB, GB, STAGED>(                                 \
             out, packed, scales, biases, x, resid, nullptr, 0.f, rows, ks_log2, flags, nullptr, 0,          \
             calla_gemv::RouterFold{r_packed, r_sb, g_packed, g_sb, norm_w, racc});                          \
     }
+#define CALLA_GEMV_RF_ENTRY(NAME, BITS, K, RB, GB) CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, false)
+// the same with 4-bit weights in the staged layout (TMA)
+CALLA_GEMV_RF_ENTRY_S(gemv_resid_rf_r4_g4_s4_k4096, 4, CALLA_ATTN_OUT, 4, 4, true)
+CALLA_GEMV_RF_ENTRY_S(gemv_resid_rf_r4_g8_s4_k4096, 4, CALLA_ATTN_OUT, 4, 8, true)
+CALLA_GEMV_RF_ENTRY_S(gemv_resid_rf_r8_g4_s4_k4096, 4, CALLA_ATTN_OUT, 8, 4, true)
+CALLA_GEMV_RF_ENTRY_S(gemv_resid_rf_r8_g8_s4_k4096, 4, CALLA_ATTN_OUT, 8, 8, true)
 CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r4_g4_q4_k4096, 4, CALLA_ATTN_OUT, 4, 4)
 CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r4_g8_q4_k4096, 4, CALLA_ATTN_OUT, 4, 8)
 CALLA_GEMV_RF_ENTRY(gemv_resid_rf_r8_g4_q4_k4096, 4, CALLA_ATTN_OUT, 8, 4)
@@ -621,6 +682,7 @@ CALLA_GEMV_NORM_ENTRY(gemv_norm_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_S
 CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
+CALLA_GEMV_NORM_ENTRY_S(gemv_norm_r56_s4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS, true)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

@@ -338,6 +338,39 @@ __device__ __forceinline__ void calla_mbar_wait_phase0(unsigned long long* m) {
                      : "memory");
     }
 }
+// mbarrier of this block with `count` arrivals per phase (no transaction bytes yet); the
+// caller makes it visible (fence + barrier) before anyone waits on it.
+__device__ __forceinline__ void calla_mbar_init(unsigned long long* m, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(calla_smem_u32(m)), "r"(count) : "memory");
+}
+// One arrival on m that also expects `tx_bytes` of asynchronous copies in the current phase.
+__device__ __forceinline__ void calla_mbar_arrive_expect_tx(unsigned long long* m, unsigned tx_bytes) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(calla_smem_u32(m)), "r"(tx_bytes)
+                 : "memory");
+}
+// Waits until the phase with parity `parity` of m has completed (CTA scope).
+__device__ __forceinline__ void calla_mbar_wait_parity(unsigned long long* m, unsigned parity) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(calla_smem_u32(m)), "r"(parity)
+                     : "memory");
+    }
+}
+// Orders this thread's earlier generic-proxy accesses of shared memory before its later
+// asynchronous-proxy ones (a bulk copy into a buffer the block just read).
+__device__ __forceinline__ void calla_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// One bulk copy (TMA) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
+// `src` into this block's shared memory at `dst`, completing `bytes` on mbarrier m.
+__device__ __forceinline__ void calla_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* m) {
+    unsigned long long g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(calla_smem_u32(dst)),
+                 "l"(g), "r"(bytes), "r"(calla_smem_u32(m))
+                 : "memory");
+}
+
 // Stores v at `dst` (a __shared__ address of this block) in block `rank` of the cluster and
 // counts 4 bytes on that block's mbarrier `m` (the complete-tx has release semantics at
 // cluster scope).

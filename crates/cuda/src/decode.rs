@@ -24,7 +24,7 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 use model::linear::Linear;
 use model::load::{Mixer, Weights};
-use quant::QMatRef;
+use quant::{Bits, QMatRef};
 use spec::production as p;
 use spec::{LayerKind, TextConfig};
 
@@ -58,19 +58,33 @@ impl StackedQMat {
         }
         let mut runs = Vec::new();
         let mut row = 0;
-        let mut i = 0;
-        while i < refs.len() {
-            let mut j = i + 1;
-            while j < refs.len() && refs[j].spec == refs[i].spec && refs[j].cols == refs[i].cols {
-                j += 1;
-            }
-            let m = cx.upload_qmat_rows(&refs[i..j])?;
+        for r in run_ranges(&refs) {
+            let m = cx.upload_qmat_rows(&refs[r])?;
             let rows = m.rows;
             runs.push((m, row));
             row += rows;
-            i = j;
         }
         Ok(StackedQMat { runs, rows: row })
+    }
+
+    /// Adds the staged copy ([`CudaContext::stage_qmat`]) to every 4-bit run; `parts` as given
+    /// to [`Self::upload`]. Returns the runs staged.
+    ///
+    /// # Errors
+    /// As [`Self::upload`] and [`CudaContext::stage_qmat`].
+    pub fn stage(&mut self, cx: &CudaContext, parts: &[(&str, &Linear)]) -> Result<usize, CudaError> {
+        let mut refs: Vec<QMatRef<'_>> = Vec::with_capacity(parts.len());
+        for (name, l) in parts {
+            refs.push(quantized(name, l)?);
+        }
+        let mut n = 0;
+        for ((m, _), r) in self.runs.iter_mut().zip(run_ranges(&refs)) {
+            if m.bits == Bits::B4 {
+                cx.stage_qmat(m, &refs[r])?;
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// `out[0..rows] = W·x` with one GEMV per run.
@@ -109,6 +123,22 @@ impl StackedQMat {
     pub fn stored_bytes(&self) -> usize {
         self.runs.iter().map(|(m, _)| m.stored_bytes()).sum()
     }
+}
+
+/// The runs of consecutive parts with one format (spec and columns) that
+/// [`StackedQMat::upload`] stacks into one device matrix each.
+fn run_ranges(refs: &[QMatRef<'_>]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < refs.len() {
+        let mut j = i + 1;
+        while j < refs.len() && refs[j].spec == refs[i].spec && refs[j].cols == refs[i].cols {
+            j += 1;
+        }
+        out.push(i..j);
+        i = j;
+    }
+    out
 }
 
 /// The quantized view of a weight, or an error naming it.
@@ -225,6 +255,47 @@ pub fn check_config(cfg: &TextConfig) -> Result<(), CudaError> {
 }
 
 impl CudaModel {
+    /// Adds the staged copy ([`CudaContext::stage_qmat`]) of every 4-bit input and output
+    /// projection, so that their decode GEMVs read it by bulk copies (TMA) while
+    /// [`CudaContext::set_gemv_staged`] is on (the default): about 720 MB more at 4 bits for the
+    /// full model. The same bits as the MLX layout; measured slower in the decode step on the
+    /// H200 (docs/CUDA.md), hence not done by [`Self::upload`]. Returns the matrices staged.
+    ///
+    /// # Errors
+    /// As [`CudaContext::stage_qmat`]; [`CudaError::Unsupported`] when `w` does not match this
+    /// model's layers.
+    pub fn stage_gemvs(&mut self, cx: &CudaContext, w: &Weights) -> Result<usize, CudaError> {
+        if w.layers.len() != self.layers.len() {
+            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
+        }
+        let mut n = 0;
+        for (l, (dl, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
+            let name = |s: &str| format!("layers.{l}.{s}");
+            match (&mut dl.mixer, &lw.mixer) {
+                (DeviceMixer::Gdn { in_proj, out_proj, .. }, Mixer::Gdn(g)) => {
+                    let (qkv, z, b, a) = (name("linear_attn.in_proj_qkv"), name("linear_attn.in_proj_z"), name("linear_attn.in_proj_b"), name("linear_attn.in_proj_a"));
+                    n += in_proj.stage(cx, &[(&qkv, &g.in_proj_qkv), (&z, &g.in_proj_z), (&b, &g.in_proj_b), (&a, &g.in_proj_a)])?;
+                    if out_proj.bits == Bits::B4 {
+                        cx.stage_qmat(out_proj, &[quantized(&name("linear_attn.out_proj"), &g.out_proj)?])?;
+                        n += 1;
+                    }
+                }
+                (DeviceMixer::Attn { qkv, o_proj, .. }, Mixer::Attn(a)) => {
+                    let (q, k, v) = (name("self_attn.q_proj"), name("self_attn.k_proj"), name("self_attn.v_proj"));
+                    n += qkv.stage(cx, &[(&q, &a.q_proj), (&k, &a.k_proj), (&v, &a.v_proj)])?;
+                    if o_proj.bits == Bits::B4 {
+                        cx.stage_qmat(o_proj, &[quantized(&name("self_attn.o_proj"), &a.o_proj)?])?;
+                        n += 1;
+                    }
+                }
+                _ => return Err(CudaError::Unsupported(format!("layer {l}: the weights' mixer differs from the model's"))),
+            }
+        }
+        // sessions' captured graphs hold the old launches
+        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(n)
+    }
+
     /// Restacks every GDN layer's input projection for [`CudaContext::gdn_in_step`] (the input
     /// projection and the step as one launch; [`CudaSession::set_gdn_in_step`]) and copies it to
     /// the device: 13.5 MB per layer at 4 bits, beside the stacked matrix. A layer whose

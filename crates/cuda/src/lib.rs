@@ -83,6 +83,7 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_q8_k2048",
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
+            "gemv_norm_r56_s4_k2048",
             "gemv_resid_rf_r4_g4_q4_k4096",
             "gemv_resid_rf_r4_g8_q4_k4096",
             "gemv_resid_rf_r8_g4_q4_k4096",
@@ -91,6 +92,10 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_resid_rf_r4_g8_q8_k4096",
             "gemv_resid_rf_r8_g4_q8_k4096",
             "gemv_resid_rf_r8_g8_q8_k4096",
+            "gemv_resid_rf_r4_g4_s4_k4096",
+            "gemv_resid_rf_r4_g8_s4_k4096",
+            "gemv_resid_rf_r8_g4_s4_k4096",
+            "gemv_resid_rf_r8_g8_s4_k4096",
             "gemv_chain_q4",
         ],
     },
@@ -308,6 +313,9 @@ pub struct DeviceQMat {
     pub scales: CudaSlice<u16>,
     /// bf16 bits, `rows * cols / 64`.
     pub biases: CudaSlice<u16>,
+    /// The same weights in the staged layout of the decode GEMVs' bulk copies
+    /// ([`CudaContext::stage_qmat`]), or `None`.
+    pub staged: Option<CudaSlice<u32>>,
 }
 
 impl DeviceQMat {
@@ -385,6 +393,11 @@ pub struct CudaContext {
     gemv_reg_cap: std::sync::atomic::AtomicBool,
     /// Every GEMV triggers its dependents right after its PDL wait (`GEMV_EARLY_TRIGGER` in
     /// `kernels/gemv.cu`); set by [`Self::set_gemv_early_trigger`].
+    /// Decode GEMVs read a matrix's staged copy by bulk copies when it has one
+    /// ([`CudaContext::set_gemv_staged`]).
+    gemv_staged: std::sync::atomic::AtomicBool,
+    /// Staged GEMVs request every stage before the PDL wait ([`CudaContext::set_gemv_staged_all_early`]).
+    gemv_staged_all_early: std::sync::atomic::AtomicBool,
     gemv_early_trigger: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
@@ -473,6 +486,21 @@ impl CudaContext {
                 }
             }
         }
+        // the staged (bulk-copy) 4-bit entry points: the same shared memory as their twins
+        {
+            use cudarc::driver::sys::CUfunction_attribute_enum as A;
+            let mut staged = vec![("gemv_norm_r56_s4_k2048".to_string(), p::D_MODEL)];
+            for rb in [4, 8] {
+                for gb in [4, 8] {
+                    staged.push((format!("gemv_resid_rf_r{rb}_g{gb}_s4_k4096"), p::N_V_HEADS * p::D_V));
+                }
+            }
+            for (name, cols) in staged {
+                let func = f("gemv", &name)?;
+                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(4, cols) as i32)?;
+                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            }
+        }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         let timeline = if timeline::enabled() { Some(std::sync::Mutex::new(timeline::DeviceLog::new(&stream, &modules)?)) } else { None };
         let cx = CudaContext {
@@ -484,6 +512,8 @@ impl CudaContext {
             gemv_norm_r56,
             gemv_reg_cap: std::sync::atomic::AtomicBool::new(true),
             gemv_early_trigger: std::sync::atomic::AtomicBool::new(false),
+            gemv_staged: std::sync::atomic::AtomicBool::new(true),
+            gemv_staged_all_early: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -571,6 +601,7 @@ impl CudaContext {
             packed: self.stream.clone_htod(m.packed)?,
             scales: self.stream.clone_htod(scales)?,
             biases: self.stream.clone_htod(biases)?,
+            staged: None,
         })
     }
 
@@ -694,22 +725,27 @@ impl CudaContext {
         if wp % 16 != 0 {
             return Err(CudaError::Unsupported(format!("gemv_norm: norm_w must be 16-byte aligned (device address {wp:#x})")));
         }
-        let table = if self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed) {
-            &self.gemv_norm_r56
-        } else {
-            &self.gemv_norm
+        let cap = self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed);
+        let table = if cap { &self.gemv_norm_r56 } else { &self.gemv_norm };
+        // the staged twin (bulk copies) when the matrix has a staged copy (56 registers only)
+        let staged = if cap { self.staged_of(mat) } else { None };
+        let f = match staged {
+            Some(_) => self.func("gemv_norm_r56_s4_k2048")?,
+            None => table[match mat.bits {
+                Bits::B4 => 0,
+                Bits::B8 => 1,
+            }]
+            .as_ref()
+            .expect("loaded"),
         };
-        let f = table[match mat.bits {
-            Bits::B4 => 0,
-            Bits::B8 => 1,
-        }]
-        .as_ref()
-        .expect("loaded");
         let eps = p::RMS_EPS;
         let flags = self.gemv_flags();
         let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(&mat.packed)
+        match staged {
+            Some(st) => b.arg(out).arg(st),
+            None => b.arg(out).arg(&mat.packed),
+        };
+        b
             .arg(&mat.scales)
             .arg(&mat.biases)
             .arg(x)
@@ -719,7 +755,8 @@ impl CudaContext {
             .arg(&ks_log2)
             .arg(&flags);
         // SAFETY: argument types and lengths match `gemv_norm_*` (checked above and in
-        // gemv_prepare); the grid never exceeds the blocks with work.
+        // gemv_prepare); the grid never exceeds the blocks with work. A staged copy holds every
+        // tile of the matrix (stage_qmat checked its rows, columns and bits).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -948,11 +985,68 @@ impl CudaContext {
         }
     }
 
-    fn gemv_flags(&self) -> i32 {
-        if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) {
-            GEMV_EARLY_TRIGGER
+    /// Lets the decode GEMVs that have a staged copy of their weights ([`Self::stage_qmat`])
+    /// read it by bulk copies (`true`, the default) or read the MLX layout with per-thread
+    /// copies (`false`); the same bits either way. Graphs captured earlier are captured again
+    /// ([`Self::launch_generation`]).
+    pub fn set_gemv_staged(&self, on: bool) {
+        if self.gemv_staged.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The staged copy of `mat` when the staged GEMVs are on and `mat` has one.
+    pub(crate) fn staged_of<'a>(&self, mat: &'a DeviceQMat) -> Option<&'a CudaSlice<u32>> {
+        if self.gemv_staged.load(std::sync::atomic::Ordering::Relaxed) {
+            mat.staged.as_ref()
         } else {
-            0
+            None
+        }
+    }
+
+    /// Adds the staged copy of a 4-bit matrix (`parts`: its host rows, stacked in order, as
+    /// uploaded into `mat`) for the decode GEMVs' bulk copies: per 16-row tile and 256-column
+    /// step one image of what a warp's ring stage holds (`kernels/gemv.cu`): the codes of rows
+    /// `g` and `g + 8` in the lanes' order, then each lane's 4 scales or biases in its swizzled
+    /// cell. Steps of a tile are consecutive, so a warp's steps are consecutive images. Rows past
+    /// the end repeat the last row (as the kernel clamps them). The same bytes as the MLX layout
+    /// (rounded up to whole tiles).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] unless `mat` is 4-bit with 2048 or 4096 columns and the parts
+    /// add up to it; [`CudaError::Driver`] on allocation.
+    pub fn stage_qmat(&self, mat: &mut DeviceQMat, parts: &[QMatRef<'_>]) -> Result<(), CudaError> {
+        let rows: usize = parts.iter().map(|m| m.rows).sum();
+        if mat.bits != Bits::B4
+            || !(mat.cols == p::D_MODEL || mat.cols == p::N_Q_HEADS * p::HEAD_DIM)
+            || rows != mat.rows
+            || parts.iter().any(|m| m.cols != mat.cols || m.spec != parts[0].spec || m.spec.bits != Bits::B4)
+        {
+            return Err(CudaError::Unsupported(format!(
+                "stage_qmat: a [{}, {}] {}-bit matrix from parts of {rows} rows (staged: 4-bit, 2048 or 4096 columns)",
+                mat.rows,
+                mat.cols,
+                mat.bits.bits()
+            )));
+        }
+        let host = stage_rows(parts, mat.cols);
+        mat.staged = Some(self.stream.clone_htod(&host)?);
+        Ok(())
+    }
+
+    fn gemv_flags(&self) -> i32 {
+        let early = if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { GEMV_EARLY_TRIGGER } else { 0 };
+        let all = if self.gemv_staged_all_early.load(std::sync::atomic::Ordering::Relaxed) { GEMV_STAGED_ALL_EARLY } else { 0 };
+        early | all
+    }
+
+    /// Lets the staged GEMVs request every ring stage before their PDL wait (`true`, as the
+    /// per-thread copies do) instead of two, the rest after `x`'s loads (`false`, the default).
+    /// For measurement; graphs captured earlier are captured again.
+    #[doc(hidden)]
+    pub fn set_gemv_staged_all_early(&self, on: bool) {
+        if self.gemv_staged_all_early.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -1070,6 +1164,64 @@ const GEMV_EARLY_TRIGGER: i32 = 1;
 /// `flags` bit of the chain kernel's GEMVs: weights requested after the barrier
 /// (`calla_gemv::GEMV_CHAIN_LATE_WEIGHTS`).
 const GEMV_CHAIN_LATE_WEIGHTS: i32 = 2;
+/// `flags` bit of the staged GEMVs: every stage requested before the PDL wait
+/// (`calla_gemv::GEMV_STAGED_ALL_EARLY`).
+const GEMV_STAGED_ALL_EARLY: i32 = 4;
+
+/// Bytes of one ring stage of a 4-bit decode GEMV: codes of 16 rows × 256 columns (2 KB),
+/// then 32 cells of 8 bytes of scales or biases (`Cfg<4, K>::STAGE_BYTES`).
+const STAGE_BYTES_Q4: usize = 2048 + 32 * 8;
+
+/// The staged layout of [`CudaContext::stage_qmat`] from the stacked rows of `parts` (4-bit,
+/// `cols` columns), as u32 words.
+fn stage_rows(parts: &[QMatRef<'_>], cols: usize) -> Vec<u32> {
+    use rayon::prelude::*;
+    let rows: usize = parts.iter().map(|m| m.rows).sum();
+    let tiles = rows.div_ceil(16);
+    let nstep = cols / 256;
+    let wpr = cols / 8; // u32 words per row at 4 bits
+    let gpr = cols / QUANT_GROUP;
+    let sw = STAGE_BYTES_Q4 / 4;
+    // row r of the stack -> (part, row in it)
+    let at = |r: usize| -> (&QMatRef<'_>, usize) {
+        let mut r = r.min(rows - 1);
+        for m in parts {
+            if r < m.rows {
+                return (m, r);
+            }
+            r -= m.rows;
+        }
+        unreachable!("row within the stack")
+    };
+    let mut out = vec![0u32; tiles * nstep * sw];
+    out.par_chunks_mut(nstep * sw).enumerate().for_each(|(tile, img)| {
+        for step in 0..nstep {
+            let st = &mut img[step * sw..(step + 1) * sw];
+            for lane in 0..32 {
+                let (g, t) = (lane / 4, lane % 4);
+                for h in 0..2 {
+                    let (m, r) = at(tile * 16 + g + 8 * h);
+                    for j in 0..2 {
+                        // 16 bytes at byte offset step*128 + j*64 + t*16 of the row
+                        let w0 = r * wpr + (step * 128 + j * 64 + t * 16) / 4;
+                        let dst = ((h * 2 + j) * 512 + lane * 16) / 4;
+                        st[dst..dst + 4].copy_from_slice(&m.packed[w0..w0 + 4]);
+                    }
+                }
+                // this lane's cell: scales (t = 0, 1) or biases (t = 2, 3) of row g (t even) or
+                // g + 8 (t odd), groups 4·step .. 4·step + 3, at the swizzled cell (sb_cell)
+                let (m, r) = at(tile * 16 + g + 8 * (t & 1));
+                let src = if t & 2 != 0 { m.biases } else { m.scales };
+                let v: [u16; 4] = std::array::from_fn(|k| src[r * gpr + 4 * step + k].to_bits());
+                let cell = lane ^ (((lane >> 4) & 1) << 1);
+                let dst = (2048 + cell * 8) / 4;
+                st[dst] = u32::from(v[0]) | (u32::from(v[1]) << 16);
+                st[dst + 1] = u32::from(v[2]) | (u32::from(v[3]) << 16);
+            }
+        }
+    });
+    out
+}
 
 fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     let nss = cols / 128;

@@ -954,19 +954,24 @@ impl CudaContext {
                 iters * tpb
             )));
         }
+        // the staged twin (bulk copies, 4-bit) when the matrix has a staged copy
+        let staged = self.staged_of(mat);
         let name = format!(
-            "gemv_resid_rf_r{}_g{}_q{}_k{}",
+            "gemv_resid_rf_r{}_g{}_{}{}_k{}",
             bits_index(m.router_bits),
             bits_index(m.shared_gate_bits),
+            if staged.is_some() { "s" } else { "q" },
             bits_index(mat.bits),
             mat.cols
         );
         let flags = self.gemv_flags();
         let mut acc = scratch.racc.slice_mut(set * RF_SET..(set + 1) * RF_SET);
         let mut b = self.stream().launch_builder(self.func(&name)?);
-        b.arg(out)
-            .arg(&mat.packed)
-            .arg(&mat.scales)
+        match staged {
+            Some(st) => b.arg(out).arg(st),
+            None => b.arg(out).arg(&mat.packed),
+        };
+        b.arg(&mat.scales)
             .arg(&mat.biases)
             .arg(x)
             .arg(resid)
@@ -982,7 +987,7 @@ impl CudaContext {
         // SAFETY: arguments match `gemv_resid_rf_*` in kernels/gemv.cu (shapes checked above and
         // in gemv_prepare; router [N_EXPERTS, D_MODEL] and shared gate [1, D_MODEL] by
         // upload_moe_refs; one set of racc, RF_SET f64); no block owns more than RF_CAP
-        // tiles.
+        // tiles; a staged copy holds every tile of the matrix (stage_qmat).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -508,13 +508,31 @@ fn fused_norm(s: &mut Suite) -> bool {
                     c.msg.push_str(&format!("the unbounded entry point differs in {differ} words (guards included); "));
                 }
             }
+            // 4 bits: the staged twin (bulk copies of the staged layout) gives the same bits
+            let mut dm = dm;
+            if bits == 4 {
+                cx.stage_qmat(&mut dm, &[m]).expect("stage_qmat");
+                let mut st = guarded(cx, rows);
+                cx.gemv_norm(&mut st.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..))
+                    .unwrap_or_else(|e| panic!("gemv_norm (staged): {e}"));
+                let st_h = cx.download_f32(&st).unwrap();
+                let differ = st_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                if differ > 0 {
+                    c.ok = false;
+                    c.msg.push_str(&format!("the staged (bulk-copy) entry point differs in {differ} words (guards included); "));
+                }
+            }
             let mut extra = String::new();
             if timed {
                 let bytes = m.stored_bytes();
                 let copies = (512usize << 20).div_ceil(bytes).clamp(1, 256);
                 let mut mats = vec![dm];
                 for _ in 1..copies {
-                    mats.push(cx.upload_qmat(m).expect("upload"));
+                    let mut c = cx.upload_qmat(m).expect("upload");
+                    if bits == 4 {
+                        cx.stage_qmat(&mut c, &[m]).expect("stage_qmat");
+                    }
+                    mats.push(c);
                 }
                 let launches = copies.max(if s.quick { 64 } else { 256 }).div_ceil(copies) * copies;
                 let mut time = |fuse: bool| -> f64 {
@@ -534,9 +552,12 @@ fn fused_norm(s: &mut Suite) -> bool {
                     graph.launch().unwrap();
                     s.median_timed(if s.quick { 3 } else { 7 }, launches, || graph.launch().unwrap()) * 1e6
                 };
+                cx.set_gemv_staged(false);
                 let (us_pair, us_fused) = (time(false), time(true));
-                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us (PDL graph, {copies} copies)");
-                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3}");
+                cx.set_gemv_staged(true);
+                let us_staged = time(true);
+                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us, fused staged (bulk copies) {us_staged:.2} us (PDL graph, {copies} copies)");
+                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3},\"us_fused_staged\":{us_staged:.3}");
             }
             ok_all &= c.ok;
             s.record("gemv_norm", &format!("q{bits} [{rows}x{d}] fused = rms_norm + gemv, vs CPU"), &c, &extra);

@@ -626,18 +626,31 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
     let ids3: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
     let w3 = cx.download_f32(&scratch.sel_w).unwrap();
     // accumulator set `set`, zeroing `zero` (as the decode step does for the next layer)
-    let run_fold = |scratch: &mut cuda::moe::MoeScratch, set: usize, zero: usize| {
+    // the 4-bit output projection also as its staged twin (bulk copies): the same bits
+    let staged = (out_bits == 4).then(|| {
+        let mut m = cx.upload_qmat(wo.as_ref()).expect("upload out_proj");
+        cx.stage_qmat(&mut m, &[wo.as_ref()]).expect("stage_qmat");
+        m
+    });
+    let run_fold_with = |wod: &cuda::DeviceQMat, scratch: &mut cuda::moe::MoeScratch, set: usize, zero: usize| {
         let mut hf = cx.upload_f32(&vec![0f32; d]).unwrap();
         let mut of = guarded(cx, d);
-        cx.gemv_residual_router(&mut hf.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
+        cx.gemv_residual_router(&mut hf.slice_mut(..), wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
         cx.moe_fold_gate_up(dm, &hf.slice(..), &wd.slice(..), scratch, set).expect("moe_fold_gate_up");
         cx.moe_fold_down(dm, &hf.slice(..), scratch, &mut of.slice_mut(GUARD..GUARD + d), set, zero).expect("moe_fold_down");
         let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
         let racc: Vec<f64> = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
         (cx.download_f32(&hf).unwrap(), cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc)
     };
+    let run_fold = |scratch: &mut cuda::moe::MoeScratch, set: usize, zero: usize| run_fold_with(&wod, scratch, set, zero);
     // set 0 (zeroing set 1), then set 1 zeroing set 0, which the first run left full
     let (hf, of, idsf, wf, _) = run_fold(scratch, 0, 1);
+    let staged_run = staged.as_ref().map(|m| {
+        cx.moe_fold_reset(scratch).expect("moe_fold_reset"); // set 0 from zero again
+        let r = run_fold_with(m, scratch, 0, 1);
+        cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+        r
+    });
     // the expert-per-cluster kernel on the same sums (set 0 again, refilled by the output
     // projection; zeroing set 1): equal to the gate/up + down pair bit for bit
     let cluster = cx.moe_cluster_ready(dm, scratch).then(|| {
@@ -686,6 +699,13 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     if !(same(&hf, &hf2) && same(&of, &of2) && same(&wf, &wf2) && idsf == idsf2) {
         fail(&mut c, "a second run differs from the first; ".into());
+    }
+    if let Some((hs, os, idss, ws, _)) = &staged_run {
+        if !(same(hs, &hf) && same(os, &of) && same(ws, &wf) && *idss == idsf) {
+            fail(&mut c, "the staged output projection (bulk copies) differs from the MLX-layout one; ".into());
+        } else {
+            c.msg.push_str("staged output projection equal bit for bit; ");
+        }
     }
     if let Some((oc, idsc, wc, raccc)) = cluster {
         let differ = oc.iter().zip(&of).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
