@@ -95,8 +95,9 @@ pub struct CudaBenchArgs {
     #[arg(long)]
     gdn_in_step: bool,
     /// Give the 4-bit input and output projections a staged copy (`CudaModel::stage_gemvs`, ~720 MB
-    /// at full size) that their decode GEMVs read by bulk copies (TMA) instead of per-thread
-    /// copies of the MLX layout (the same bits; measured slower).
+    /// at full size) that the decode step's fused-norm input projections and router-fold output
+    /// projections read by bulk copies (TMA) instead of per-thread copies of the MLX layout (the
+    /// same bits; measured slower).
     #[arg(long)]
     gemv_staged: bool,
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
@@ -171,8 +172,9 @@ pub struct CudaCheckArgs {
     #[arg(long)]
     gdn_in_step: bool,
     /// Give the 4-bit input and output projections a staged copy (`CudaModel::stage_gemvs`, ~720 MB
-    /// at full size) that their decode GEMVs read by bulk copies (TMA) instead of per-thread
-    /// copies of the MLX layout (the same bits; measured slower).
+    /// at full size) that the decode step's fused-norm input projections and router-fold output
+    /// projections read by bulk copies (TMA) instead of per-thread copies of the MLX layout (the
+    /// same bits; measured slower).
     #[arg(long)]
     gemv_staged: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that

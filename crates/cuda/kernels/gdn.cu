@@ -465,13 +465,6 @@ struct InReuse {
 };
 static_assert(sizeof(InReuse) <= InSmem<4>::BYTES, "the reused tiles hold the sums and the step's scratch");
 
-// Hint: bring `bytes` (a multiple of 16) at global `p` (16-byte aligned) into L2.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
-    unsigned long long g;
-    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
-}
-
 // b/a row `row` of the stacked in_proj (MLX layout): this thread's columns IN_CPT·t .. as codes
 // (BITS·IN_CPT bits), and their group's scale and bias.
 template <int BITS>
@@ -560,17 +553,17 @@ __device__ __forceinline__ void in_step(float* __restrict__ out, float* __restri
         if (warp == 0 && lane < 2 * IN_TILES) {
             const int k = lane >> 1;
             if ((lane & 1) == 0)
-                bulk_copy(in_dyn + k * IN_DG * BITS * 128, region + k * IN_DG * BITS * 128, IN_DG * BITS * 128, &mbar_t[k]);
+                calla_bulk_copy(in_dyn + k * IN_DG * BITS * 128, region + k * IN_DG * BITS * 128, IN_DG * BITS * 128, &mbar_t[k]);
             else
-                bulk_copy(in_dyn + S::CODES + k * IN_DG * 64, region + S::CODES + k * IN_DG * 64, IN_DG * 64, &mbar_t[k]);
+                calla_bulk_copy(in_dyn + S::CODES + k * IN_DG * 64, region + S::CODES + k * IN_DG * 64, IN_DG * 64, &mbar_t[k]);
         }
     };
     if (!l2_first) {
         request();
     } else if (warp == 0 && lane < 2 * IN_TILES) {
         const int k = lane >> 1;
-        if ((lane & 1) == 0) prefetch_l2_bulk(region + k * IN_DG * BITS * 128, IN_DG * BITS * 128);
-        else prefetch_l2_bulk(region + S::CODES + k * IN_DG * 64, IN_DG * 64);
+        if ((lane & 1) == 0) calla_prefetch_l2(region + k * IN_DG * BITS * 128, IN_DG * BITS * 128);
+        else calla_prefetch_l2(region + S::CODES + k * IN_DG * 64, IN_DG * 64);
     }
 
     calla_pdl_wait();  // h comes from the previous kernel

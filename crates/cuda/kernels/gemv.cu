@@ -105,6 +105,18 @@ __device__ __forceinline__ unsigned pack_low_bytes(unsigned a, unsigned b, unsig
 // distinct bank pairs.
 __device__ __forceinline__ int sb_cell(int c) { return c ^ (((c >> 4) & 1) << 1); }
 
+// This thread's 8 values of x (columns 8t .. 8t+7; zero past K), as build_x_table takes them.
+template <int K>
+__device__ __forceinline__ void load_x(const float* __restrict__ x, float4& xa, float4& xb) {
+    const int c0 = threadIdx.x * 8;
+    xa = make_float4(0.f, 0.f, 0.f, 0.f);
+    xb = xa;
+    if (c0 < K) {
+        xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
+        xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
+    }
+}
+
 // The per-block table of B fragments (x as digits, in mma order) and the per-(super-step, t)
 // constants. Thread i handles the 8 columns 8i..8i+7, which lie in one group (8 threads per
 // group, reduced with shuffles) and fill two adjacent B words for each of the 8 mma columns n.
@@ -119,18 +131,6 @@ __device__ __forceinline__ int sb_cell(int c) { return c ^ (((c >> 4) & 1) << 1)
 // GEMV bit for bit): x <- x / sqrt(mean(x^2) + eps) * (1 + nw), nw = this thread's 8 norm
 // weights. Must then be called by every thread of the block (one barrier); `ss_red` holds NW
 // floats.
-// This thread's 8 values of x (columns 8t .. 8t+7; zero past K), as build_x_table takes them.
-template <int K>
-__device__ __forceinline__ void load_x(const float* __restrict__ x, float4& xa, float4& xb) {
-    const int c0 = threadIdx.x * 8;
-    xa = make_float4(0.f, 0.f, 0.f, 0.f);
-    xb = xa;
-    if (c0 < K) {
-        xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
-        xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
-    }
-}
-
 template <int BITS, int K, bool NORM>
 __device__ __forceinline__ void build_x_table(unsigned char* smem, float4 xa, float4 xb, const float4 (&nw)[2],
                                               float eps, float* ss_red) {

@@ -104,13 +104,6 @@ __device__ __forceinline__ int warp_max_s32(int v) {
 constexpr int F_TOPK_IN_ROUTER = 1;  // the router's last block does the top-k (else every gate/up block does)
 constexpr int F_PREFETCH_DOWN = 2;   // gate/up blocks prefetch the down kernel's tiles into L2
 
-// Hint: bring `bytes` (multiple of 16) at `p` (16-byte aligned, global) into L2.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-    unsigned long long g;
-    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
-}
-
 // Exactly the CPU's sigmoid / silu (crates/model/src/reference.rs): 1 / (1 + exp(-x)).
 __device__ __forceinline__ float sigmoid_ref(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -371,8 +364,8 @@ struct DownRef {
 // Prefetch the down tiles of output row tiles 2*rt, 2*rt+1 (this block's share: DN_RT = 2*GU_RT).
 __device__ __forceinline__ void prefetch_down(const DownRef& dn, int e, int rt) {
     const size_t t0 = ((size_t)e * DN_RT + 2 * rt) * EG;
-    prefetch_l2(dn.codes + t0 * dn.tile_bytes, 2 * EG * dn.tile_bytes);
-    prefetch_l2(dn.sb + t0 * 64, 2 * EG * 64);
+    calla_prefetch_l2(dn.codes + t0 * dn.tile_bytes, 2 * EG * dn.tile_bytes);
+    calla_prefetch_l2(dn.sb + t0 * 64, 2 * EG * 64);
 }
 
 // One warp's tiles of gate/up row tile rt of expert e over its K range (groups g0 ..
@@ -1079,14 +1072,14 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         // row tile j's codes and scales from lanes 2j, 2j + 1 (in the order they are used)
         if (lane < 2 * CL_GU_RT && (lane & 1) == 0) {
             const int j = lane >> 1;
-            bulk_copy(cl_dyn + j * DG * BITS * 128, gu + (gt + j * DG) * tile_u4<BITS>(), DG * BITS * 128, &mbar_gu[j]);
+            calla_bulk_copy(cl_dyn + j * DG * BITS * 128, gu + (gt + j * DG) * tile_u4<BITS>(), DG * BITS * 128, &mbar_gu[j]);
         } else if (lane < 2 * CL_GU_RT) {
             const int j = lane >> 1;
-            bulk_copy(cl_dyn + S::GU_CODES + j * DG * 64, gsb + (gt + j * DG) * 8, DG * 64, &mbar_gu[j]);
+            calla_bulk_copy(cl_dyn + S::GU_CODES + j * DG * 64, gsb + (gt + j * DG) * 8, DG * 64, &mbar_gu[j]);
         } else if (lane == 2 * CL_GU_RT) {
-            bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB, dn + dt * tile_u4<BITS>(), S::DN_CODES, &mbar_dn);
+            calla_bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB, dn + dt * tile_u4<BITS>(), S::DN_CODES, &mbar_dn);
         } else if (lane == 2 * CL_GU_RT + 1) {
-            bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB + S::DN_CODES, dsb + dt * 8, S::DN_SB, &mbar_dn);
+            calla_bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB + S::DN_CODES, dsb + dt * 8, S::DN_SB, &mbar_dn);
         }
     };
     if (!routed && warp == 0) request(0);  // the shared expert: before the wait

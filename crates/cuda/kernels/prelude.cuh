@@ -371,6 +371,14 @@ __device__ __forceinline__ void calla_bulk_copy(void* dst, const void* src, unsi
                  : "memory");
 }
 
+// Hint: bring `bytes` (a multiple of 16) at global `p` (16-byte aligned) into L2
+// (cp.async.bulk.prefetch.L2; no data comes to the SM).
+__device__ __forceinline__ void calla_prefetch_l2(const void* p, unsigned bytes) {
+    unsigned long long g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
+}
+
 // Stores v at `dst` (a __shared__ address of this block) in block `rank` of the cluster and
 // counts 4 bytes on that block's mbarrier `m` (the complete-tx has release semantics at
 // cluster scope).

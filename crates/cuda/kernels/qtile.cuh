@@ -174,16 +174,6 @@ __device__ __forceinline__ void quantize_group(const float* __restrict__ xg, int
     quantize_group_v(*reinterpret_cast<const float4*>(xg + 32 * h + 16 * r + 4 * t), q, words, meta);
 }
 
-// One bulk copy global -> this block's shared memory, completing `bytes` on mbarrier m.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* m) {
-    unsigned long long g;
-    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     calla_smem_u32(dst)),
-                 "l"(g), "r"(bytes), "r"(calla_smem_u32(m))
-                 : "memory");
-}
-
 // A tile from shared memory: codes (tile_u4 uint4), pairs (8 uint2), as tile_load lays it out.
 template <int BITS>
 __device__ __forceinline__ void tile_from_smem(Tile<BITS>& t, const uint4* codes, const uint2* sb, int lane) {

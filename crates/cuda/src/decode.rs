@@ -67,8 +67,8 @@ impl StackedQMat {
         Ok(StackedQMat { runs, rows: row })
     }
 
-    /// Adds the staged copy ([`CudaContext::stage_qmat`]) to every 4-bit run; `parts` as given
-    /// to [`Self::upload`]. Returns the runs staged.
+    /// Adds the staged copy ([`CudaContext::stage_qmat`]) to every 4-bit run that has none yet;
+    /// `parts` as given to [`Self::upload`]. Returns the runs staged.
     ///
     /// # Errors
     /// As [`Self::upload`] and [`CudaContext::stage_qmat`].
@@ -79,7 +79,7 @@ impl StackedQMat {
         }
         let mut n = 0;
         for ((m, _), r) in self.runs.iter_mut().zip(run_ranges(&refs)) {
-            if m.bits == Bits::B4 {
+            if m.bits == Bits::B4 && m.staged.is_none() {
                 cx.stage_qmat(m, &refs[r])?;
                 n += 1;
             }
@@ -256,10 +256,13 @@ pub fn check_config(cfg: &TextConfig) -> Result<(), CudaError> {
 
 impl CudaModel {
     /// Adds the staged copy ([`CudaContext::stage_qmat`]) of every 4-bit input and output
-    /// projection, so that their decode GEMVs read it by bulk copies (TMA) while
-    /// [`CudaContext::set_gemv_staged`] is on (the default): about 720 MB more at 4 bits for the
-    /// full model. The same bits as the MLX layout; measured slower in the decode step on the
-    /// H200 (docs/CUDA.md), hence not done by [`Self::upload`]. Returns the matrices staged.
+    /// projection that has none yet, so that the decode step's fused-norm input projections and
+    /// router-fold output projections read it by bulk copies (TMA) while
+    /// [`CudaContext::set_gemv_staged`] is on (the default); the other GEMV forms (separate
+    /// norms, the output projection without the fold) keep reading the MLX layout. About 720 MB
+    /// more at 4 bits for the full model. The same bits as the MLX layout; measured slower in
+    /// the decode step on the H200 (docs/CUDA.md), hence not done by [`Self::upload`]. Returns
+    /// the matrices staged by this call.
     ///
     /// # Errors
     /// As [`CudaContext::stage_qmat`]; [`CudaError::Unsupported`] when `w` does not match this
@@ -268,6 +271,9 @@ impl CudaModel {
         if w.layers.len() != self.layers.len() {
             return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
         }
+        // sessions' captured graphs hold the old launches (changed before anything else, so
+        // that an error part of the way through leaves no graph that could replay them)
+        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut n = 0;
         for (l, (dl, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
             let name = |s: &str| format!("layers.{l}.{s}");
@@ -275,7 +281,7 @@ impl CudaModel {
                 (DeviceMixer::Gdn { in_proj, out_proj, .. }, Mixer::Gdn(g)) => {
                     let (qkv, z, b, a) = (name("linear_attn.in_proj_qkv"), name("linear_attn.in_proj_z"), name("linear_attn.in_proj_b"), name("linear_attn.in_proj_a"));
                     n += in_proj.stage(cx, &[(&qkv, &g.in_proj_qkv), (&z, &g.in_proj_z), (&b, &g.in_proj_b), (&a, &g.in_proj_a)])?;
-                    if out_proj.bits == Bits::B4 {
+                    if out_proj.bits == Bits::B4 && out_proj.staged.is_none() {
                         cx.stage_qmat(out_proj, &[quantized(&name("linear_attn.out_proj"), &g.out_proj)?])?;
                         n += 1;
                     }
@@ -283,7 +289,7 @@ impl CudaModel {
                 (DeviceMixer::Attn { qkv, o_proj, .. }, Mixer::Attn(a)) => {
                     let (q, k, v) = (name("self_attn.q_proj"), name("self_attn.k_proj"), name("self_attn.v_proj"));
                     n += qkv.stage(cx, &[(&q, &a.q_proj), (&k, &a.k_proj), (&v, &a.v_proj)])?;
-                    if o_proj.bits == Bits::B4 {
+                    if o_proj.bits == Bits::B4 && o_proj.staged.is_none() {
                         cx.stage_qmat(o_proj, &[quantized(&name("self_attn.o_proj"), &a.o_proj)?])?;
                         n += 1;
                     }
@@ -291,8 +297,6 @@ impl CudaModel {
                 _ => return Err(CudaError::Unsupported(format!("layer {l}: the weights' mixer differs from the model's"))),
             }
         }
-        // sessions' captured graphs hold the old launches
-        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(n)
     }
 
@@ -311,9 +315,15 @@ impl CudaModel {
         if w.layers.len() != self.layers.len() {
             return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
         }
+        // sessions' captured graphs hold the old launches (changed first, see stage_gemvs)
+        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut n = 0;
         for (dl, lw) in self.layers.iter_mut().zip(&w.layers) {
             if let (DeviceMixer::Gdn { in_proj, in_step, .. }, Mixer::Gdn(g)) = (&mut dl.mixer, &lw.mixer) {
+                if in_step.is_some() {
+                    n += 1; // kept: replacing it would free a buffer graphs may still read
+                    continue;
+                }
                 // one run: b and a share the width of qkv and z (the kernel reads them with it)
                 if let (1, Some(mq), Some(mz)) = (in_proj.runs.len(), g.in_proj_qkv.qref(), g.in_proj_z.qref()) {
                     if mq.spec.bits == in_proj.runs[0].0.bits && cx.gdn_in_step_fits(mq.spec.bits)? {
@@ -323,8 +333,6 @@ impl CudaModel {
                 }
             }
         }
-        // sessions' captured graphs hold the old launches
-        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(n)
     }
 
@@ -887,7 +895,8 @@ impl CudaSession {
     /// ([`CudaContext::gdn_in_step`]) or as the fused-norm GEMV and
     /// [`CudaContext::gdn_decode_step`] (`false`, the default: measured faster on the H200,
     /// docs/CUDA.md). Applies with fused norms to the layers that have the restacked weights
-    /// ([`CudaModel::upload_gdn_in_step`]). The step graphs are captured again on the next
+    /// ([`CudaModel::upload_gdn_in_step`]). In those layers the [`ablate`] class `MIXER` leaves
+    /// out the input projection too and `IN_PROJ` leaves out nothing. The step graphs are captured again on the next
     /// [`Self::start`] when this changes.
     pub fn set_gdn_in_step(&mut self, on: bool) {
         if on != self.gdn_in_step {

@@ -118,11 +118,12 @@ pub struct GdnScratch {
     /// [`CudaContext::gdn_in_step`]: before the PDL wait only prefetch the weight tiles into L2,
     /// and copy them into shared memory after `h`'s loads (a measured variant; off by default).
     pub in_l2_first: bool,
-    /// [`CudaContext::gdn_in_step`]'s phase probe: 0, or the device address of
-    /// [`IN_MARKS`] u64 per block (`%globaltimer` ns at: start, after the PDL wait, digits
-    /// built, rows summed, every q|k channel arrived, end). Measurement only.
+    /// [`CudaContext::gdn_in_step`]'s phase probe: `None`, or a buffer of at least
+    /// [`IN_MARKS`] × [`IN_BLOCKS`] u64 that each launch fills per block with `%globaltimer` ns
+    /// at: start, after the PDL wait, digits built, rows summed, every q|k channel arrived,
+    /// end. Measurement only.
     #[doc(hidden)]
-    pub in_probe: u64,
+    pub in_probe: Option<CudaSlice<u64>>,
 }
 
 /// Words per block of [`GdnScratch::in_probe`] (`IN_MARKS` in `kernels/gdn.cu`).
@@ -183,7 +184,7 @@ impl CudaContext {
 
     /// Scratch for [`Self::gdn_decode_step`] (currently no device memory).
     pub fn gdn_scratch(&self) -> Result<GdnScratch, CudaError> {
-        Ok(GdnScratch { l2_prefetch: crate::L2Prefetch::default(), in_early_trigger: false, in_l2_first: false, in_probe: 0 })
+        Ok(GdnScratch { l2_prefetch: crate::L2Prefetch::default(), in_early_trigger: false, in_l2_first: false, in_probe: None })
     }
 
     /// One Gated DeltaNet decode step for one layer (batch 1, one token), one kernel launch:
@@ -285,7 +286,8 @@ impl CudaContext {
     /// [`CudaContext::gemv_norm`] computes it, then [`Self::gdn_decode_step`] on it, without
     /// `proj` ever leaving the chip. Each cluster computes the rows its blocks read (the QK
     /// head's q|k channels, exchanged in the cluster; the v, z, b, a rows of its own V-head
-    /// columns); the weights arrive by bulk copies requested before the PDL wait.
+    /// columns); the weights arrive by bulk copies requested before the PDL wait (with
+    /// [`GdnScratch::in_l2_first`]: only prefetched into L2 before it, copied after `h`'s loads).
     ///
     /// * `w`: the layer's restacked `qkv`/`z` rows ([`Self::upload_gdn_in_proj`]);
     /// * `stacked`: the same layer's stacked `in_proj` (`[GDN_PROJ, D_MODEL]`, one run, the
@@ -369,6 +371,20 @@ impl CudaContext {
         };
         let eps = p::RMS_EPS;
         let flags = i32::from(scratch.in_early_trigger) | (i32::from(scratch.in_l2_first) << 1);
+        let (probe, _probe_guard) = match &scratch.in_probe {
+            Some(b) if b.len() < IN_BLOCKS * IN_MARKS => {
+                return Err(CudaError::Unsupported(format!(
+                    "gdn_in_step: the probe holds {} words, the grid writes {}",
+                    b.len(),
+                    IN_BLOCKS * IN_MARKS
+                )))
+            }
+            Some(b) => {
+                let (ptr, guard) = b.device_ptr(stream);
+                (ptr, Some(guard))
+            }
+            None => (0u64, None),
+        };
         let mut b = stream.launch_builder(self.func(name)?);
         b.arg(out)
             .arg(s)
@@ -385,12 +401,12 @@ impl CudaContext {
             .arg(dt_bias)
             .arg(norm_w)
             .arg(&flags)
-            .arg(&scratch.in_probe);
+            .arg(&probe);
         // SAFETY: argument order and types match `gdn_in_step_*`; lengths and alignment checked
         // above, the tiles hold one region per block (upload_gdn_in_proj), and the stacked
         // matrix has the b and a rows the kernel reads. The dynamic shared memory was allowed at
-        // context creation (in_step_smem_allow). A nonzero probe address is the caller's promise of
-        // IN_MARKS u64 per block.
+        // context creation (in_step_smem_allow). The probe is null or a buffer of IN_MARKS u64 per
+        // block (checked above), held by its guard until the launch is queued.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -399,8 +415,9 @@ impl CudaContext {
 impl CudaContext {
     /// Whether every cluster of [`Self::gdn_in_step`] at `bits` can be resident at once on this
     /// device (`cuOccupancyMaxActiveClusters` ≥ the grid's 16 clusters). When not, the last
-    /// clusters would run as a second wave (measured on the H200 with one 512-thread block per
-    /// SM: 14 of 16 fit) and the two-launch path is faster.
+    /// clusters would run as a second wave and the two-launch path is faster. On the H200 30
+    /// clusters fit at 4 bits (two blocks per SM) and 15 at 8 bits (one per SM: its tiles take
+    /// 204 KB); a first version with one 512-thread block per SM fit 14.
     ///
     /// # Errors
     /// Driver errors of the query.

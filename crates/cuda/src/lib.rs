@@ -393,12 +393,12 @@ pub struct CudaContext {
     gemv_reg_cap: std::sync::atomic::AtomicBool,
     /// Every GEMV triggers its dependents right after its PDL wait (`GEMV_EARLY_TRIGGER` in
     /// `kernels/gemv.cu`); set by [`Self::set_gemv_early_trigger`].
+    gemv_early_trigger: std::sync::atomic::AtomicBool,
     /// Decode GEMVs read a matrix's staged copy by bulk copies when it has one
     /// ([`CudaContext::set_gemv_staged`]).
     gemv_staged: std::sync::atomic::AtomicBool,
     /// Staged GEMVs request every stage before the PDL wait ([`CudaContext::set_gemv_staged_all_early`]).
     gemv_staged_all_early: std::sync::atomic::AtomicBool,
-    gemv_early_trigger: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -1012,9 +1012,13 @@ impl CudaContext {
     /// the end repeat the last row (as the kernel clamps them). The same bytes as the MLX layout
     /// (rounded up to whole tiles).
     ///
+    /// Only the fused-norm GEMV at 56 registers ([`Self::gemv_norm`], the default) and the output
+    /// projection with the router fold ([`Self::gemv_residual_router`]) have staged twins;
+    /// [`Self::gemv`] and [`Self::gemv_residual`] read the MLX layout.
+    ///
     /// # Errors
-    /// [`CudaError::Unsupported`] unless `mat` is 4-bit with 2048 or 4096 columns and the parts
-    /// add up to it; [`CudaError::Driver`] on allocation.
+    /// [`CudaError::Unsupported`] unless `mat` is 4-bit with 2048 or 4096 columns, has no staged
+    /// copy yet, and the parts add up to it; [`CudaError::Driver`] on allocation.
     pub fn stage_qmat(&self, mat: &mut DeviceQMat, parts: &[QMatRef<'_>]) -> Result<(), CudaError> {
         let rows: usize = parts.iter().map(|m| m.rows).sum();
         if mat.bits != Bits::B4
@@ -1028,6 +1032,10 @@ impl CudaContext {
                 mat.cols,
                 mat.bits.bits()
             )));
+        }
+        if mat.staged.is_some() {
+            // replacing it would free a buffer that captured graphs may still read
+            return Err(CudaError::Unsupported("stage_qmat: the matrix already has a staged copy".into()));
         }
         let host = stage_rows(parts, mat.cols);
         mat.staged = Some(self.stream.clone_htod(&host)?);

@@ -261,12 +261,8 @@ fn timing(s: &mut Suite) {
     // phases of one launch after a sync (weights cold: another layer's ran last)
     let blocks = cuda::gdn::IN_BLOCKS;
     let marks = cuda::gdn::IN_MARKS;
-    let probe = stream.alloc_zeros::<u64>(blocks * marks).unwrap();
     let mut scratch = cx.gdn_scratch().unwrap();
-    {
-        use cuda::cudarc::driver::DevicePtr;
-        scratch.in_probe = probe.device_ptr(&stream).0;
-    }
+    scratch.in_probe = Some(stream.alloc_zeros::<u64>(blocks * marks).unwrap());
     let names = ["after the wait", "digits built", "rows summed", "q|k arrived", "end"];
     for l2 in [false, true] {
     scratch.in_l2_first = l2;
@@ -276,7 +272,7 @@ fn timing(s: &mut Suite) {
         cx.synchronize().unwrap();
         let (mut cv, mut sv, mut ov) = (l.conv.slice_mut(..), l.st.slice_mut(..), outd.slice_mut(..));
         cx.gdn_in_step(&l.fused, &l.stacked, &hd.slice(..), &in_normd.slice(..), &l.conv_w.slice(..), &l.ane.slice(..), &l.dtb.slice(..), &l.norm.slice(..), &mut cv, &mut sv, &scratch, &mut ov).unwrap();
-        let v = stream.clone_dtoh(&probe).unwrap();
+        let v = stream.clone_dtoh(scratch.in_probe.as_ref().unwrap()).unwrap();
         let rel0 = (0..blocks).map(|b| v[b * marks + 1]).min().unwrap();
         for (m, r) in rows.iter_mut().enumerate() {
             let mut t: Vec<f64> = (0..blocks).map(|b| (v[b * marks + 1 + m] as f64 - rel0 as f64) / 1e3).collect();

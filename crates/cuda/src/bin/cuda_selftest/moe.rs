@@ -645,11 +645,10 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
     let run_fold = |scratch: &mut cuda::moe::MoeScratch, set: usize, zero: usize| run_fold_with(&wod, scratch, set, zero);
     // set 0 (zeroing set 1), then set 1 zeroing set 0, which the first run left full
     let (hf, of, idsf, wf, _) = run_fold(scratch, 0, 1);
+    // (it leaves set 0 full and set 1 zero, as the first run did)
     let staged_run = staged.as_ref().map(|m| {
         cx.moe_fold_reset(scratch).expect("moe_fold_reset"); // set 0 from zero again
-        let r = run_fold_with(m, scratch, 0, 1);
-        cx.moe_fold_reset(scratch).expect("moe_fold_reset");
-        r
+        run_fold_with(m, scratch, 0, 1)
     });
     // the expert-per-cluster kernel on the same sums (set 0 again, refilled by the output
     // projection; zeroing set 1): equal to the gate/up + down pair bit for bit
