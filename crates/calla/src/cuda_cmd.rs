@@ -227,6 +227,20 @@ fn open(model: &std::path::Path, device: usize) -> Result<(Model, CudaContext, C
     Ok((m, cx, gm, t.elapsed().as_secs_f64()))
 }
 
+/// The device weights the measured step variants need (`--gdn-in-step`: the GDN input
+/// projections restacked; `--gemv-staged`: the projections' staged copies).
+fn upload_variants(m: &Model, cx: &CudaContext, gm: &mut CudaModel, gdn_in_step: bool, gemv_staged: bool) -> Result<()> {
+    if gdn_in_step {
+        let n = gm.upload_gdn_in_step(cx, &m.weights)?;
+        eprintln!("GDN input projection + step as one launch in {n} layers");
+    }
+    if gemv_staged {
+        let n = gm.stage_gemvs(cx, &m.weights)?;
+        eprintln!("staged copies (bulk-copy GEMVs) of {n} projections");
+    }
+    Ok(())
+}
+
 /// The CUDA backend as the engine's accelerator (`calla run|serve --device cuda`): device
 /// `ordinal`, the engine's model, context limit and vocabulary limit, prefill chunks of up to
 /// `prefill_chunk` tokens.
@@ -368,14 +382,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cuda::timeline::enable();
     }
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
-    if a.gdn_in_step {
-        let n = gm.upload_gdn_in_step(&cx, &m.weights)?;
-        eprintln!("GDN input projection + step as one launch in {n} layers");
-    }
-    if a.gemv_staged {
-        let n = gm.stage_gemvs(&cx, &m.weights)?;
-        eprintln!("staged copies (bulk-copy GEMVs) of {n} projections");
-    }
+    upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged)?;
     if a.carveout_before_gemv {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
@@ -788,14 +795,7 @@ fn top2_margin(v: &[f32]) -> f32 {
 /// choices, which is inherent to bf16 inference (transformers in bf16 does the same).
 pub fn check(a: CudaCheckArgs) -> Result<()> {
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
-    if a.gdn_in_step {
-        let n = gm.upload_gdn_in_step(&cx, &m.weights)?;
-        eprintln!("GDN input projection + step as one launch in {n} layers");
-    }
-    if a.gemv_staged {
-        let n = gm.stage_gemvs(&cx, &m.weights)?;
-        eprintln!("staged copies (bulk-copy GEMVs) of {n} projections");
-    }
+    upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged)?;
     eprintln!("uploaded in {upload_s:.1} s; {} layers", m.cfg.num_hidden_layers);
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     // room for the prefix-cache check's second turn: prompt, steps fed back, 23 new tokens, steps

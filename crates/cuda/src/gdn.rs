@@ -81,6 +81,28 @@ fn in_row(blk: usize, tile: usize, rho: usize) -> usize {
     }
 }
 
+/// [`CudaError::Unsupported`] naming the first buffer of `checks` (`(name, elements, expected)`)
+/// whose length differs; `what` names the caller.
+fn check_lengths(what: &str, checks: &[(&str, usize, usize)]) -> Result<(), CudaError> {
+    for &(name, got, want) in checks {
+        if got != want {
+            return Err(CudaError::Unsupported(format!("{what}: {name} has {got} elements, expected {want}")));
+        }
+    }
+    Ok(())
+}
+
+/// [`CudaError::Unsupported`] naming the first of `ptrs` (`(name, device address)`) that is not
+/// 16-byte aligned (the kernels read them as float4); `what` names the caller.
+pub(crate) fn check_aligned16(what: &str, ptrs: &[(&str, u64)]) -> Result<(), CudaError> {
+    for &(name, ptr) in ptrs {
+        if ptr % 16 != 0 {
+            return Err(CudaError::Unsupported(format!("{what}: {name} at {ptr:#x} is not 16-byte aligned (float4 access)")));
+        }
+    }
+    Ok(())
+}
+
 /// One GDN layer's input projection rows restacked for [`CudaContext::gdn_in_step`]: for each
 /// of the `n_v·4` blocks, its six 16-row tiles (q|k, v, z rows; `in_row`) as the MoE kernels'
 /// 16 × 64 tiles (`moe.rs pack_tile`: each lane's A fragments contiguous), so that one block's
@@ -239,26 +261,14 @@ impl CudaContext {
             ("s", s.len(), GDN_STATE_LEN),
             ("out", out.len(), GDN_OUT),
         ];
-        for (name, got, want) in checks {
-            if got != want {
-                return Err(CudaError::Unsupported(format!(
-                    "gdn_decode_step: {name} has {got} elements, expected {want}"
-                )));
-            }
-        }
+        check_lengths("gdn_decode_step", &checks)?;
         let stream = self.stream();
         let aligned = [
             ("s", s.device_ptr(stream).0),
             ("conv_w", conv_w.device_ptr(stream).0),
             ("out", out.device_ptr(stream).0),
         ];
-        for (name, ptr) in aligned {
-            if ptr % 16 != 0 {
-                return Err(CudaError::Unsupported(format!(
-                    "gdn_decode_step: {name} at {ptr:#x} is not 16-byte aligned (float4 access)"
-                )));
-            }
-        }
+        check_aligned16("gdn_decode_step", &aligned)?;
         let cfg = LaunchConfig {
             grid_dim: ((p::N_V_HEADS * COL_BLOCKS) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -340,11 +350,7 @@ impl CudaContext {
             ("s", s.len(), GDN_STATE_LEN),
             ("out", out.len(), GDN_OUT),
         ];
-        for (name, got, want) in checks {
-            if got != want {
-                return Err(CudaError::Unsupported(format!("gdn_in_step: {name} has {got} elements, expected {want}")));
-            }
-        }
+        check_lengths("gdn_in_step", &checks)?;
         let stream = self.stream();
         let aligned = [
             ("h", h.device_ptr(stream).0),
@@ -353,13 +359,7 @@ impl CudaContext {
             ("conv_w", conv_w.device_ptr(stream).0),
             ("out", out.device_ptr(stream).0),
         ];
-        for (name, ptr) in aligned {
-            if ptr % 16 != 0 {
-                return Err(CudaError::Unsupported(format!(
-                    "gdn_in_step: {name} at {ptr:#x} is not 16-byte aligned (float4 access)"
-                )));
-            }
-        }
+        check_aligned16("gdn_in_step", &aligned)?;
         let name = match w.bits {
             Bits::B4 => "gdn_in_step_q4",
             Bits::B8 => "gdn_in_step_q8",

@@ -250,13 +250,7 @@ impl CudaContext {
             ("s", s.device_ptr(stream).0),
             ("out", out.device_ptr(stream).0),
         ];
-        for (name, ptr) in aligned {
-            if ptr % 16 != 0 {
-                return Err(CudaError::Unsupported(format!(
-                    "gdn_prefill: {name} at {ptr:#x} is not 16-byte aligned (float4 access)"
-                )));
-            }
-        }
+        crate::gdn::check_aligned16("gdn_prefill", &aligned)?;
         let nc = t.div_ceil(CH);
         let tpad = nc * CH;
         let (t_i, tpad_i, nc_i) = (t as i32, tpad as i32, nc as i32);
