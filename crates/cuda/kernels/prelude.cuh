@@ -316,18 +316,12 @@ __device__ __forceinline__ void calla_cluster_arrive_relaxed() {
 __device__ __forceinline__ void calla_cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// mbarrier in this block's shared memory, completed by remote st.async byte counts.
+// Shared-memory addresses: this block's (32-bit), and the same offset in block `rank` of the cluster.
 __device__ __forceinline__ unsigned calla_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ unsigned calla_mapa_u32(unsigned local, unsigned rank) {
     unsigned r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
     return r;
-}
-__device__ __forceinline__ void calla_mbar_init_expect(unsigned long long* m, unsigned tx_bytes) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(calla_smem_u32(m)) : "memory");
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(calla_smem_u32(m)), "r"(tx_bytes)
-                 : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void calla_mbar_wait_phase0(unsigned long long* m) {
     unsigned done = 0;
@@ -347,6 +341,13 @@ __device__ __forceinline__ void calla_mbar_init(unsigned long long* m, unsigned 
 __device__ __forceinline__ void calla_mbar_arrive_expect_tx(unsigned long long* m, unsigned tx_bytes) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(calla_smem_u32(m)), "r"(tx_bytes)
                  : "memory");
+}
+// mbarrier of one arrival per phase whose first phase expects `tx_bytes` (e.g. of remote st.async),
+// initialised and armed by the calling thread, visible to the cluster.
+__device__ __forceinline__ void calla_mbar_init_expect(unsigned long long* m, unsigned tx_bytes) {
+    calla_mbar_init(m, 1);
+    calla_mbar_arrive_expect_tx(m, tx_bytes);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 // Waits until the phase with parity `parity` of m has completed (CTA scope).
 __device__ __forceinline__ void calla_mbar_wait_parity(unsigned long long* m, unsigned parity) {

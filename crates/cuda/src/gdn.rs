@@ -83,7 +83,7 @@ fn in_row(blk: usize, tile: usize, rho: usize) -> usize {
 
 /// [`CudaError::Unsupported`] naming the first buffer of `checks` (`(name, elements, expected)`)
 /// whose length differs; `what` names the caller.
-fn check_lengths(what: &str, checks: &[(&str, usize, usize)]) -> Result<(), CudaError> {
+pub(crate) fn check_lengths(what: &str, checks: &[(&str, usize, usize)]) -> Result<(), CudaError> {
     for &(name, got, want) in checks {
         if got != want {
             return Err(CudaError::Unsupported(format!("{what}: {name} has {got} elements, expected {want}")));

@@ -231,13 +231,7 @@ impl CudaContext {
             ("s", s.len(), GDN_STATE_LEN),
             ("out", out.len(), t * GDN_OUT),
         ];
-        for (name, got, want) in checks {
-            if got != want {
-                return Err(CudaError::Unsupported(format!(
-                    "gdn_prefill: {name} has {got} elements, expected {want}"
-                )));
-            }
-        }
+        crate::gdn::check_lengths("gdn_prefill", &checks)?;
         if t == 0 {
             return Ok(());
         }
