@@ -139,6 +139,11 @@ pub struct CudaBenchArgs {
     /// expert GEMMs, ...), summed over layers.
     #[arg(long)]
     prefill_profile: bool,
+    /// Also time the batched prefill of each prompt length with the shared expert on its own
+    /// stream (the default) and on the main stream, alternating, in this process (median of 5
+    /// each).
+    #[arg(long)]
+    prefill_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -420,6 +425,33 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             }
             prefill_profile.push(serde_json::json!({"prompt_tokens": n, "total_ms": total,
                 "phases": phases.iter().map(|(k, v)| serde_json::json!({"phase": k, "ms": v})).collect::<Vec<_>>()}));
+        }
+    }
+    let mut prefill_compare = Vec::new();
+    if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
+        for (i, &n) in a.prompt_tokens.iter().enumerate() {
+            let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
+            let mut ms = [Vec::new(), Vec::new()];
+            for round in 0..6 {
+                for (j, overlap) in [true, false].into_iter().enumerate() {
+                    pf.overlap_shared_expert = overlap;
+                    cx.synchronize()?;
+                    let t = Instant::now();
+                    sess.start_batched(&cx, &gm, pf, &prompt)?;
+                    cx.synchronize()?;
+                    if round > 0 {
+                        ms[j].push(t.elapsed().as_secs_f64() * 1e3); // round 0 warms up
+                    }
+                }
+            }
+            pf.overlap_shared_expert = true;
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (on, off) = (med(&mut ms[0]), med(&mut ms[1]));
+            eprintln!("prefill compare {n:>6}: shared expert on its own stream {on:>8.2} ms, on the main stream {off:>8.2} ms ({:+.1}%)", 100.0 * (on / off - 1.0));
+            prefill_compare.push(serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off}));
         }
     }
     let mut start = |sess: &mut CudaSession, prompt: &[u32]| -> Result<()> {
@@ -717,6 +749,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "prefill_profile": prefill_profile,
+        "prefill_compare": prefill_compare,
         "decode": decode,
         "ablation": ablation,
         "variants": variants,

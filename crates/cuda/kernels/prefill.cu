@@ -4,9 +4,10 @@
 //   the MoE router logits of a prefill chunk. The tensor-core GEMMs round activations and
 //   dequantized weights to bf16 (relative 2^-9), which is enough to flip near-tied top-k
 //   choices; the router is tiny (257 rows), so it runs exactly in f32 on the CUDA cores.
-//   Blocks of 256 threads own 64 tokens x 32 rows (8 outputs per thread, read as float4 along
-//   K from shared memory); K walks in chunks of 64, each weight dequantized once per block.
-//   One accumulator per output in K order: the same bits as a sequential f32 sum of fmas.
+//   Blocks of 128 threads own 32 or 64 tokens x 32 rows (8 or 16 outputs per thread, the
+//   operands read k-major from shared memory); K walks in double-buffered chunks of 32, each
+//   weight dequantized once per block. One accumulator per output in K order: the same bits
+//   as a sequential f32 sum of fmas.
 // * embed_rows_q{4,8}: x[i, 0..D_MODEL] = dequantized row ids[pos0 + i] of the quantized
 //   embedding, for i in 0..t (MODEL.md §3.3), dequantized exactly as embed_gather (step.cu) and
 //   quant::dequantize do (scale·q rounded, then + bias rounded, in f32). One block of
@@ -38,101 +39,183 @@ __device__ __forceinline__ void embed_rows_body(float* __restrict__ x, const uns
     xo[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-template <int BITS>
+// The f32 router. Lanes: tx = lane % 8 owns TN consecutive rows, ty = lane / 8 four consecutive
+// tokens (a warp: 16 tokens x 8·TN rows); warps WT (tokens) x WR (rows) per block: BT = 16·WT
+// tokens x BR = 8·TN·WR rows. K walks in chunks of KC through two shared-memory buffers, both
+// k-major (xs[k][token], ws[k][row]) so that at each k a warp reads 4 float4 of x (each
+// broadcast to 8 lanes) and 8 float2/float4 of W: one shared-memory wavefront each for 4·TN
+// fmas per thread. Within a row, groups of 4 floats are XOR-swizzled by k so that the
+// transposing stores of coalesced global loads hit distinct banks. Each chunk's x (float4 along
+// K) and packed words are loaded into registers two chunks ahead and stored (W dequantized) at
+// the end of the chunk before theirs: one barrier per chunk, two chunks of fmas to hide the
+// loads' latency.
+template <int BITS, int TN, int WT, int WR>
+struct RouterCfg {
+    static constexpr int K = CALLA_D_MODEL;
+    static constexpr int KC = 32;                      // k per chunk
+    static constexpr int NT = 32 * WT * WR;            // threads
+    static constexpr int BT = 16 * WT, BR = 8 * TN * WR;
+    static constexpr int XV = BT * KC / 4 / NT;        // float4 of x per thread per chunk
+    static constexpr int WU = BR * KC / 8 / NT;        // 8-weight units per thread per chunk
+    static constexpr int WPR = K * BITS / 32;          // packed words per row
+    static constexpr int GPR = K / CALLA_QUANT_GROUP;
+    static_assert(BT * KC % (4 * NT) == 0 && BR * KC % (8 * NT) == 0, "chunk split");
+    static_assert(K % (2 * KC) == 0 && CALLA_QUANT_GROUP % 8 == 0 && KC == 32, "chunking");
+    static_assert(BT % 32 == 0 && BR == 32, "rows of whole bank sets; the swizzles below");
+    static_assert(TN == 2 || TN == 4, "W read as float2 or float4");
+};
+
+// Swizzled offsets within a k-row: x (BT tokens, groups of 4 XOR (k/4) mod 8) and W (32 rows,
+// groups of 4 XOR 2·((k/8) mod 4)). See the store patterns in router_f32_body.
+template <int BT>
+__device__ __forceinline__ int rx_off(int k, int tok) { return k * BT + 4 * ((tok >> 2) ^ ((k >> 2) & 7)) + (tok & 3); }
+__device__ __forceinline__ int rw_off(int k, int row) { return k * 32 + 4 * ((row >> 2) ^ (2 * ((k >> 3) & 3))) + (row & 3); }
+
+template <int BITS, int TN, int WT, int WR>
 __device__ __forceinline__ void router_f32_body(float* __restrict__ y, const unsigned* __restrict__ packed,
                                                 const unsigned short* __restrict__ scales,
                                                 const unsigned short* __restrict__ biases,
                                                 const float* __restrict__ x, int t, int n) {
-    constexpr int K = CALLA_D_MODEL;
-    constexpr int KC = 64;          // k per shared-memory chunk
-    constexpr int TT = 64, TR = 32; // tokens x rows per block
-    constexpr int PAD = KC + 4;     // row stride in floats: 16-byte rows, conflict-free float4 reads
-    constexpr int WPR = K * BITS / 32;
-    constexpr int GPR = K / CALLA_QUANT_GROUP;
+    using C = RouterCfg<BITS, TN, WT, WR>;
+    constexpr int KC = C::KC, BT = C::BT, BR = C::BR;
     constexpr unsigned MASK = (1u << BITS) - 1u;
-    static_assert(K % KC == 0 && CALLA_QUANT_GROUP % 8 == 0, "chunking");
-    __shared__ __align__(16) float xs[TT * PAD];
-    __shared__ __align__(16) float ws[TR * PAD];
+    constexpr int WPU = BITS / 4;                      // packed words per 8-weight unit
+    __shared__ __align__(16) float xs[2][KC * BT];
+    __shared__ __align__(16) float ws[2][KC * BR];
     calla_pdl_wait();
-    const int t0 = blockIdx.y * TT, r0 = blockIdx.x * TR;
-    const int tid = threadIdx.x;
-    // each thread: rows tx and tx + 16, tokens ty + 16 j (j < 4)
-    const int tx = tid % 16, ty = tid / 16;
-    float acc[4][2];
+    const int t0 = blockIdx.y * BT, r0 = blockIdx.x * BR;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tx = lane & 7, ty = lane >> 3;
+    const int xo = (warp % WT) * 16 + ty * 4;          // this thread's first token in the tile
+    const int wo = (warp / WT) * 8 * TN + tx * TN;     // its first row
+
+    // Fill roles (coalesced global loads). x: float4 i = tid + NT·v of the chunk -> k4 = i % 8,
+    // token i / 8 (8 lanes read 128 contiguous bytes of one token). W: unit u = tid + NT·v ->
+    // k8 = u % 4, row u / 4 (4 lanes read one row's 16 or 32 contiguous bytes).
+    // Two register sets: [s] holds the chunk two ahead of the one that last used it.
+    float4 xr[2][C::XV];
+    unsigned wr[2][C::WU][WPU];
+    unsigned short sr[2][C::WU], br[2][C::WU];
+    auto load = [&](int sl, int k0) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = 0.f;
-    for (int k0 = 0; k0 < K; k0 += KC) {
-        for (int i = tid; i < TT * KC / 4; i += 256) {
-            const int tt = i / (KC / 4), k4 = i % (KC / 4), tok = t0 + tt;
-            const float4 v = tok < t ? *reinterpret_cast<const float4*>(x + (size_t)tok * K + k0 + 4 * k4)
-                                     : make_float4(0.f, 0.f, 0.f, 0.f);
-            *reinterpret_cast<float4*>(&xs[tt * PAD + 4 * k4]) = v;
+        for (int v = 0; v < C::XV; ++v) {
+            const int i = tid + C::NT * v, tok = t0 + i / 8, k4 = i % 8;
+            xr[sl][v] = tok < t ? __ldcg(reinterpret_cast<const float4*>(x + (size_t)tok * C::K + k0 + 4 * k4))
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        {
-            // 8 consecutive weights of one row per thread (one group: CALLA_QUANT_GROUP % 8 == 0),
-            // dequantized as quant::dequantize does: scale·q rounded, then + bias rounded
-            const int rr = tid / 8, k8 = (tid % 8) * 8, row = r0 + rr, c = k0 + k8;
-            float w[8];
-            if (row < n) {
-                const size_t g = (size_t)row * GPR + c / CALLA_QUANT_GROUP;
-                const float sc = calla_bf16_to_f32(scales[g]), bi = calla_bf16_to_f32(biases[g]);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int cj = c + j;
-                    const unsigned q = (packed[(size_t)row * WPR + (cj * BITS) / 32] >> ((cj * BITS) % 32)) & MASK;
-                    w[j] = __fadd_rn(__fmul_rn(sc, (float)q), bi);
-                }
+        for (int v = 0; v < C::WU; ++v) {
+            const int u = tid + C::NT * v, row = r0 + u / 4, c = k0 + 8 * (u % 4);
+            if (row < n) {
+#pragma unroll
+                for (int j = 0; j < WPU; ++j) wr[sl][v][j] = __ldg(packed + (size_t)row * C::WPR + c * BITS / 32 + j);
+                const size_t g = (size_t)row * C::GPR + c / CALLA_QUANT_GROUP;
+                sr[sl][v] = __ldg(scales + g);
+                br[sl][v] = __ldg(biases + g);
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) w[j] = 0.f;
+                for (int j = 0; j < WPU; ++j) wr[sl][v][j] = 0u;
+                sr[sl][v] = 0;
+                br[sl][v] = 0; // zero scale and bias: the weight is exactly 0
             }
-            *reinterpret_cast<float4*>(&ws[rr * PAD + k8]) = make_float4(w[0], w[1], w[2], w[3]);
-            *reinterpret_cast<float4*>(&ws[rr * PAD + k8 + 4]) = make_float4(w[4], w[5], w[6], w[7]);
         }
-        __syncthreads();
-#pragma unroll 4
-        for (int kk = 0; kk < KC; kk += 4) {
-            const float4 w0 = *reinterpret_cast<const float4*>(&ws[tx * PAD + kk]);
-            const float4 w1 = *reinterpret_cast<const float4*>(&ws[(tx + 16) * PAD + kk]);
+    };
+    // Stores: lane l of a warp writes k-rows 4·(l % 8) + c (x) at tokens l / 8 (+ a multiple of
+    // 4): 8 k-groups x 4 tokens -> 32 distinct banks through rx_off; W: k-rows 8·(l % 4) + j at
+    // rows l / 4 (+ a multiple of 8) -> 32 distinct banks through rw_off.
+    auto store = [&](int sl, int b) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float4 xv = *reinterpret_cast<const float4*>(&xs[(ty + 16 * j) * PAD + kk]);
-                // one accumulator per output, k ascending: the CPU's sequential f32 sum of fmas
-                acc[j][0] = fmaf(xv.x, w0.x, acc[j][0]);
-                acc[j][0] = fmaf(xv.y, w0.y, acc[j][0]);
-                acc[j][0] = fmaf(xv.z, w0.z, acc[j][0]);
-                acc[j][0] = fmaf(xv.w, w0.w, acc[j][0]);
-                acc[j][1] = fmaf(xv.x, w1.x, acc[j][1]);
-                acc[j][1] = fmaf(xv.y, w1.y, acc[j][1]);
-                acc[j][1] = fmaf(xv.z, w1.z, acc[j][1]);
-                acc[j][1] = fmaf(xv.w, w1.w, acc[j][1]);
+        for (int v = 0; v < C::XV; ++v) {
+            const int i = tid + C::NT * v, tt = i / 8, k = 4 * (i % 8);
+            xs[b][rx_off<BT>(k, tt)] = xr[sl][v].x;
+            xs[b][rx_off<BT>(k + 1, tt)] = xr[sl][v].y;
+            xs[b][rx_off<BT>(k + 2, tt)] = xr[sl][v].z;
+            xs[b][rx_off<BT>(k + 3, tt)] = xr[sl][v].w;
+        }
+#pragma unroll
+        for (int v = 0; v < C::WU; ++v) {
+            const int u = tid + C::NT * v, rr = u / 4, k8 = u % 4;
+            // dequantized as quant::dequantize does: scale·q rounded, then + bias rounded
+            const float sc = calla_bf16_to_f32(sr[sl][v]), bi = calla_bf16_to_f32(br[sl][v]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const unsigned q = (wr[sl][v][(j * BITS) / 32] >> ((j * BITS) % 32)) & MASK;
+                ws[b][rw_off(8 * k8 + j, rr)] = __fadd_rn(__fmul_rn(sc, (float)q), bi);
             }
         }
+    };
+
+    float acc[4][TN];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+    constexpr int NC = C::K / KC;
+    load(0, 0);
+    load(1, KC);
+    store(0, 0);
+    __syncthreads();
+    // chunk c computes from buffer c % 2; its registers (set c % 2) take chunk c + 2; at its end
+    // chunk c + 1 (set (c + 1) % 2, loaded a chunk earlier) goes to the other buffer, which was
+    // last read in chunk c - 1, before the barrier that ended it.
+    auto chunk = [&](int c, int b) { // b = c % 2, a constant after unrolling
+        if (c + 2 < NC) load(b, (c + 2) * KC);
+        const float* xb = xs[b];
+        const float* wb = ws[b];
+#pragma unroll 8
+        for (int k = 0; k < KC; ++k) {
+            const float4 xv = *reinterpret_cast<const float4*>(xb + rx_off<BT>(k, xo));
+            float w[TN];
+            if constexpr (TN == 4) {
+                const float4 t4 = *reinterpret_cast<const float4*>(wb + rw_off(k, wo));
+                w[0] = t4.x; w[1] = t4.y; w[2] = t4.z; w[3] = t4.w;
+            } else {
+                const float2 t2 = *reinterpret_cast<const float2*>(wb + rw_off(k, wo));
+                w[0] = t2.x; w[1] = t2.y;
+            }
+            const float xa[4] = {xv.x, xv.y, xv.z, xv.w};
+            // one accumulator per output, k ascending: the CPU's sequential f32 sum of fmas
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(xa[i], w[j], acc[i][j]);
+        }
+        if (c + 1 < NC) store(b ^ 1, b ^ 1);
         __syncthreads();
+    };
+#pragma unroll 1
+    for (int c = 0; c < NC; c += 2) {
+        chunk(c, 0);
+        chunk(c + 1, 1);
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int tok = t0 + ty + 16 * j;
-        if (tok < t) {
-            if (r0 + tx < n) y[(size_t)tok * n + r0 + tx] = acc[j][0];
-            if (r0 + tx + 16 < n) y[(size_t)tok * n + r0 + tx + 16] = acc[j][1];
+    for (int i = 0; i < 4; ++i) {
+        const int tok = t0 + xo + i;
+        if (tok >= t) continue;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int row = r0 + wo + j;
+            if (row < n) y[(size_t)tok * n + row] = acc[i][j];
         }
     }
 }
 
 }  // namespace calla_prefill
 
-extern "C" __global__ void __launch_bounds__(256)
-router_f32_q4(float* __restrict__ y, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,
-              const unsigned short* __restrict__ biases, const float* __restrict__ x, int t, int n) {
-    calla_prefill::router_f32_body<4>(y, packed, scales, biases, x, t, n);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-router_f32_q8(float* __restrict__ y, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,
-              const unsigned short* __restrict__ biases, const float* __restrict__ x, int t, int n) {
-    calla_prefill::router_f32_body<8>(y, packed, scales, biases, x, t, n);
-}
+// Router entry points: `router_f32_q{4,8}` the narrow tile (32 tokens x 32 rows per block, 8
+// outputs per thread: more blocks for short prompts), `router_f32w_q{4,8}` the wide one (64
+// tokens x 32 rows, 16 outputs per thread: fewer shared-memory reads per fma). 128 threads,
+// grid (ceil(n / 32), ceil(t / BT)); the host picks (prefill.rs router_logits_f32).
+#define CALLA_ROUTER_ENTRY(NAME, BITS, TN, WT, WR)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * WT * WR)                                              \
+    NAME(float* __restrict__ y, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales, \
+         const unsigned short* __restrict__ biases, const float* __restrict__ x, int t, int n) {            \
+        calla_prefill::router_f32_body<BITS, TN, WT, WR>(y, packed, scales, biases, x, t, n);             \
+    }
+CALLA_ROUTER_ENTRY(router_f32_q4, 4, 2, 2, 2)
+CALLA_ROUTER_ENTRY(router_f32_q8, 8, 2, 2, 2)
+CALLA_ROUTER_ENTRY(router_f32w_q4, 4, 4, 4, 1)
+CALLA_ROUTER_ENTRY(router_f32w_q8, 8, 4, 4, 1)
 
 extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
 embed_rows_q4(float* __restrict__ x, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,

@@ -61,7 +61,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "prefill",
         src: include_str!("../kernels/prefill.cu"),
-        entries: &["embed_rows_q4", "embed_rows_q8", "router_f32_q4", "router_f32_q8"],
+        entries: &["embed_rows_q4", "embed_rows_q8", "router_f32_q4", "router_f32_q8", "router_f32w_q4", "router_f32w_q8"],
     },
     KernelSource {
         name: "gemv",
@@ -523,6 +523,39 @@ impl CudaContext {
         };
         gdn::in_step_smem_allow(&cx)?;
         Ok(cx)
+    }
+
+    /// A second handle on the same device context, modules and launch options whose launches go
+    /// to a stream of their own: for independent work that may overlap this context's (the
+    /// prefill runs the shared expert on one, `prefill.rs`). Buffers of either may be used by
+    /// both, but nothing orders the two streams: the caller does, with events
+    /// (`CudaEvent::record` on one, `CudaStream::wait` on the other). The new stream starts
+    /// after the work queued on this one so far. Not timeline-probed.
+    ///
+    /// # Errors
+    /// Driver errors (stream creation, the scratch allocation).
+    pub fn sibling(&self) -> Result<CudaContext, CudaError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stream = self.stream.fork()?;
+        let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
+        Ok(CudaContext {
+            timeline: None,
+            rms_norm_d_model: self.rms_norm_d_model.clone(),
+            gemv: self.gemv.clone(),
+            gemv_resid: self.gemv_resid.clone(),
+            gemv_norm: self.gemv_norm.clone(),
+            gemv_norm_r56: self.gemv_norm_r56.clone(),
+            gemv_reg_cap: std::sync::atomic::AtomicBool::new(self.gemv_reg_cap.load(Relaxed)),
+            gemv_early_trigger: std::sync::atomic::AtomicBool::new(self.gemv_early_trigger.load(Relaxed)),
+            gemv_staged: std::sync::atomic::AtomicBool::new(self.gemv_staged.load(Relaxed)),
+            gemv_staged_all_early: std::sync::atomic::AtomicBool::new(self.gemv_staged_all_early.load(Relaxed)),
+            launch_gen: std::sync::atomic::AtomicU64::new(0),
+            step_scratch,
+            funcs: self.funcs.clone(),
+            ctx: self.ctx.clone(),
+            stream,
+            sm_count: self.sm_count,
+        })
     }
 
     /// The loaded entry point `name` (an `extern "C"` kernel listed in [`KERNELS`]).

@@ -97,6 +97,14 @@ pub struct Prefiller {
     shared_act: CudaSlice<f32>,
     shared_out: CudaSlice<f32>,
     gemm: GemmScratch,
+    /// The shared expert's stream (a [`CudaContext::sibling`]), its own GEMM scratch and the
+    /// events that order it against the main stream: "u is ready" (main → side) and "the
+    /// shared expert's output is ready" (side → main).
+    side: SharedExpertStream,
+    /// Run the shared expert on the side stream, overlapping the routing and the routed
+    /// experts (default `true`; `false` queues it on the main stream between them, as when
+    /// profiling). For measurement (`calla cuda-bench --prefill-compare`).
+    pub overlap_shared_expert: bool,
     routing: MoeRouting,
     gdn: GdnPrefillScratch,
     attn: AttnPrefillScratch,
@@ -154,6 +162,8 @@ impl Prefiller {
             shared_act: st.alloc_zeros(max_t * p::D_SHARED_EXPERT)?,
             shared_out: st.alloc_zeros(max_t * d)?,
             gemm: cx.gemm_scratch(max_t)?,
+            side: SharedExpertStream::new(cx, max_t)?,
+            overlap_shared_expert: true,
             routing: cx.moe_routing(max_t)?,
             gdn: cx.gdn_prefill_scratch(max_t)?,
             attn: cx.attn_prefill_scratch(max_t)?,
@@ -256,6 +266,14 @@ impl Prefiller {
             cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.h.slice(..t * d), &lw.post_norm.slice(..))?;
             mark(&mut self.profile, cx, "rms norms")?;
             // MoE: routing, the shared expert, the routed experts, the combine with the residual.
+            // The shared expert depends on u only: unless serial, it runs on the side stream
+            // beside the router, the routing and the grouped gate/up (whose SMs it fills: they
+            // are latency-bound at small chunks), and the down + combine waits for it.
+            let serial = self.profile.is_some() || !self.overlap_shared_expert;
+            if !serial {
+                self.side.fork_from(cx)?;
+                shared_expert(&self.side.cx, &mut self.side.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
+            }
             let ne = p::N_EXPERTS + 1;
             cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
             mark(&mut self.profile, cx, "router (f32)")?;
@@ -275,10 +293,13 @@ impl Prefiller {
             mark(&mut self.profile, cx, "activations to bf16")?;
             cx.moe_gate_up_grouped(&pm.gate_up, &self.gemm, &mut self.routing, t)?;
             mark(&mut self.profile, cx, "experts gate/up (grouped)")?;
-            let ds = p::D_SHARED_EXPERT;
-            cx.qgemm_swiglu(&mut self.shared_act.slice_mut(..t * ds), &pm.shared_gate_up, &self.u.slice(..t * d), t, &mut self.gemm)?;
-            cx.qgemm(&mut self.shared_out.slice_mut(..t * d), &pm.shared_down, &self.shared_act.slice(..t * ds), t, &mut self.gemm)?;
-            mark(&mut self.profile, cx, "shared expert")?;
+            if serial {
+                // when profiling: serial, so that the phase marks above and below time one thing each
+                shared_expert(cx, &mut self.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
+                mark(&mut self.profile, cx, "shared expert")?;
+            } else {
+                self.side.join_to(cx)?;
+            }
             cx.moe_down_grouped(
                 &mut self.x.slice_mut(..t * d),
                 &pm.down,
@@ -298,6 +319,53 @@ impl Prefiller {
     }
 }
 
+/// The shared expert of one MoE block on a chunk's `t` rows of `u`:
+/// `shared_out = down(silu(gate·u)·(up·u))` (its sigmoid gate is applied by the combine), on
+/// `sx`'s stream with `scratch`.
+fn shared_expert(sx: &CudaContext, scratch: &mut GemmScratch, pm: &PrefillMoe, u: &CudaSlice<f32>, act: &mut CudaSlice<f32>, out: &mut CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
+    let (d, ds) = (p::D_MODEL, p::D_SHARED_EXPERT);
+    sx.qgemm_swiglu(&mut act.slice_mut(..t * ds), &pm.shared_gate_up, &u.slice(..t * d), t, scratch)?;
+    sx.qgemm(&mut out.slice_mut(..t * d), &pm.shared_down, &act.slice(..t * ds), t, scratch)?;
+    Ok(())
+}
+
+/// A second stream for the prefill's shared expert (see [`Prefiller`]): a sibling context, a
+/// GEMM scratch of its own (the main stream's holds the converted MoE input that the grouped
+/// gate/up reads meanwhile) and two reusable events.
+struct SharedExpertStream {
+    cx: CudaContext,
+    gemm: GemmScratch,
+    u_ready: cudarc::driver::CudaEvent,
+    out_ready: cudarc::driver::CudaEvent,
+}
+
+impl SharedExpertStream {
+    fn new(cx: &CudaContext, max_t: usize) -> Result<Self, CudaError> {
+        let side = cx.sibling()?;
+        let gemm = side.gemm_scratch(max_t)?;
+        // the scratch is allocated on the side stream: complete before either stream uses it
+        side.stream().synchronize()?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        Ok(SharedExpertStream { u_ready: cx.raw().new_event(flags)?, out_ready: cx.raw().new_event(flags)?, cx: side, gemm })
+    }
+
+    /// The side stream waits for everything queued on `cx`'s stream so far (u written, and the
+    /// previous layer's combine done with the shared expert's buffers).
+    fn fork_from(&self, cx: &CudaContext) -> Result<(), CudaError> {
+        self.u_ready.record(cx.stream())?;
+        self.cx.stream().wait(&self.u_ready)?;
+        Ok(())
+    }
+
+    /// `cx`'s stream waits for everything queued on the side stream so far (the shared
+    /// expert's output).
+    fn join_to(&self, cx: &CudaContext) -> Result<(), CudaError> {
+        self.out_ready.record(self.cx.stream())?;
+        cx.stream().wait(&self.out_ready)?;
+        Ok(())
+    }
+}
+
 /// Records the end of phase `name` when profiling (see [`Prefiller::profile`]).
 fn mark(profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>, cx: &CudaContext, name: &'static str) -> Result<(), CudaError> {
     if let Some(p) = profile.as_mut() {
@@ -312,18 +380,32 @@ impl CudaContext {
     /// `W` a quantized `[rows, D_MODEL]` matrix (router rows, then the shared-expert gate row),
     /// `u` `[t, D_MODEL]`, `y` `[t, rows]`; each output one f32 sum of fmas in `k` order over
     /// the dequantized weights (`quant::dequantize`'s arithmetic), so it equals that sum on
-    /// the CPU bit for bit (`kernels/prefill.cu`, `router_f32_q*`).
+    /// the CPU bit for bit (`kernels/prefill.cu`, `router_f32_q*`). The block tile (32 or 64
+    /// tokens) is picked by [`router_wide_tile`].
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for other widths or short buffers; driver errors.
     pub fn router_logits_f32(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
+        self.router_logits_f32_tile(y, w, u, t, router_wide_tile(t, w.rows, self.sm_count() as usize))
+    }
+
+    /// [`Self::router_logits_f32`] with the block tile chosen by the caller: `wide` = 64 tokens
+    /// × 32 rows per block (16 outputs per thread), else 32 × 32 (8 per thread). The same bits
+    /// either way; for the self-test and the measurements behind [`router_wide_tile`].
+    #[doc(hidden)]
+    pub fn router_logits_f32_tile(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize, wide: bool) -> Result<(), CudaError> {
         let n = w.rows;
         if w.cols != p::D_MODEL || y.len() < t * n || u.len() < t * p::D_MODEL {
             return Err(CudaError::Unsupported(format!("router_f32: W [{n}, {}], {t} tokens", w.cols)));
         }
-        let f = self.func(match w.bits {
-            Bits::B4 => "router_f32_q4",
-            Bits::B8 => "router_f32_q8",
+        if t == 0 {
+            return Ok(());
+        }
+        let f = self.func(match (w.bits, wide) {
+            (Bits::B4, false) => "router_f32_q4",
+            (Bits::B8, false) => "router_f32_q8",
+            (Bits::B4, true) => "router_f32w_q4",
+            (Bits::B8, true) => "router_f32w_q8",
         })?;
         let st = self.stream();
         let (py, _g0) = y.device_ptr_mut(st);
@@ -334,11 +416,25 @@ impl CudaContext {
         let (t32, n32) = (t as i32, n as i32);
         let mut b = st.launch_builder(f);
         b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
-        let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(64) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let bt = if wide { 64 } else { 32 };
+        let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(bt) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
+}
+
+/// Whether the f32 router of a `t`-token chunk over `rows` rows runs on the wide block tile (64
+/// tokens x 32 rows, 16 outputs per thread) rather than the narrow one (32 x 32, 8 per
+/// thread). The blocks are latency-bound (each output is a chain of D_MODEL dependent fmas), so
+/// the time follows the outputs of the busiest SM: blocks per SM (rounded up) x outputs per
+/// block, the narrow tile's outputs costing 1.25x the wide one's. Fitted on the H200
+/// (`cuda_selftest --only gemm`, 257 rows, µs wide / narrow): T = 512 61 / 69, 1,024 96 / 90,
+/// 2,048 126 / 139, 8,192 354 / 461, each ratio within 6% of the model's.
+pub fn router_wide_tile(t: usize, rows: usize, sm_count: usize) -> bool {
+    let busiest = |bt: usize| (rows.div_ceil(32) * t.div_ceil(bt)).div_ceil(sm_count.max(1));
+    // outputs of the busiest SM, in quarter-units of the wide tile's cost
+    busiest(64) * 64 * 32 * 4 <= busiest(32) * 32 * 32 * 5
 }
 
 /// `x[i] = embed[ids[pos0 + i]]` for `i < t` (see `kernels/prefill.cu`).

@@ -956,9 +956,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
 /// Runs the prefill GEMM checks and timings.
 /// The prefill's f32 router (`CudaContext::router_logits_f32`, `router_f32_q*`) against the
 /// same sum on the CPU: dequantized weights (`quant::dequantize`), one `mul_add` chain per
-/// output in `k` order. Bit for bit, at token counts around the 64-token tile and the
-/// 257 rows (router + shared-expert gate) that end in a partial 32-row tile; then its time at
-/// 8,192 tokens.
+/// output in `k` order. Bit for bit, with both block tiles (32 and 64 tokens), at token counts
+/// around both tiles and the 257 rows (router + shared-expert gate) that end in a partial
+/// 32-row tile; then its time at prefill sizes with both tiles.
 fn router_f32_check(s: &mut Suite) {
     let cx = s.cx;
     let (d, n) = (p::D_MODEL, p::N_EXPERTS + 1);
@@ -967,7 +967,7 @@ fn router_f32_check(s: &mut Suite) {
         let mut wf = vec![0f32; n * d];
         quant::dequantize(w.r(), &mut wf);
         let dw = cx.upload_qmat(w.r()).unwrap();
-        for t in [1usize, 63, 64, 65, 333] {
+        for t in [1usize, 31, 33, 63, 64, 65, 333] {
             let x = rand_x(t * d, 0x5EED ^ t as u64);
             let want: Vec<f32> = (0..t * n)
                 .into_par_iter()
@@ -978,17 +978,30 @@ fn router_f32_check(s: &mut Suite) {
                 })
                 .collect();
             let du = cx.upload_f32(&x).unwrap();
-            let mut y = cx.upload_f32(&vec![f32::NAN; t * n]).unwrap();
-            cx.router_logits_f32(&mut y, &dw, &du, t).unwrap();
-            let got = cx.download_f32(&y).unwrap();
-            let c = check_bits(&got, &want, "logits (against the CPU's f32 sum)");
-            s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} = CPU f32 fma chain, bit for bit"), &c, "");
+            for wide in [false, true] {
+                let mut y = cx.upload_f32(&vec![f32::NAN; t * n + 64]).unwrap();
+                cx.router_logits_f32_tile(&mut y, &dw, &du, t, wide).unwrap();
+                let got = cx.download_f32(&y).unwrap();
+                let mut c = check_bits(&got[..t * n], &want, "logits (against the CPU's f32 sum)");
+                if !got[t * n..].iter().all(|v| v.is_nan()) {
+                    c.ok = false;
+                    c.msg.push_str(&format!("wrote past the {t}x{n} logits; "));
+                }
+                let tile = if wide { "64-token tile" } else { "32-token tile" };
+                s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} {tile} = CPU f32 fma chain, bit for bit"), &c, "");
+            }
         }
-        let t = 8192;
-        let du = cx.upload_f32(&rand_x(t * d, 0xB16)).unwrap();
-        let mut y = cx.upload_f32(&vec![0f32; t * n]).unwrap();
-        let us = s.median_timed(7, 1, || cx.router_logits_f32(&mut y, &dw, &du, t).unwrap()) * 1e6;
-        println!("{SEC:<10} router_f32 q{bits} T={t}: {us:.1} us ({:.1} TFLOP/s f32)", 2.0 * (t * n * d) as f64 / (us * 1e-6) / 1e12);
+        for t in [512usize, 1024, 2048, 8192] {
+            let du = cx.upload_f32(&rand_x(t * d, 0xB16)).unwrap();
+            let mut y = cx.upload_f32(&vec![0f32; t * n]).unwrap();
+            let mut line = format!("{SEC:<10} router_f32 q{bits} T={t}:");
+            for wide in [false, true] {
+                let us = s.median_timed(7, 1, || cx.router_logits_f32_tile(&mut y, &dw, &du, t, wide).unwrap()) * 1e6;
+                let tile = if wide { "64-token tile" } else { "32-token tile" };
+                line += &format!(" {tile} {us:.1} us ({:.1} TFLOP/s f32);", 2.0 * (t * n * d) as f64 / (us * 1e-6) / 1e12);
+            }
+            println!("{line} default {}", if cuda::prefill::router_wide_tile(t, n, cx.sm_count() as usize) { "64" } else { "32" });
+        }
     }
 }
 
