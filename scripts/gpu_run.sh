@@ -99,6 +99,12 @@ if [ "$check" = 1 ]; then
     $to $b/calla cuda-check --model "$work/L4-q4" --pdl --$v > "$out/cuda-check-$v.txt" 2>&1 || status=1
     tail -3 "$out/cuda-check-$v.txt"
   done
+  # the attention decode kernels' other trigger placements (the same bits)
+  for w in split combine; do
+    step "cuda-check with PDL, --attn-trigger-flip $w"
+    $to $b/calla cuda-check --model "$work/L4-q4" --pdl --attn-trigger-flip $w > "$out/cuda-check-attn-flip-$w.txt" 2>&1 || status=1
+    tail -3 "$out/cuda-check-attn-flip-$w.txt"
+  done
   step "calla serve --device cuda over HTTP (scripts/gpu_serve_check.py)"
   $to python3 -u scripts/gpu_serve_check.py $b/calla "$work/L4-q4" --long-tokens 128 > "$out/serve-check.txt" 2>&1 || status=1
   cat "$out/serve-check.txt"

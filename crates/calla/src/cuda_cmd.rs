@@ -182,6 +182,11 @@ pub struct CudaCheckArgs {
     /// same bits; measured slower).
     #[arg(long)]
     gemv_staged: bool,
+    /// Flip where the attention decode step's split and combine kernels trigger the next launch
+    /// (`CudaContext::set_attn_split_early_trigger`, `set_attn_combine_early_trigger`; the same
+    /// bits): `split`, `combine` or `both`.
+    #[arg(long)]
+    attn_trigger_flip: Option<String>,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -559,6 +564,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         const GDN_EARLY: &str = "GDN in_proj + step, early trigger";
         const GDN_L2: &str = "GDN in_proj + step, L2 first";
         const GDN_L2_EARLY: &str = "GDN in_proj + step, L2 first, early trigger";
+        // the attention combine's trigger placement flipped (cuda::ATTN_COMBINE_EARLY_TRIGGER)
+        const ATTN_FLIP: &str = "attn combine trigger flipped";
+        const ATTN_SPLIT_FLIP: &str = "attn split trigger flipped";
+        let attn0 = cx.attn_combine_early_trigger();
+        let split0 = cx.attn_split_early_trigger();
         let apply = |sess: &mut CudaSession, fuse: bool, pf: bool, flags: MoeFlags, carve: u8, cap: bool, early: bool, fold: bool| -> Result<()> {
             sess.set_router_fold(fold);
             sess.set_fuse_norm(fuse);
@@ -589,6 +599,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fold0),
             ("MoE router kernel, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, false),
             ("MoE router folded, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, true),
+            (ATTN_FLIP, fuse0, pf0, d, carve0, true, early0, fold0),
+            (ATTN_SPLIT_FLIP, fuse0, pf0, d, carve0, true, early0, fold0),
             (GDN_TWO, fuse0, pf0, d, carve0, true, early0, fold0),
             (GDN_EARLY, fuse0, pf0, d, carve0, true, early0, fold0),
             (GDN_L2, fuse0, pf0, d, carve0, true, early0, fold0),
@@ -609,15 +621,19 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             sess.set_gdn_in_l2_first(name == GDN_L2 || name == GDN_L2_EARLY);
             cx.set_gemv_staged(name != GEMV_MLX);
             cx.set_gemv_staged_all_early(name == GEMV_ALL_EARLY);
+            cx.set_attn_combine_early_trigger(if name == ATTN_FLIP { !attn0 } else { attn0 });
+            cx.set_attn_split_early_trigger(if name == ATTN_SPLIT_FLIP { !split0 } else { split0 });
             let (us, kernels) = time_decode(&mut sess)?;
             eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "moe_cluster": flags.cluster, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gdn_in_step": sess.gdn_in_step(), "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            variants.push(serde_json::json!({"variant": name, "router_fold": fold && fuse && !flags.fused, "fused_norm": fuse, "l2_prefetch": pf, "topk_in_router": flags.topk_in_router, "down_reg_cap": flags.down_reg_cap, "moe_fused": flags.fused, "moe_fused_keep_router": flags.fused_keep_router, "moe_cluster": flags.cluster, "max_carveout": (CARVEOUTS[carve as usize]), "gemv_reg_cap": cap, "gemv_early_trigger": early, "gdn_in_step": sess.gdn_in_step(), "attn_combine_early_trigger": cx.attn_combine_early_trigger(), "attn_split_early_trigger": cx.attn_split_early_trigger(), "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
         }
         // the device sampler in place of the greedy pick, with the step as configured (which it
         // stays in afterwards: the sampling cases change nothing else)
         apply(&mut sess, fuse0, pf0, d, carve0, true, early0, fold0)?;
         sess.set_gdn_in_step(gdn0);
         cx.set_gemv_staged(true);
+        cx.set_attn_combine_early_trigger(attn0);
+        cx.set_attn_split_early_trigger(split0);
         for params in sampling_cases().iter() {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
@@ -829,6 +845,17 @@ fn top2_margin(v: &[f32]) -> f32 {
 pub fn check(a: CudaCheckArgs) -> Result<()> {
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged)?;
+    if let Some(which) = a.attn_trigger_flip.as_deref() {
+        let (split, combine) = match which {
+            "split" => (true, false),
+            "combine" => (false, true),
+            "both" => (true, true),
+            other => bail!("--attn-trigger-flip must be split, combine or both, found {other}"),
+        };
+        cx.set_attn_split_early_trigger(cx.attn_split_early_trigger() ^ split);
+        cx.set_attn_combine_early_trigger(cx.attn_combine_early_trigger() ^ combine);
+        eprintln!("attention early triggers: split {}, combine {}", cx.attn_split_early_trigger(), cx.attn_combine_early_trigger());
+    }
     eprintln!("uploaded in {upload_s:.1} s; {} layers", m.cfg.num_hidden_layers);
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     // room for the prefix-cache check's second turn: prompt, steps fed back, 23 new tokens, steps

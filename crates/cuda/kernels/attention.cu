@@ -151,12 +151,13 @@ using namespace calla_attn;
 // proj [ATTN_PROJ] f32; q_norm, k_norm [HEAD_DIM] (zero-centred); inv_freq [ROTARY_DIM/2];
 // pos [1]; k_cache, v_cache [max_ctx, N_KV, HEAD_DIM] bf16; part_o [N_KV, n_splits, G, HEAD_DIM],
 // part_ml [N_KV, n_splits, G, 2] (running max in log2 units, softmax sum) f32. qscale =
-// log2(e)/sqrt(HEAD_DIM). Dynamic shared memory: SMEM_BYTES.
+// log2(e)/sqrt(HEAD_DIM). Dynamic shared memory: SMEM_BYTES. `early` (nonzero): trigger the
+// dependent launch before the PDL wait instead of after the key loop.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_decode_split(const float* __restrict__ proj, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                   const float* __restrict__ inv_freq, const int* __restrict__ pos_p, unsigned short* k_cache,
                   unsigned short* v_cache, float* __restrict__ part_o, float* __restrict__ part_ml, int max_ctx,
-                  int n_splits, float qscale, CallaL2Prefetch pf) {
+                  int n_splits, float qscale, CallaL2Prefetch pf, int early) {
     calla_l2_prefetch_share(pf);  // e.g. o_proj's weights, read right after the combine
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(16) unsigned short qs_hi[G][HD];
@@ -179,6 +180,9 @@ attn_decode_split(const float* __restrict__ proj, const float* __restrict__ q_no
         qw[0] = a0.x, qw[1] = a0.y, qw[2] = a0.z, qw[3] = a0.w, qw[4] = a1.x, qw[5] = a1.y, qw[6] = a1.z, qw[7] = a1.w;
         kw[0] = b0.x, kw[1] = b0.y, kw[2] = b0.z, kw[3] = b0.w, kw[4] = b1.x, kw[5] = b1.y, kw[6] = b1.z, kw[7] = b1.w;
     }
+    // early: the combine kernel may launch (and trigger the output projection in turn) as soon
+    // as every block of this one runs; it still waits for this grid's completion
+    if (early) calla_pdl_launch_dependents();
     calla_pdl_wait();
     // this warp's two query heads, loaded together with pos (one memory round trip)
     float4 qin[2][2];
@@ -353,7 +357,7 @@ attn_decode_split(const float* __restrict__ proj, const float* __restrict__ q_no
             mma_bf16(acc[k], va, pl0, pl1);
         }
     }
-    calla_pdl_launch_dependents();
+    if (!early) calla_pdl_launch_dependents();
 
     // --- merge the warps' states in shared memory (the stage buffers are free now)
     cp_async_wait<0>();
@@ -412,10 +416,11 @@ attn_decode_split(const float* __restrict__ proj, const float* __restrict__ q_no
 // Merges the split partials: out[h, d] = (sum_s 2^(m_s - M) o_s[d]) / (sum_s 2^(m_s - M) l_s)
 // * sigmoid(gate_h[d]) over the non-empty splits. Grid (N_Q_HEADS, HEAD_DIM / 32), 256 threads:
 // warp w sums splits w, w + 8, ... for 32 dims (independent loads), then the 8 sums are added.
-// out [N_Q_HEADS * HEAD_DIM] f32, head-major. With no keys (pos < 0) the output is 0.
+// out [N_Q_HEADS * HEAD_DIM] f32, head-major. With no keys (pos < 0) the output is 0. `early`
+// (nonzero): trigger the dependent launch at entry instead of after the partial sums.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 attn_decode_combine(const float* __restrict__ proj, const int* __restrict__ pos_p, const float* __restrict__ part_o,
-                    const float* __restrict__ part_ml, float* __restrict__ out, int max_ctx, int n_splits) {
+                    const float* __restrict__ part_ml, float* __restrict__ out, int max_ctx, int n_splits, int early) {
     constexpr int CW = COMBINE_THREADS / 32;  // warps
     __shared__ float sf[MAX_SPLITS];          // running max of split s, then its weight 2^(m_s - M)
     __shared__ float sl[MAX_SPLITS];          // softmax sum of split s
@@ -424,6 +429,10 @@ attn_decode_combine(const float* __restrict__ proj, const int* __restrict__ pos_
     const int h = blockIdx.x, kv = h / G, hl = h % G;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int d = blockIdx.y * 32 + lane;
+    // early: the next kernel (the output projection, whose 200 KB blocks take ~3 us to land and
+    // then stream their weights before their own wait) may launch as soon as every block of this
+    // one runs; it still waits for this grid's completion before reading `out`.
+    if (early) calla_pdl_launch_dependents();
     calla_pdl_wait();
     // pos, the gate and every split's (m, l) in one memory round trip; then drop empty splits
     const float* ml = part_ml + ((size_t)kv * n_splits * G + hl) * 2;
@@ -471,7 +480,7 @@ attn_decode_combine(const float* __restrict__ proj, const int* __restrict__ pos_
     }
     red[warp][lane] = o;
     __syncthreads();
-    calla_pdl_launch_dependents();
+    if (!early) calla_pdl_launch_dependents();
     if (warp == 0) {
         float t = 0.f;
 #pragma unroll

@@ -207,6 +207,7 @@ impl CudaContext {
             shared_mem_bytes: SPLIT_SMEM as u32,
         };
         if split {
+            let split_early = i32::from(self.attn_split_early_trigger());
             let mut b = stream.launch_builder(self.func("attn_decode_split")?);
             b.arg(proj)
                 .arg(q_norm)
@@ -220,7 +221,8 @@ impl CudaContext {
                 .arg(&max_ctx)
                 .arg(&n_splits)
                 .arg(&qscale)
-                .arg(&scratch.l2_prefetch);
+                .arg(&scratch.l2_prefetch)
+                .arg(&split_early);
             // SAFETY: argument types, lengths and alignment match the kernel (checked above); the
             // dynamic shared memory limit was raised in `attn_scratch`.
             unsafe { b.launch(cfg) }?;
@@ -234,6 +236,7 @@ impl CudaContext {
             block_dim: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        let early = i32::from(self.attn_combine_early_trigger());
         let mut b = stream.launch_builder(self.func("attn_decode_combine")?);
         b.arg(proj)
             .arg(pos)
@@ -241,7 +244,8 @@ impl CudaContext {
             .arg(&scratch.part_ml)
             .arg(out)
             .arg(&max_ctx)
-            .arg(&n_splits);
+            .arg(&n_splits)
+            .arg(&early);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }?;
         Ok(())
