@@ -389,7 +389,7 @@ impl L2Prefetch {
 }
 
 /// A CUDA context on one device with every kernel of [`KERNELS`] loaded, and one stream that
-/// all launches go to (in order).
+/// all its launches go to (in order). A [`CudaContext::sibling`] has a stream of its own.
 pub struct CudaContext {
     ctx: Arc<cudarc::driver::CudaContext>,
     stream: Arc<CudaStream>,
@@ -431,7 +431,8 @@ impl CudaContext {
     /// Opens device `ordinal`, compiles (or takes from the cache) every kernel for [`ARCH`],
     /// and loads them. Fails if the device is not compute capability 9.0.
     ///
-    /// Event tracking of cudarc is disabled: everything runs on one stream, in order.
+    /// Event tracking of cudarc is disabled: a context's launches run on its one stream, in
+    /// order; work on a sibling's stream ([`Self::sibling`]) is ordered by explicit events.
     pub fn new(ordinal: usize) -> Result<CudaContext, CudaError> {
         let ctx = cudarc::driver::CudaContext::new(ordinal)?;
         let cc = ctx.compute_capability()?;
@@ -441,7 +442,9 @@ impl CudaContext {
                 cc.0, cc.1
             )));
         }
-        // SAFETY: one stream; the crate never shares buffers across streams.
+        // SAFETY: every launch of a context goes to its one stream; the only buffers used on
+        // two streams (a sibling's, the prefill's shared expert) are ordered by explicit events
+        // (prefill.rs SharedExpertStream) and outlive the side stream's work (Prefiller's Drop).
         unsafe { ctx.disable_event_tracking() };
         // A created stream, not the legacy default one, so launches can be captured in graphs.
         let stream = ctx.new_stream()?;
@@ -547,7 +550,8 @@ impl CudaContext {
     /// prefill runs the shared expert on one, `prefill.rs`). Buffers of either may be used by
     /// both, but nothing orders the two streams: the caller does, with events
     /// (`CudaEvent::record` on one, `CudaStream::wait` on the other). The new stream starts
-    /// after the work queued on this one so far. Not timeline-probed.
+    /// after the work queued on this one so far. It has no timeline log of its own: with the
+    /// probe compiled in, its kernels log into this context's.
     ///
     /// # Errors
     /// Driver errors (stream creation, the scratch allocation).

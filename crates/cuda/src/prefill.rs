@@ -272,33 +272,46 @@ impl Prefiller {
             let serial = self.profile.is_some() || !self.overlap_shared_expert;
             if !serial {
                 self.side.fork_from(cx)?;
-                shared_expert(&self.side.cx, &mut self.side.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
+                if let Err(e) = shared_expert(&self.side.cx, &mut self.side.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t) {
+                    let _ = self.side.join_to(cx); // whatever was queued there finishes before u changes
+                    return Err(e);
+                }
             }
             let ne = p::N_EXPERTS + 1;
-            cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
-            mark(&mut self.profile, cx, "router (f32)")?;
-            self.routing.count_into = hist_row(l);
-            cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing)?;
-            self.routing.count_into = 0;
-            mark(&mut self.profile, cx, "top-k, count, sort")?;
-            if let Some(tr) = self.trace.as_mut() {
-                let lg = st.clone_dtoh(&self.router_logits.slice(..t * ne))?;
-                let lg: Vec<f32> = lg.chunks_exact(ne).flat_map(|r| r[..p::N_EXPERTS].iter().copied()).collect();
-                tr.push((format!("blk.{l}.moe.router_logits"), lg));
-                let ids = st.clone_dtoh(&self.routing.ids.slice(..t * p::TOP_K))?;
-                tr.push((format!("blk.{l}.moe.topk_idx"), ids.iter().map(|&i| i as f32).collect()));
-            }
-            // the grouped gate/up GEMM reads the last converted activations: u
-            cx.convert_acts(&self.u.slice(..t * d), t, d, &mut self.gemm)?;
-            mark(&mut self.profile, cx, "activations to bf16")?;
-            cx.moe_gate_up_grouped(&pm.gate_up, &self.gemm, &mut self.routing, t)?;
-            mark(&mut self.profile, cx, "experts gate/up (grouped)")?;
+            // the routed experts' part on the main stream; the side stream is joined whether it
+            // succeeds or not, so no later work on the main stream (or a retried chunk) can
+            // overwrite u or read shared_out while the shared expert may still run
+            let routed = (|| -> Result<(), CudaError> {
+                cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
+                mark(&mut self.profile, cx, "router (f32)")?;
+                self.routing.count_into = hist_row(l);
+                let r = cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing);
+                self.routing.count_into = 0;
+                r?;
+                mark(&mut self.profile, cx, "top-k, count, sort")?;
+                if let Some(tr) = self.trace.as_mut() {
+                    let lg = st.clone_dtoh(&self.router_logits.slice(..t * ne))?;
+                    let lg: Vec<f32> = lg.chunks_exact(ne).flat_map(|r| r[..p::N_EXPERTS].iter().copied()).collect();
+                    tr.push((format!("blk.{l}.moe.router_logits"), lg));
+                    let ids = st.clone_dtoh(&self.routing.ids.slice(..t * p::TOP_K))?;
+                    tr.push((format!("blk.{l}.moe.topk_idx"), ids.iter().map(|&i| i as f32).collect()));
+                }
+                // the grouped gate/up GEMM reads the last converted activations: u
+                cx.convert_acts(&self.u.slice(..t * d), t, d, &mut self.gemm)?;
+                mark(&mut self.profile, cx, "activations to bf16")?;
+                cx.moe_gate_up_grouped(&pm.gate_up, &self.gemm, &mut self.routing, t)?;
+                mark(&mut self.profile, cx, "experts gate/up (grouped)")?;
+                Ok(())
+            })();
             if serial {
+                routed?;
                 // when profiling: serial, so that the phase marks above and below time one thing each
                 shared_expert(cx, &mut self.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
                 mark(&mut self.profile, cx, "shared expert")?;
             } else {
-                self.side.join_to(cx)?;
+                let joined = self.side.join_to(cx);
+                routed?;
+                joined?;
             }
             cx.moe_down_grouped(
                 &mut self.x.slice_mut(..t * d),
@@ -316,6 +329,14 @@ impl Prefiller {
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for Prefiller {
+    /// Waits for the side stream before the buffers it may still use (`u`, the shared expert's
+    /// input and outputs) are freed on the main stream.
+    fn drop(&mut self) {
+        let _ = self.side.cx.stream().synchronize();
     }
 }
 
