@@ -959,7 +959,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
 /// output in `k` order. Bit for bit, with both block tiles (32 and 64 tokens), at token counts
 /// around both tiles and the 257 rows (router + shared-expert gate) that end in a partial
 /// 32-row tile; then its time at prefill sizes with both tiles.
-fn router_f32_check(s: &mut Suite) {
+pub fn router_f32_check(s: &mut Suite) {
     let cx = s.cx;
     let (d, n) = (p::D_MODEL, p::N_EXPERTS + 1);
     for bits in [4u32, 8] {

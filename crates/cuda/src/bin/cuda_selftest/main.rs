@@ -27,7 +27,7 @@ use cuda::CudaContext;
 use common::Suite;
 
 /// Every section: name and entry point.
-const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
+const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_f32_check), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
