@@ -42,9 +42,9 @@ __device__ __forceinline__ void embed_rows_body(float* __restrict__ x, const uns
 // The f32 router. Lanes: tx = lane % 8 owns TN consecutive rows, ty = lane / 8 four consecutive
 // tokens (a warp: 16 tokens x 8·TN rows); warps WT (tokens) x WR (rows) per block: BT = 16·WT
 // tokens x BR = 8·TN·WR rows. K walks in chunks of KC through two shared-memory buffers, both
-// k-major (xs[k][token], ws[k][row]) so that at each k a warp reads 4 float4 of x (each
-// broadcast to 8 lanes) and 8 float2/float4 of W: one shared-memory wavefront each for 4·TN
-// fmas per thread. Within a row, groups of 4 floats are XOR-swizzled by k so that the
+// k-major (xs[k][token], ws[k][row]) so that at each k a warp reads 64 contiguous bytes of x
+// (4 float4, each broadcast to 8 lanes) and 64 or 128 contiguous bytes of W (8 float2/float4)
+// for 4·TN fmas per thread. Within a row, groups of 4 floats are XOR-swizzled by k so that the
 // transposing stores of coalesced global loads hit distinct banks. Each chunk's x (float4 along
 // K) and packed words are loaded into registers two chunks ahead and stored (W dequantized) at
 // the end of the chunk before theirs: one barrier per chunk, two chunks of fmas to hide the
