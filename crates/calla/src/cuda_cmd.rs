@@ -219,8 +219,14 @@ fn copy_bandwidth(cx: &CudaContext) -> Result<f64> {
             ts.push(t.elapsed().as_secs_f64());
         }
     }
-    ts.sort_by(f64::total_cmp);
-    Ok(2.0 * n as f64 / ts[ts.len() / 2])
+    Ok(2.0 * n as f64 / median(&mut ts))
+}
+
+/// The median of `v` (the upper one of an even count); `v` is sorted in place. `v` must not be
+/// empty.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn open(model: &std::path::Path, device: usize) -> Result<(Model, CudaContext, CudaModel, f64)> {
@@ -450,11 +456,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 }
             }
             pf.overlap_shared_expert = true;
-            let med = |v: &mut Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
-            let (on, off) = (med(&mut ms[0]), med(&mut ms[1]));
+            let [on, off] = ms.each_mut().map(|v| median(v));
             eprintln!("prefill compare {n:>6}: shared expert on its own stream {on:>8.2} ms, on the main stream {off:>8.2} ms ({:+.1}%)", 100.0 * (on / off - 1.0));
             prefill_compare.push(serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off}));
         }

@@ -556,7 +556,7 @@ impl CudaContext {
     /// # Errors
     /// Driver errors (stream creation, the scratch allocation).
     pub fn sibling(&self) -> Result<CudaContext, CudaError> {
-        use std::sync::atomic::Ordering::Relaxed;
+        let copy = |a: &std::sync::atomic::AtomicBool| std::sync::atomic::AtomicBool::new(a.load(std::sync::atomic::Ordering::Relaxed));
         let stream = self.stream.fork()?;
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
         Ok(CudaContext {
@@ -566,12 +566,12 @@ impl CudaContext {
             gemv_resid: self.gemv_resid.clone(),
             gemv_norm: self.gemv_norm.clone(),
             gemv_norm_r56: self.gemv_norm_r56.clone(),
-            gemv_reg_cap: std::sync::atomic::AtomicBool::new(self.gemv_reg_cap.load(Relaxed)),
-            gemv_early_trigger: std::sync::atomic::AtomicBool::new(self.gemv_early_trigger.load(Relaxed)),
-            attn_combine_early_trigger: std::sync::atomic::AtomicBool::new(self.attn_combine_early_trigger.load(Relaxed)),
-            attn_split_early_trigger: std::sync::atomic::AtomicBool::new(self.attn_split_early_trigger.load(Relaxed)),
-            gemv_staged: std::sync::atomic::AtomicBool::new(self.gemv_staged.load(Relaxed)),
-            gemv_staged_all_early: std::sync::atomic::AtomicBool::new(self.gemv_staged_all_early.load(Relaxed)),
+            gemv_reg_cap: copy(&self.gemv_reg_cap),
+            gemv_early_trigger: copy(&self.gemv_early_trigger),
+            attn_combine_early_trigger: copy(&self.attn_combine_early_trigger),
+            attn_split_early_trigger: copy(&self.attn_split_early_trigger),
+            gemv_staged: copy(&self.gemv_staged),
+            gemv_staged_all_early: copy(&self.gemv_staged_all_early),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),
@@ -1024,9 +1024,7 @@ impl CudaContext {
     /// earlier are captured again ([`Self::launch_generation`]).
     #[doc(hidden)]
     pub fn set_gemv_reg_cap(&self, on: bool) {
-        if self.gemv_reg_cap.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_launch_option(&self.gemv_reg_cap, on);
     }
 
     /// Lets every GEMV trigger the launch of the next kernel right after its PDL wait
@@ -1036,9 +1034,7 @@ impl CudaContext {
     /// earlier are captured again ([`Self::launch_generation`]).
     #[doc(hidden)]
     pub fn set_gemv_early_trigger(&self, on: bool) {
-        if self.gemv_early_trigger.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_launch_option(&self.gemv_early_trigger, on);
     }
 
     /// Lets the attention decode step's combine kernel (`attn_decode_combine`) trigger the launch
@@ -1047,9 +1043,7 @@ impl CudaContext {
     /// (the next kernel waits for the combine's completion before reading its output). Graphs
     /// captured earlier are captured again ([`Self::launch_generation`]).
     pub fn set_attn_combine_early_trigger(&self, on: bool) {
-        if self.attn_combine_early_trigger.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_launch_option(&self.attn_combine_early_trigger, on);
     }
 
     /// See [`Self::set_attn_combine_early_trigger`].
@@ -1062,9 +1056,7 @@ impl CudaContext {
     /// (`false`); default [`ATTN_SPLIT_EARLY_TRIGGER`]. The same bits either way. Graphs
     /// captured earlier are captured again ([`Self::launch_generation`]).
     pub fn set_attn_split_early_trigger(&self, on: bool) {
-        if self.attn_split_early_trigger.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_launch_option(&self.attn_split_early_trigger, on);
     }
 
     /// See [`Self::set_attn_split_early_trigger`].
@@ -1077,9 +1069,7 @@ impl CudaContext {
     /// copies (`false`); the same bits either way. Graphs captured earlier are captured again
     /// ([`Self::launch_generation`]).
     pub fn set_gemv_staged(&self, on: bool) {
-        if self.gemv_staged.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_launch_option(&self.gemv_staged, on);
     }
 
     /// The staged copy of `mat` when the staged GEMVs are on and `mat` has one.
@@ -1129,6 +1119,14 @@ impl CudaContext {
         Ok(())
     }
 
+    /// Sets one of the context-wide launch options to `on`; a change bumps the launch
+    /// generation, so graphs captured earlier are captured again ([`Self::launch_generation`]).
+    fn set_launch_option(&self, flag: &std::sync::atomic::AtomicBool, on: bool) {
+        if flag.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     fn gemv_flags(&self) -> i32 {
         let early = if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { GEMV_EARLY_TRIGGER } else { 0 };
         let all = if self.gemv_staged_all_early.load(std::sync::atomic::Ordering::Relaxed) { GEMV_STAGED_ALL_EARLY } else { 0 };
@@ -1140,9 +1138,7 @@ impl CudaContext {
     /// For measurement; graphs captured earlier are captured again.
     #[doc(hidden)]
     pub fn set_gemv_staged_all_early(&self, on: bool) {
-        if self.gemv_staged_all_early.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_launch_option(&self.gemv_staged_all_early, on);
     }
 
     /// Generation of the context-wide launch options ([`Self::set_gemv_reg_cap`],

@@ -953,7 +953,6 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
     }
 }
 
-/// Runs the prefill GEMM checks and timings.
 /// The prefill's f32 router (`CudaContext::router_logits_f32`, `router_f32_q*`) against the
 /// same sum on the CPU: dequantized weights (`quant::dequantize`), one `mul_add` chain per
 /// output in `k` order. Bit for bit, with both block tiles (32 and 64 tokens), at token counts
@@ -962,6 +961,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
 pub fn router_f32_check(s: &mut Suite) {
     let cx = s.cx;
     let (d, n) = (p::D_MODEL, p::N_EXPERTS + 1);
+    let tile_name = |wide: bool| if wide { "64-token tile" } else { "32-token tile" };
     for bits in [4u32, 8] {
         let w = random_qmat(n, d, bits, 0x2F32 + u64::from(bits));
         let mut wf = vec![0f32; n * d];
@@ -987,8 +987,7 @@ pub fn router_f32_check(s: &mut Suite) {
                     c.ok = false;
                     c.msg.push_str(&format!("wrote past the {t}x{n} logits; "));
                 }
-                let tile = if wide { "64-token tile" } else { "32-token tile" };
-                s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} {tile} = CPU f32 fma chain, bit for bit"), &c, "");
+                s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} {} = CPU f32 fma chain, bit for bit", tile_name(wide)), &c, "");
             }
         }
         for t in [512usize, 1024, 2048, 8192] {
@@ -997,14 +996,14 @@ pub fn router_f32_check(s: &mut Suite) {
             let mut line = format!("{SEC:<10} router_f32 q{bits} T={t}:");
             for wide in [false, true] {
                 let us = s.median_timed(7, 1, || cx.router_logits_f32_tile(&mut y, &dw, &du, t, wide).unwrap()) * 1e6;
-                let tile = if wide { "64-token tile" } else { "32-token tile" };
-                line += &format!(" {tile} {us:.1} us ({:.1} TFLOP/s f32);", 2.0 * (t * n * d) as f64 / (us * 1e-6) / 1e12);
+                line += &format!(" {} {us:.1} us ({:.1} TFLOP/s f32);", tile_name(wide), 2.0 * (t * n * d) as f64 / (us * 1e-6) / 1e12);
             }
             println!("{line} default {}", if cuda::prefill::router_wide_tile(t, n, cx.sm_count() as usize) { "64" } else { "32" });
         }
     }
 }
 
+/// Runs the prefill GEMM checks and timings.
 pub fn run(s: &mut Suite) {
     probe(s);
     router_f32_check(s);
