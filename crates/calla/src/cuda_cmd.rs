@@ -100,6 +100,10 @@ pub struct CudaBenchArgs {
     /// same bits; measured slower).
     #[arg(long)]
     gemv_staged: bool,
+    /// With `--gemv-staged`: let each warp of a staged input projection request its whole
+    /// unit by one bulk copy (`CudaContext::set_gemv_staged_unit`; the same bits).
+    #[arg(long)]
+    gemv_staged_unit: bool,
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
     /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
     #[arg(long)]
@@ -144,9 +148,56 @@ pub struct CudaBenchArgs {
     /// each).
     #[arg(long)]
     prefill_compare: bool,
+    /// Also time decode (first decode context) with the input projections launched as
+    /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
+    /// each entry in turn, between two rows as configured, in this process.
+    #[arg(long, value_delimiter = ',', value_parser = parse_grid)]
+    in_proj_grid: Vec<(i32, u32)>,
+    /// Launch the input projections as `KS:BLOCKS` for the whole run (decode rows, timeline).
+    #[arg(long, value_parser = parse_grid)]
+    in_proj_grid_set: Option<(i32, u32)>,
+    /// Also time decode (first decode context) with the input projections requesting their
+    /// weights only after their wait, with the MoE cluster kernel triggering the next launch
+    /// only once its expert tiles are here, and both, between two rows as configured.
+    #[arg(long)]
+    prefetch_compare: bool,
+    /// For the whole run: the input projections request their weights after their wait
+    /// (`CudaContext::set_in_proj_late_weights`).
+    #[arg(long)]
+    in_proj_late_weights: bool,
+    /// For the whole run: the MoE cluster kernel triggers the next launch once its expert tiles
+    /// are here (`CudaContext::set_moe_cluster_late_trigger`).
+    #[arg(long)]
+    moe_late_trigger: bool,
+    /// With `--timeline`: the MoE cluster kernel's mark is when its expert copies are issued
+    /// (after the top-k) instead of when its tiles are all here
+    /// (`CudaContext::set_moe_cluster_mark_issue`).
+    #[arg(long)]
+    moe_mark_issue: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// One row of `cuda-bench --in-proj-grid` / `--prefetch-compare`: the input projections'
+/// launch (`None`: as configured), whether they request their weights after their wait, whether
+/// the MoE cluster kernel triggers late (`false`: as configured).
+struct FocusRow {
+    name: String,
+    grid: Option<(i32, u32)>,
+    late_w: bool,
+    late_t: bool,
+}
+
+/// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
+fn parse_grid(s: &str) -> Result<(i32, u32), String> {
+    let (ks, blocks) = s.split_once(':').ok_or_else(|| format!("expected KS:BLOCKS, found {s:?}"))?;
+    let ks: i32 = ks.trim().parse().map_err(|e| format!("KS in {s:?}: {e}"))?;
+    let blocks: u32 = blocks.trim().parse().map_err(|e| format!("BLOCKS in {s:?}: {e}"))?;
+    if !(0..=4).contains(&ks) || blocks == 0 {
+        return Err(format!("{s:?}: KS must be 0..=4 and BLOCKS at least 1"));
+    }
+    Ok((ks, blocks))
 }
 
 /// Arguments of `calla cuda-check`.
@@ -187,6 +238,22 @@ pub struct CudaCheckArgs {
     /// bits): `split`, `combine` or `both`.
     #[arg(long)]
     attn_trigger_flip: Option<String>,
+    /// With `--gemv-staged`: one bulk copy per warp's unit in the staged input projections
+    /// (`CudaContext::set_gemv_staged_unit`).
+    #[arg(long)]
+    gemv_staged_unit: bool,
+    /// The input projections request their weights after their wait
+    /// (`CudaContext::set_in_proj_late_weights`; the same bits).
+    #[arg(long)]
+    in_proj_late_weights: bool,
+    /// The MoE cluster kernel triggers the next launch once its expert tiles are here
+    /// (`CudaContext::set_moe_cluster_late_trigger`; the same bits).
+    #[arg(long)]
+    moe_late_trigger: bool,
+    /// Launch the input projections as `KS:BLOCKS` (`CudaContext::set_in_proj_grid`; a split
+    /// other than the default sums K in other pieces, so the step's bits may differ).
+    #[arg(long, value_parser = parse_grid)]
+    in_proj_grid: Option<(i32, u32)>,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -324,7 +391,7 @@ fn step_timeline(
     if let Some(path) = raw {
         let mut b = Vec::with_capacity(records.len() * 64);
         for r in &records {
-            for w in [r.grid, (r.sm as u64) << 32 | r.block as u64, r.clk_pre, r.clk_post, r.ns_trigger, r.ns_pre, r.ns_post, r.blocks] {
+            for w in [r.grid, (r.sm as u64) << 32 | r.block as u64, r.ns_mark, r.ns_done, r.ns_trigger, r.ns_pre, r.ns_post, r.blocks] {
                 b.extend_from_slice(&w.to_le_bytes());
             }
         }
@@ -341,12 +408,14 @@ fn step_timeline(
         step_us.iter().sum::<f64>() / step_us.len().max(1) as f64
     );
     println!(
-        "{:<28} {:>7} {:>7} {:>9} {:>10} {:>9} {:>8} {:>10} {:>8} {:>10} {:>8}",
-        "kernel", "per step", "blocks", "span us", "us/step", "launch us", "lead us", "resident %", "late us", "trigger us", "drain us"
+        "{:<28} {:>7} {:>7} {:>9} {:>10} {:>9} {:>8} {:>10} {:>8} {:>10} {:>8} {:>11} {:>17}",
+        "kernel", "per step", "blocks", "span us", "us/step", "launch us", "lead us", "resident %", "late us", "trigger us", "drain us",
+        "mark us", "done us all/early/late"
     );
+    let opt = |d: Option<f64>| d.map(|d| format!("{d:.2}")).unwrap_or_else(|| "-".into());
     for k in &sum {
         println!(
-            "{:<28} {:>7.0} {:>7.0} {:>9.2} {:>10.1} {:>9} {:>8.2} {:>10.1} {:>8.2} {:>10} {:>8}",
+            "{:<28} {:>7.0} {:>7.0} {:>9.2} {:>10.1} {:>9} {:>8.2} {:>10.1} {:>8.2} {:>10} {:>8} {:>11} {:>17}",
             k.name,
             k.launches_per_step,
             k.blocks,
@@ -356,21 +425,24 @@ fn step_timeline(
             k.lead_us,
             100.0 * k.resident_at_release,
             k.late_us,
-            k.trigger_us.map(|d| format!("{d:.2}")).unwrap_or_else(|| "-".into()),
-            k.drain_us.map(|d| format!("{d:.2}")).unwrap_or_else(|| "-".into())
+            opt(k.trigger_us),
+            opt(k.drain_us),
+            k.mark_us.map(|(m, x)| format!("{m:.2}/{x:.2}")).unwrap_or_else(|| "-".into()),
+            k.done_us.map(|(a, e, l)| format!("{a:.2}/{e:.2}/{}", opt(l))).unwrap_or_else(|| "-".into())
         );
     }
     let first = steps.first().map(|s| &s[..s.len().min(16)]).unwrap_or(&[]);
-    println!("first launches of step 1 (us from its first release): resident first..last, release, all triggered");
+    println!("first launches of step 1 (us from its first release): resident first..last, release, all triggered, last done (after the release: all/early/late blocks)");
     for l in first {
         println!(
-            "  {:<28} {:>5} blocks  {:>8.2} .. {:>8.2}  release {:>8.2}  triggered {}",
+            "  {:<28} {:>5} blocks  {:>8.2} .. {:>8.2}  release {:>8.2}  triggered {}  done {}",
             l.name,
             l.blocks,
             l.first_resident / 1e3,
             l.last_resident / 1e3,
             l.release / 1e3,
-            l.all_triggered.map(|t| format!("{:.2}", t / 1e3)).unwrap_or_else(|| "-".into())
+            l.all_triggered.map(|t| format!("{:.2}", t / 1e3)).unwrap_or_else(|| "-".into()),
+            l.done.map(|(a, e, late)| format!("{:.2}/{:.2}/{}", a / 1e3, e / 1e3, opt(late.map(|t| t / 1e3)))).unwrap_or_else(|| "-".into())
         );
     }
     Ok(serde_json::json!({
@@ -382,12 +454,16 @@ fn step_timeline(
             "kernel": k.name, "launches_per_step": k.launches_per_step, "blocks": k.blocks,
             "span_us": k.span_us, "us_per_step": k.total_us, "lead_us": k.lead_us,
             "resident_at_release": k.resident_at_release, "late_us": k.late_us, "trigger_us": k.trigger_us, "drain_us": k.drain_us, "launch_us": k.launch_us,
+            "mark_us": k.mark_us.map(|(m, x)| serde_json::json!({"mean": m, "latest": x})),
+            "done_us": k.done_us.map(|(a, e, l)| serde_json::json!({"all": a, "early_blocks": e, "late_blocks": l})),
         })).collect::<Vec<_>>(),
         "first_step": steps.first().map(|s| s.iter().map(|l| serde_json::json!({
             "kernel": l.name, "blocks": l.blocks, "first_resident_us": l.first_resident / 1e3,
             "last_resident_us": l.last_resident / 1e3, "release_us": l.release / 1e3,
             "resident_at_release": l.resident_at_release,
             "all_triggered_us": l.all_triggered.map(|t| t / 1e3),
+            "mark_after_release_us": l.mark.map(|(m, x)| serde_json::json!({"mean": m / 1e3, "latest": x / 1e3})),
+            "done_after_release_us": l.done.map(|(a, e, late)| serde_json::json!({"all": a / 1e3, "early_blocks": e / 1e3, "late_blocks": late.map(|t| t / 1e3)})),
         })).collect::<Vec<_>>()),
     }))
 }
@@ -403,6 +479,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
     cx.set_gemv_early_trigger(a.gemv_early_trigger);
+    cx.set_in_proj_grid(a.in_proj_grid_set);
+    cx.set_gemv_staged_unit(a.gemv_staged_unit);
+    cx.set_in_proj_late_weights(a.in_proj_late_weights);
+    cx.set_moe_cluster_late_trigger(a.moe_late_trigger);
+    cx.set_moe_cluster_mark_issue(a.moe_mark_issue);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -527,7 +608,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     // the step graph as measured above (the comparisons below capture others)
     let graph_stats = sess.graph_stats();
     let mut variants = Vec::new();
-    if a.compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -563,6 +644,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the decode GEMVs on the MLX layout with per-thread copies instead of the staged copy
         const GEMV_MLX: &str = "GEMV staged copies unused";
         const GEMV_ALL_EARLY: &str = "GEMV staged, every stage before the wait";
+        const GEMV_UNIT: &str = "GEMV staged, one copy per unit";
         const GDN_EARLY: &str = "GDN in_proj + step, early trigger";
         const GDN_L2: &str = "GDN in_proj + step, L2 first";
         const GDN_L2_EARLY: &str = "GDN in_proj + step, L2 first, early trigger";
@@ -581,7 +663,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_gemv_early_trigger(early);
             Ok(())
         };
-        for (name, fuse, pf, flags, carve, cap, early, fold) in [
+        let all_rows = [
             ("as configured", fuse0, pf0, d, carve0, true, early0, fold0),
             ("MoE router kernel, gate/up, down", fuse0, pf0, three, carve0, true, early0, false),
             ("MoE router folded, gate/up, down", fuse0, pf0, three, carve0, true, early0, true),
@@ -597,6 +679,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, fold0),
             (GEMV_MLX, fuse0, pf0, d, carve0, true, early0, fold0),
             (GEMV_ALL_EARLY, fuse0, pf0, d, carve0, true, early0, fold0),
+            (GEMV_UNIT, fuse0, pf0, d, carve0, true, early0, fold0),
             ("MoE fused (grid barriers)", fuse0, pf0, moe_fused, carve0, true, early0, fold0),
             ("MoE router, then fused gate/up+down", fuse0, pf0, MoeFlags { fused_keep_router: true, ..moe_fused }, carve0, true, early0, fold0),
             ("MoE router kernel, a cluster per expert", fuse0, pf0, moe_cluster, carve0, true, early0, false),
@@ -609,11 +692,13 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             (GDN_L2_EARLY, fuse0, pf0, d, carve0, true, early0, fold0),
             // the first row again: how far the machine drifted over the rows
             ("as configured, again", fuse0, pf0, d, carve0, true, early0, fold0),
-        ] {
+        ];
+        // --in-proj-grid alone: only its own rows (below)
+        for &(name, fuse, pf, flags, carve, cap, early, fold) in if a.compare { &all_rows[..] } else { &[] } {
             if name.starts_with("GDN") && !a.gdn_in_step {
                 continue; // the fused GDN kernel's rows: only with its weights (--gdn-in-step)
             }
-            if (name == GEMV_MLX || name == GEMV_ALL_EARLY) && !a.gemv_staged {
+            if (name == GEMV_MLX || name == GEMV_ALL_EARLY || name == GEMV_UNIT) && !a.gemv_staged {
                 continue; // the staged GEMVs' rows: only with the staged copies (--gemv-staged)
             }
             apply(&mut sess, fuse, pf, flags, carve, cap, early, fold)?;
@@ -623,6 +708,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             sess.set_gdn_in_l2_first(name == GDN_L2 || name == GDN_L2_EARLY);
             cx.set_gemv_staged(name != GEMV_MLX);
             cx.set_gemv_staged_all_early(name == GEMV_ALL_EARLY);
+            cx.set_gemv_staged_unit(if name == GEMV_UNIT { !a.gemv_staged_unit } else { a.gemv_staged_unit });
             cx.set_attn_combine_early_trigger(if name == ATTN_FLIP { !attn0 } else { attn0 });
             cx.set_attn_split_early_trigger(if name == ATTN_SPLIT_FLIP { !split0 } else { split0 });
             let (us, kernels) = time_decode(&mut sess)?;
@@ -634,9 +720,40 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         apply(&mut sess, fuse0, pf0, d, carve0, true, early0, fold0)?;
         sess.set_gdn_in_step(gdn0);
         cx.set_gemv_staged(true);
+        cx.set_gemv_staged_unit(a.gemv_staged_unit);
         cx.set_attn_combine_early_trigger(attn0);
         cx.set_attn_split_early_trigger(split0);
-        for params in sampling_cases().iter() {
+        // the input projections' launch (--in-proj-grid) and when the weights of the input
+        // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
+        // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t };
+            let mut rows = vec![row("as configured".into(), None, false, false)];
+            for &(ks, blocks) in &a.in_proj_grid {
+                rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
+            }
+            if a.prefetch_compare {
+                rows.push(row("in_proj weights after its wait".into(), None, true, false));
+                rows.push(row("MoE triggers once its tiles are here".into(), None, false, true));
+                rows.push(row("both".into(), None, true, true));
+            }
+            rows.push(row("as configured, again".into(), None, false, false));
+            for FocusRow { name, grid, late_w, late_t } in rows {
+                // what a row does not vary stays as configured
+                let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
+                cx.set_in_proj_grid(grid);
+                cx.set_in_proj_late_weights(late_w);
+                cx.set_moe_cluster_late_trigger(late_t);
+                let (us, kernels) = time_decode(&mut sess)?;
+                eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
+                variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(|(ks, b)| serde_json::json!({"ks_log2": ks, "blocks": b})),
+                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+            }
+            cx.set_in_proj_grid(a.in_proj_grid_set);
+            cx.set_in_proj_late_weights(a.in_proj_late_weights);
+            cx.set_moe_cluster_late_trigger(a.moe_late_trigger);
+        }
+        for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
             let (us, kernels) = time_decode(&mut sess)?;
             let name = format!("sampled {}", sampling_label(params));
@@ -764,6 +881,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold() && !a.no_fuse_norm && !sess.moe_flags().fused,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
+        "in_proj_grid": a.in_proj_grid_set.map(|(ks, b)| serde_json::json!({"ks_log2": ks, "blocks": b})),
+        "gemv_staged": a.gemv_staged, "gemv_staged_unit": a.gemv_staged_unit,
+        "in_proj_late_weights": a.in_proj_late_weights, "moe_late_trigger": a.moe_late_trigger, "moe_mark_issue": a.moe_mark_issue,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),
         "prefill": prefill,
         "prefill_profile": prefill_profile,
@@ -857,6 +977,13 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         cx.set_attn_split_early_trigger(cx.attn_split_early_trigger() ^ split);
         cx.set_attn_combine_early_trigger(cx.attn_combine_early_trigger() ^ combine);
         eprintln!("attention early triggers: split {}, combine {}", cx.attn_split_early_trigger(), cx.attn_combine_early_trigger());
+    }
+    cx.set_in_proj_grid(a.in_proj_grid);
+    cx.set_gemv_staged_unit(a.gemv_staged_unit);
+    cx.set_in_proj_late_weights(a.in_proj_late_weights);
+    cx.set_moe_cluster_late_trigger(a.moe_late_trigger);
+    if let Some((ks, blocks)) = a.in_proj_grid {
+        eprintln!("input projections: K split {} on {blocks} blocks", 1 << ks);
     }
     eprintln!("uploaded in {upload_s:.1} s; {} layers", m.cfg.num_hidden_layers);
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);

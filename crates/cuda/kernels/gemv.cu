@@ -55,6 +55,17 @@ constexpr int GEMV_CHAIN_LATE_WEIGHTS = 2;
 // unless GEMV_STAGED_ALL_EARLY (flags) asks for all of them before it, as the per-thread copies do.
 constexpr int STAGED_PRE = 2;
 constexpr int GEMV_STAGED_ALL_EARLY = 4;
+// Staged GEMVs whose warps each walk exactly one unit of at most STAGES - 1 steps (the input
+// projections on their default grid; also the staged output projection, whose unit is one step,
+// where it changes nothing): each warp's unit arrives by ONE bulk copy of all its steps (spu
+// stage images, consecutive in both layouts) on the mbarrier of stage 0, requested before the
+// PDL wait (as GEMV_STAGED_ALL_EARLY requests every stage), instead of one copy per stage.
+// Larger copies per request, as the MoE's cluster kernel makes (16-72 KB), which streamed ~47
+// GB/s per SM against ~22 for per-thread copies.
+constexpr int GEMV_STAGED_UNIT = 8;
+// Request no weights before the PDL wait (all of them right after x's loads): what the early
+// requests cost the kernel that is still running (measurement; lib.rs GEMV_LATE_WEIGHTS).
+constexpr int GEMV_LATE_WEIGHTS = 16;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
 template <int BITS, int K>
@@ -381,7 +392,12 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     }
 #define CALLA_GEMV_ISSUE()                                                                         \
     {                                                                                              \
-        if (STAGED) {                                                                              \
+        if (STAGED && unit_copy) {                                                                 \
+            if (p_n == 0 && total > 0 && p_live && lane == 0) { /* the whole unit at once */       \
+                calla_mbar_arrive_expect_tx(mb, total * C::STAGE_BYTES);                           \
+                calla_bulk_copy(ring, p_row0, total * C::STAGE_BYTES, mb);                         \
+            }                                                                                      \
+        } else if (STAGED) {                                                                       \
             if (p_n < total && p_live && lane == 0) {                                              \
                 calla_fence_proxy_async(); /* the warp's reads of this stage come first */         \
                 calla_mbar_arrive_expect_tx(mb + p_stage, C::STAGE_BYTES);                         \
@@ -413,6 +429,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         }                                                                                          \
     }
 
+    // one bulk copy per warp (GEMV_STAGED_UNIT): only when the warp's whole walk is one unit
+    // requested before the wait, so every stage is written once and its data arrive together
+    const bool unit_copy = STAGED && (flags & GEMV_STAGED_UNIT) && total == spu && spu <= STAGES - 1;
     CALLA_GEMV_UNIT();
     float4 nw[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
     if (NORM && (int)threadIdx.x * 8 < K) { // norm weights: constant, read before the wait
@@ -444,7 +463,9 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     if (late && chain_flags != nullptr) calla_flag_wait(chain_flags, chain_epoch);
     // Weights only before the PDL wait. STAGED: STAGED_PRE stages; the rest right after x's loads
     // are issued (a load issued after a block's bulk copies waits behind their data).
-    const int PRE = STAGED && !(flags & GEMV_STAGED_ALL_EARLY) ? (STAGED_PRE < STAGES - 1 ? STAGED_PRE : STAGES - 1) : STAGES - 1;
+    const int PRE = !CHAIN && (flags & GEMV_LATE_WEIGHTS) ? 0
+                    : STAGED && !(flags & GEMV_STAGED_ALL_EARLY) ? (STAGED_PRE < STAGES - 1 ? STAGED_PRE : STAGES - 1)
+                                                                 : STAGES - 1;
 #pragma unroll 1
     for (int s = 0; s < PRE; ++s) CALLA_GEMV_ISSUE();
     if (!CHAIN)
@@ -479,11 +500,17 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         if (STAGED) {
             // this step's stage, unless its tile is past the end (never copied; tiles only run
             // out at the end of a warp's walk, so the phases of the stages stay in step)
-            if ((c_it * G + B) * tpb + tile_local < m_tiles) calla_mbar_wait_parity(mb + c_stage, (unsigned)(j / STAGES) & 1u);
+            if ((c_it * G + B) * tpb + tile_local < m_tiles) {
+                if (!unit_copy)
+                    calla_mbar_wait_parity(mb + c_stage, (unsigned)(j / STAGES) & 1u);
+                else if (j == 0)
+                    calla_mbar_wait_parity(mb, 0u);  // the whole unit
+            }
         } else {
             cp_async_wait<STAGES - 1>();
         }
         __syncwarp();
+        if (j == total - 1) calla_tl_mark();  // probe: warp 0's last weights are here
         const unsigned char* st = ring + c_stage * C::STAGE_BYTES;
         const int ks = 2 * (step0 + c_ss); // super-step A; B is ks + 1
         uint4 ag[CPT], ah[CPT];
@@ -586,6 +613,10 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
             atomicAdd(rf.racc + r * RF_STRIDE, (double)ss);
         }
     }
+#ifdef CALLA_TIMELINE
+    __syncthreads();  // probe: the block's work is done
+    calla_tl_done();
+#endif
 #undef CALLA_GEMV_UNIT
 #undef CALLA_GEMV_ISSUE
 }

@@ -970,6 +970,14 @@ constexpr int CL_MSG = GROUP * 4 + 8;  // bytes each block sends to each: a grou
 // bulk copies per block: codes and scales of each gate/up row tile, of the down tiles
 constexpr int CL_COPIES = 2 * CL_GU_RT + 2;
 constexpr int CL_MARKS = 11;  // words per block of the phase probe (moe.rs CL_MARKS)
+// `flags` of the cluster kernels: with the fold, trigger the dependent launch (the next layer's
+// input projection) once the block's expert tiles are all here instead of right after the PDL
+// wait, so the next kernel's blocks do not land (and request their weights) while the experts
+// stream (moe.rs CL_LATE_TRIGGER).
+constexpr int CL_LATE_TRIGGER = 1;
+// ... and (timeline probe only) stamp the block's mark when its copies are issued instead of when
+// its tiles are all here (moe.rs CL_MARK_ISSUE).
+constexpr int CL_MARK_ISSUE = 2;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -1017,7 +1025,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
                                              const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
                                              const uint2* __restrict__ dn_sb_s, const ClRoute rt, float* part,
                                              unsigned* counts, int* __restrict__ hist_row,
-                                             unsigned long long* probe) {
+                                             unsigned long long* probe, int flags) {
     using S = ClSmem<BITS>;
     // Measurement (probe != null): thread 0 of each block records %globaltimer at its start and
     // after its PDL wait, then clock64 cycles since the wait at each phase (CL_MARKS words).
@@ -1095,7 +1103,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     uint4 bq[GU_GPW];                               // u's digits of it, in registers
     float2 bm[GU_GPW];
     if constexpr (FOLD) {
-        calla_pdl_launch_dependents();
+        if (!(flags & CL_LATE_TRIGGER)) calla_pdl_launch_dependents();
         // this lane's values of h and norm_w for the digits of u = h · inv · (1 + norm_w), two
         // groups per pass (one per half-warp), as moe_gate_up_fold_* lays them out
         static_assert(GU_GPW % 2 == 0, "two groups per pass");
@@ -1113,6 +1121,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         __syncthreads();
         if (routed && warp == 0) request(s_ids[slot]);
         mark(2);  // bulk copies issued
+        if (flags & CL_MARK_ISSUE) calla_tl_mark();
         const float inv = rsqrtf((float)ss / float(D) + rt.eps);
 #pragma unroll
         for (int pp = 0; pp < GU_GPW / 2; ++pp) {
@@ -1145,6 +1154,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         if (threadIdx.x < NSLOT) s_w[threadIdx.x] = rt.sel_w[threadIdx.x];
         if (routed && warp == 0) request(e);
         mark(2);  // bulk copies issued
+        if (flags & CL_MARK_ISSUE) calla_tl_mark();
         calla_pdl_launch_dependents();
     }
     __syncthreads();  // s_ids, s_w
@@ -1190,6 +1200,8 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     }
     calla_mbar_wait_phase0(&mbar_dn);  // the down tiles
     mark(6);
+    if (!(flags & CL_MARK_ISSUE)) calla_tl_mark();  // timeline probe: the block's expert tiles are all here
+    if (FOLD && (flags & CL_LATE_TRIGGER)) calla_pdl_launch_dependents();
     calla_mbar_wait_phase0(&mbar_x);   // all CL groups
     mark(7);
 
@@ -1225,7 +1237,10 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(counts + r, 1u) == NSLOT - 1 ? 1u : 0u;
     __syncthreads();
     mark(9);  // counted
-    if (s_last == 0u) return;
+    if (s_last == 0u) {
+        calla_tl_done();
+        return;
+    }
     if (threadIdx.x < CL_DN_RT * 16) {
         const int row = (int)r * CL_DN_RT * 16 + threadIdx.x;
         float y[NSLOT];
@@ -1238,6 +1253,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     }
     if (threadIdx.x == 0) counts[r] = 0u;  // for the next launch (kernel boundaries order it)
     mark(10);  // the last block: combined
+    calla_tl_done();
 }
 
 }  // namespace calla_moe
@@ -1364,10 +1380,10 @@ extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds
                    const uint4* __restrict__ gu_s, const uint2* __restrict__ gu_sb_s, const uint4* __restrict__ dn_e,
                    const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s, const uint2* __restrict__ dn_sb_s,
                    int* sel_ids, float* sel_w, const unsigned* __restrict__ uq, const float2* __restrict__ umeta,
-                   float* part, unsigned* counts, int* hist_row, unsigned long long* probe) {
+                   float* part, unsigned* counts, int* hist_row, unsigned long long* probe, int flags) {
     const calla_moe::ClRoute rt = {sel_ids, sel_w, uq, umeta, nullptr, nullptr, 0.f, nullptr, nullptr};
     calla_moe::cluster_body<4, false>(out, resid, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part,
-                                      counts, hist_row, probe);
+                                      counts, hist_row, probe, flags);
 }
 // The same after the output projection with the router folded in (gemv_resid_rf_*): h is the
 // residual stream after it (and resid), norm_w the post_attention_layernorm, racc its set of
@@ -1378,10 +1394,10 @@ extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds
                         const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
                         const uint2* __restrict__ dn_sb_s, int* sel_ids, float* sel_w, const float* __restrict__ norm_w,
                         float eps, const double* racc, double* racc_zero, float* part, unsigned* counts, int* hist_row,
-                        unsigned long long* probe) {
+                        unsigned long long* probe, int flags) {
     const calla_moe::ClRoute rt = {sel_ids, sel_w, nullptr, nullptr, h, norm_w, eps, racc, racc_zero};
     calla_moe::cluster_body<4, true>(out, h, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part, counts,
-                                     hist_row, probe);
+                                     hist_row, probe, flags);
 }
 
 // Measurement only (cuda_selftest): n flag barriers (calla_flag_arrive + calla_flag_wait in

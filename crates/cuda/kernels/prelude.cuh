@@ -53,17 +53,17 @@ __device__ __forceinline__ unsigned calla_tl_tag_of(unsigned slot, unsigned epoc
 // Kernels trigger only after their wait (the tag check skips a trigger stamp otherwise).
 __device__ __forceinline__ void calla_pdl_wait() {
 #ifdef CALLA_TIMELINE
-    // record: gridid, smid << 32 | block, clock64 before / after the wait, globaltimer at the
-    // trigger (0: none), globaltimer before / after the wait, blocks in the grid
+    // record: gridid, smid << 32 | block, the kernel's mark and done stamps (calla_tl_mark,
+    // calla_tl_done; 0: none), globaltimer at the trigger (0: none), globaltimer before / after
+    // the wait, blocks in the grid
     const bool lead = calla_tl_lead();
     CallaTimeline tl = {nullptr, nullptr, 0u, 0u};
-    unsigned long long c0 = 0, g0 = 0;
+    unsigned long long g0 = 0;
     unsigned slot = 0xffffffffu;
     if (lead) {
         tl = calla_tl;
         if (tl.rec != nullptr) {
             g0 = calla_globaltimer();
-            c0 = clock64();
             slot = atomicAdd(tl.cursor, 1u);
         }
     }
@@ -71,7 +71,7 @@ __device__ __forceinline__ void calla_pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #ifdef CALLA_TIMELINE
     if (lead && tl.rec != nullptr) {
-        const unsigned long long c1 = clock64(), g1 = calla_globaltimer();
+        const unsigned long long g1 = calla_globaltimer();
         calla_tl_slot = slot;
         calla_tl_tag = calla_tl_tag_of(slot, tl.epoch);
         if (slot < tl.cap) {
@@ -80,8 +80,8 @@ __device__ __forceinline__ void calla_pdl_wait() {
             unsigned long long* r = tl.rec + (size_t)slot * CALLA_TL_WORDS;
             r[0] = calla_gridid();
             r[1] = ((unsigned long long)smid << 32) | calla_tl_block();
-            r[2] = c0;
-            r[3] = c1;
+            r[2] = 0;
+            r[3] = 0;
             r[4] = 0;
             r[5] = g0;
             r[6] = g1;
@@ -106,6 +106,28 @@ __device__ __forceinline__ void calla_pdl_launch_dependents() {
     }
 #endif
 }
+
+// Phase stamps of the probe (no-ops without CALLA_TIMELINE), called by thread 0 after its wait:
+// calla_tl_mark() stores %globaltimer as the block's "mark", a point each kernel that calls it
+// defines (the decode GEMVs: the last weights of warp 0 present; the MoE cluster kernel: all of
+// the block's expert tiles present), calla_tl_done() as the block's "done" (its work finished).
+// The last call of each wins.
+__device__ __forceinline__ void calla_tl_stamp(int word) {
+#ifdef CALLA_TIMELINE
+    if (calla_tl_lead()) {
+        const unsigned long long t = calla_globaltimer();
+        const CallaTimeline tl = calla_tl;
+        const unsigned slot = calla_tl_slot;
+        const unsigned tag = calla_tl_tag_of(slot, tl.epoch);
+        if (tl.rec != nullptr && slot < tl.cap && (calla_tl_tag == tag || calla_tl_tag == ~tag))
+            tl.rec[(size_t)slot * CALLA_TL_WORDS + word] = t;
+    }
+#else
+    (void)word;
+#endif
+}
+__device__ __forceinline__ void calla_tl_mark() { calla_tl_stamp(2); }
+__device__ __forceinline__ void calla_tl_done() { calla_tl_stamp(3); }
 
 // bf16 stored as raw 16-bit patterns (no cuda_bf16.h needed under NVRTC).
 __device__ __forceinline__ float calla_bf16_to_f32(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }

@@ -414,6 +414,20 @@ pub struct CudaContext {
     gemv_staged: std::sync::atomic::AtomicBool,
     /// Staged GEMVs request every stage before the PDL wait ([`CudaContext::set_gemv_staged_all_early`]).
     gemv_staged_all_early: std::sync::atomic::AtomicBool,
+    /// Staged GEMVs whose warps walk one unit request it by one bulk copy ([`CudaContext::set_gemv_staged_unit`]).
+    gemv_staged_unit: std::sync::atomic::AtomicBool,
+    /// The input projections request no weights before their PDL wait ([`CudaContext::set_in_proj_late_weights`]).
+    in_proj_late_weights: std::sync::atomic::AtomicBool,
+    /// The MoE cluster kernel (after the fold) triggers the next launch once its expert tiles
+    /// are here ([`CudaContext::set_moe_cluster_late_trigger`]).
+    pub(crate) moe_cluster_late_trigger: std::sync::atomic::AtomicBool,
+    /// The MoE cluster kernel's timeline mark is when its copies are issued
+    /// ([`CudaContext::set_moe_cluster_mark_issue`]).
+    pub(crate) moe_cluster_mark_issue: std::sync::atomic::AtomicBool,
+    /// The input projections' launch forced to `(ks_log2, blocks)`, packed as
+    /// `ks_log2 << 32 | blocks` (0: the default of `gemv_launch`); set by
+    /// [`CudaContext::set_in_proj_grid`].
+    in_proj_grid: std::sync::atomic::AtomicU64,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -534,6 +548,11 @@ impl CudaContext {
             attn_split_early_trigger: std::sync::atomic::AtomicBool::new(ATTN_SPLIT_EARLY_TRIGGER),
             gemv_staged: std::sync::atomic::AtomicBool::new(true),
             gemv_staged_all_early: std::sync::atomic::AtomicBool::new(false),
+            gemv_staged_unit: std::sync::atomic::AtomicBool::new(false),
+            in_proj_late_weights: std::sync::atomic::AtomicBool::new(false),
+            moe_cluster_late_trigger: std::sync::atomic::AtomicBool::new(false),
+            moe_cluster_mark_issue: std::sync::atomic::AtomicBool::new(false),
+            in_proj_grid: std::sync::atomic::AtomicU64::new(0),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -572,6 +591,11 @@ impl CudaContext {
             attn_split_early_trigger: copy(&self.attn_split_early_trigger),
             gemv_staged: copy(&self.gemv_staged),
             gemv_staged_all_early: copy(&self.gemv_staged_all_early),
+            gemv_staged_unit: copy(&self.gemv_staged_unit),
+            in_proj_late_weights: copy(&self.in_proj_late_weights),
+            moe_cluster_late_trigger: copy(&self.moe_cluster_late_trigger),
+            moe_cluster_mark_issue: copy(&self.moe_cluster_mark_issue),
+            in_proj_grid: std::sync::atomic::AtomicU64::new(self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed)),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),
@@ -775,8 +799,13 @@ impl CudaContext {
                 p::D_MODEL
             )));
         }
-        let (_, mut cfg, ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
+        let (_, mut cfg, mut ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
         cfg.shared_mem_bytes = gemv_smem_bytes(mat.bits.bits() as usize, mat.cols) as u32;
+        let in_proj = mat.rows <= gdn::GDN_PROJ.max(attention::ATTN_PROJ);
+        let forced = self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed);
+        if forced != 0 && in_proj {
+            (ks_log2, cfg.grid_dim.0) = clamp_gemv_tune(mat, (forced >> 32) as i32, forced as u32);
+        }
         let (wp, _guard) = norm_w.device_ptr(&self.stream);
         if wp % 16 != 0 {
             return Err(CudaError::Unsupported(format!("gemv_norm: norm_w must be 16-byte aligned (device address {wp:#x})")));
@@ -795,7 +824,8 @@ impl CudaContext {
             .expect("loaded"),
         };
         let eps = p::RMS_EPS;
-        let flags = self.gemv_flags();
+        let late = in_proj && self.in_proj_late_weights.load(std::sync::atomic::Ordering::Relaxed);
+        let flags = self.gemv_flags() | if late { GEMV_LATE_WEIGHTS } else { 0 };
         let mut b = self.stream.launch_builder(f);
         match staged {
             Some(st) => b.arg(out).arg(st),
@@ -833,11 +863,7 @@ impl CudaContext {
         let op = if resid.is_some() { "gemv_residual" } else { "gemv" };
         let (f, mut cfg, mut ks_log2, rows) = self.gemv_prepare(op, out.len(), mat, x, resid.map(|r| r.len()))?;
         if let Some((ks, blocks)) = tune {
-            let nstep = mat.cols / 256;
-            ks_log2 = ks.clamp(0, GEMV_WARPS.trailing_zeros() as i32).min(nstep.trailing_zeros() as i32);
-            let tpb = GEMV_WARPS >> ks_log2;
-            let useful = mat.rows.div_ceil(16).div_ceil(tpb) as u32;
-            cfg.grid_dim.0 = blocks.clamp(1, useful);
+            (ks_log2, cfg.grid_dim.0) = clamp_gemv_tune(mat, ks, blocks);
         }
         let mut b = self.stream.launch_builder(f);
         b.arg(out)
@@ -1119,6 +1145,55 @@ impl CudaContext {
         Ok(())
     }
 
+    /// Forces the launch of the input projections ([`Self::gemv_norm`] on a matrix of at most
+    /// `max(GDN_PROJ, ATTN_PROJ)` rows, i.e. not the LM head): `Some((ks_log2, blocks))` splits
+    /// K over `2^ks_log2` warps and uses `blocks` blocks (clamped as in [`Self::gemv_tuned`]);
+    /// `None` restores the default (`gemv_launch`: the most blocks that cover the matrix in one
+    /// block-iteration, 97 for the GDN input projection on the H200). Fewer blocks each
+    /// request more bytes before the PDL wait, and land during the MoE kernel on the SMs it
+    /// leaves free instead of after it. The same bits either way (each 16-row tile is summed in
+    /// the same order whatever block runs it, as long as the split is the same; another split
+    /// sums K in other pieces). For measurement (`calla cuda-bench --in-proj-grid`); graphs
+    /// captured earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_in_proj_grid(&self, tune: Option<(i32, u32)>) {
+        let packed = tune.map_or(0, |(ks, blocks)| ((ks.max(0) as u64) << 32) | blocks.max(1) as u64);
+        if self.in_proj_grid.swap(packed, std::sync::atomic::Ordering::Relaxed) != packed {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Lets the input projections ([`Self::gemv_norm`] on a matrix of at most
+    /// `max(GDN_PROJ, ATTN_PROJ)` rows) request no weights before their PDL wait (`true`), all
+    /// of them right after `x`'s loads, instead of their first ring stages (`false`, the
+    /// default). Their blocks still land early, beside the MoE kernel, but take no bandwidth
+    /// from its experts. The same bits either way. For measurement; graphs captured earlier are
+    /// captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_in_proj_late_weights(&self, on: bool) {
+        self.set_launch_option(&self.in_proj_late_weights, on);
+    }
+
+    /// Lets the MoE cluster kernel after the router fold ([`Self::moe_fold_cluster`]) trigger
+    /// the next launch (the next layer's input projection) once each block's expert tiles are
+    /// all in shared memory (`true`) instead of right after its PDL wait (`false`, the default),
+    /// so the input projection's blocks land, and request their weights, only after the
+    /// experts have streamed. The same bits either way. For measurement; graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_moe_cluster_late_trigger(&self, on: bool) {
+        self.set_launch_option(&self.moe_cluster_late_trigger, on);
+    }
+
+    /// With the timeline probe ([`timeline`]): the MoE cluster kernel after the fold stamps its
+    /// blocks' mark when their expert copies are issued (`true`: after the top-k) instead of when
+    /// the tiles are all in shared memory (`false`, the default). Nothing else changes. Graphs
+    /// captured earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_moe_cluster_mark_issue(&self, on: bool) {
+        self.set_launch_option(&self.moe_cluster_mark_issue, on);
+    }
+
     /// Sets one of the context-wide launch options to `on`; a change bumps the launch
     /// generation, so graphs captured earlier are captured again ([`Self::launch_generation`]).
     fn set_launch_option(&self, flag: &std::sync::atomic::AtomicBool, on: bool) {
@@ -1130,7 +1205,18 @@ impl CudaContext {
     fn gemv_flags(&self) -> i32 {
         let early = if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { GEMV_EARLY_TRIGGER } else { 0 };
         let all = if self.gemv_staged_all_early.load(std::sync::atomic::Ordering::Relaxed) { GEMV_STAGED_ALL_EARLY } else { 0 };
-        early | all
+        let unit = if self.gemv_staged_unit.load(std::sync::atomic::Ordering::Relaxed) { GEMV_STAGED_UNIT } else { 0 };
+        early | all | unit
+    }
+
+    /// Lets a staged GEMV whose warps each walk exactly one unit (the input projections on
+    /// their default grid) request each warp's unit by one bulk copy of all its steps (`true`)
+    /// instead of one copy per ring stage (`false`, the default): fewer, larger requests, as
+    /// the MoE's cluster kernel makes. The same bits either way. For measurement; graphs
+    /// captured earlier are captured again.
+    #[doc(hidden)]
+    pub fn set_gemv_staged_unit(&self, on: bool) {
+        self.set_launch_option(&self.gemv_staged_unit, on);
     }
 
     /// Lets the staged GEMVs request every ring stage before their PDL wait (`true`, as the
@@ -1244,11 +1330,6 @@ pub fn gemv_config(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (i32
 /// Warps per GEMV block (`NW` in `kernels/gemv.cu`); one block per SM.
 const GEMV_WARPS: usize = 16;
 
-/// Dynamic shared memory of a GEMV block, as `calla_gemv::Cfg<BITS, K>::SMEM` in
-/// `kernels/gemv.cu`: the B-fragment table (1 KB per 128 columns), the per-super-step constants
-/// (64 B per 128 columns), and per warp a cp.async ring of `STAGES` steps, each the codes of
-/// 16 rows x 256 columns (2 KB at 4 bits, 4 KB at 8) and 256 B of scales/biases. `STAGES` is 5
-/// at 4 bits, 3 at 8 bits (2 above 2,048 columns): at most 221 KB of the 227 KB a block may use.
 /// `flags` bit of every GEMV entry point: trigger the dependent launch right after the PDL
 /// wait (`calla_gemv::GEMV_EARLY_TRIGGER` in `kernels/gemv.cu`).
 const GEMV_EARLY_TRIGGER: i32 = 1;
@@ -1258,6 +1339,11 @@ const GEMV_CHAIN_LATE_WEIGHTS: i32 = 2;
 /// `flags` bit of the staged GEMVs: every stage requested before the PDL wait
 /// (`calla_gemv::GEMV_STAGED_ALL_EARLY`).
 const GEMV_STAGED_ALL_EARLY: i32 = 4;
+/// `flags` bit of the staged GEMVs: one bulk copy per warp's unit (`calla_gemv::GEMV_STAGED_UNIT`).
+const GEMV_STAGED_UNIT: i32 = 8;
+/// `flags` bit of every GEMV: no weights requested before the PDL wait
+/// (`calla_gemv::GEMV_LATE_WEIGHTS`).
+const GEMV_LATE_WEIGHTS: i32 = 16;
 
 /// Bytes of one ring stage of a 4-bit decode GEMV: codes of 16 rows × 256 columns (2 KB),
 /// then 32 cells of 8 bytes of scales or biases (`Cfg<4, K>::STAGE_BYTES`).
@@ -1314,6 +1400,11 @@ fn stage_rows(parts: &[QMatRef<'_>], cols: usize) -> Vec<u32> {
     out
 }
 
+/// Dynamic shared memory of a GEMV block, as `calla_gemv::Cfg<BITS, K>::SMEM` in
+/// `kernels/gemv.cu`: the B-fragment table (1 KB per 128 columns), the per-super-step constants
+/// (64 B per 128 columns), and per warp a cp.async ring of `STAGES` steps, each the codes of
+/// 16 rows x 256 columns (2 KB at 4 bits, 4 KB at 8) and 256 B of scales/biases. `STAGES` is 5
+/// at 4 bits, 3 at 8 bits (2 above 2,048 columns): at most 221 KB of the 227 KB a block may use.
 fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     let nss = cols / 128;
     let stages = match (bits, nss) {
@@ -1323,6 +1414,16 @@ fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     };
     let stage_bytes = 2 * (bits / 2) * 32 * 16 + 32 * 8;
     nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
+}
+
+/// `(ks_log2, blocks)` for a forced GEMV launch on `mat`: the split clamped to
+/// `0..=min(log2 GEMV_WARPS, log2(cols / 256))`, the blocks to `1..=` the block-iterations.
+fn clamp_gemv_tune(mat: &DeviceQMat, ks: i32, blocks: u32) -> (i32, u32) {
+    let nstep = mat.cols / 256;
+    let ks_log2 = ks.clamp(0, GEMV_WARPS.trailing_zeros() as i32).min(nstep.trailing_zeros() as i32);
+    let tpb = GEMV_WARPS >> ks_log2;
+    let useful = mat.rows.div_ceil(16).div_ceil(tpb) as u32;
+    (ks_log2, blocks.clamp(1, useful))
 }
 
 /// `(ks_log2, blocks)` of [`gemv_launch`].

@@ -72,6 +72,13 @@ const CL: usize = 8;
 /// Words per block of the expert-per-cluster kernel's phase probe (`CL_MARKS` in `moe.cu`).
 #[doc(hidden)]
 pub const CL_MARKS: usize = 11;
+/// `flags` bit of the expert-per-cluster kernels: with the fold, trigger the next launch once the
+/// block's expert tiles are here (`CL_LATE_TRIGGER` in `moe.cu`; `CudaContext::set_moe_cluster_late_trigger`).
+const CL_LATE_TRIGGER: i32 = 1;
+/// `flags` bit of the expert-per-cluster kernels: the timeline probe's mark when the copies are
+/// issued instead of when the tiles are all here (`CL_MARK_ISSUE` in `moe.cu`;
+/// `CudaContext::set_moe_cluster_mark_issue`).
+const CL_MARK_ISSUE: i32 = 2;
 /// Blocks of the expert-per-cluster kernel.
 #[doc(hidden)]
 pub const CL_BLOCKS: usize = (p::TOP_K + 1) * CL;
@@ -1136,6 +1143,9 @@ impl CudaContext {
         let s = self.stream();
         let eps = p::RMS_EPS;
         let func = self.func("moe_cluster_fold_e4")?;
+        let late = self.moe_cluster_late_trigger.load(std::sync::atomic::Ordering::Relaxed);
+        let issue = self.moe_cluster_mark_issue.load(std::sync::atomic::Ordering::Relaxed);
+        let flags: i32 = (if late { CL_LATE_TRIGGER } else { 0 }) | (if issue { CL_MARK_ISSUE } else { 0 });
         with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
             let mut b = s.launch_builder(func);
             b.arg(out).arg(h);
@@ -1149,7 +1159,8 @@ impl CudaContext {
                 .arg(&mut scratch.part)
                 .arg(&mut scratch.cl_counts)
                 .arg(&scratch.hist_row)
-                .arg(&scratch.cl_probe);
+                .arg(&scratch.cl_probe)
+                .arg(&flags);
             // SAFETY: arguments match `moe_cluster_fold_e4` in kernels/moe.cu; lengths checked
             // above and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
             // RF_SET f64 each, distinct; hist_row null or an [N_EXPERTS] i32 row. Cluster shape
@@ -1277,7 +1288,8 @@ impl CudaContext {
             .arg(&mut scratch.part)
             .arg(&mut scratch.cl_counts)
             .arg(&scratch.hist_row)
-            .arg(&scratch.cl_probe);
+            .arg(&scratch.cl_probe)
+            .arg(&0i32); // flags: its trigger follows the router kernel's ids (no late trigger)
         // SAFETY: arguments match `moe_cluster_e4` in kernels/moe.cu; lengths fixed by
         // upload_moe_refs (every expert matrix 4-bit: moe_cluster_ready) and moe_scratch;
         // hist_row is null or an [N_EXPERTS] i32 row (its owner's contract). The cluster shape

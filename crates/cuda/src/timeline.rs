@@ -8,15 +8,19 @@
 //! released.
 //!
 //! How: [`enable`] before [`CudaContext::new`] compiles every kernel with `CALLA_TIMELINE`
-//! defined (`kernels/prelude.cuh`): thread 0 of every block then reads `%globaltimer` (and
-//! `clock64`) on both sides of `calla_pdl_wait()`, appends a [`Record`] to a device log (one
-//! atomic per block), and stamps `%globaltimer` when it calls `calla_pdl_launch_dependents()`.
+//! defined (`kernels/prelude.cuh`): thread 0 of every block then reads `%globaltimer` on both
+//! sides of `calla_pdl_wait()`, appends a [`Record`] to a device log (one atomic per block),
+//! stamps `%globaltimer` when it calls `calla_pdl_launch_dependents()`, and, in the kernels that
+//! call them, at a phase of the kernel's own (`calla_tl_mark`: the decode GEMVs' last weights of
+//! warp 0 present, the MoE cluster kernel's expert tiles all present) and when the block's work
+//! is done (`calla_tl_done`).
 //! Times are `%globaltimer` (ns, one clock for the whole GPU). On the H200 its values are
 //! multiples of 32 ns but it advances in steps of about 256 ns (the blocks of one launch read
 //! the same few values), so a single launch's times are good to ±0.26 µs and the per-entry-point
 //! averages over many launches to better. The SM clocks are not used: they start from
 //! different origins, and on the H200 they drift from a straight line against `%globaltimer`
-//! by up to 6 µs within a few steps (measured), as the clock frequency moves. The host groups
+//! by up to 6 µs within a few steps (measured), as the clock frequency moves (the probe logged
+//! them before session 19; those two words now hold the mark and done stamps). The host groups
 //! the records by grid id (one per kernel node, numbered in launch order and reused by every
 //! replay of the graph), splits each group into replays by time, and matches the grids to the
 //! step graph's kernel nodes ([`crate::graph::StepGraph::kernel_launches`]).
@@ -63,10 +67,13 @@ pub struct Record {
     pub sm: u32,
     /// Linear block index.
     pub block: u32,
-    /// `clock64` (this SM's cycles) right before the wait.
-    pub clk_pre: u64,
-    /// `clock64` right after the wait.
-    pub clk_post: u64,
+    /// `%globaltimer` (ns) at the kernel's mark (`calla_tl_mark` in `kernels/prelude.cuh`: the
+    /// decode GEMVs' last weights of warp 0 present, the MoE cluster kernel's expert tiles all
+    /// present), 0 when the kernel does not mark.
+    pub ns_mark: u64,
+    /// `%globaltimer` (ns) when the block's work was done (`calla_tl_done`), 0 when the kernel
+    /// does not stamp it.
+    pub ns_done: u64,
     /// `%globaltimer` (ns) at `launch_dependents`, 0 when the block never called it after its
     /// wait.
     pub ns_trigger: u64,
@@ -85,8 +92,8 @@ impl Record {
             grid: w[0],
             sm: (w[1] >> 32) as u32,
             block: w[1] as u32,
-            clk_pre: w[2],
-            clk_post: w[3],
+            ns_mark: w[2],
+            ns_done: w[3],
             ns_trigger: w[4],
             ns_pre: w[5],
             ns_post: w[6],
@@ -199,6 +206,13 @@ pub struct Launch {
     /// When the last block triggered its dependents (`None` if some block never did after its
     /// wait).
     pub all_triggered: Option<f64>,
+    /// Mean and latest [`Record::ns_mark`] after the release (ns) over the blocks that marked
+    /// (`None`: the kernel does not mark).
+    pub mark: Option<(f64, f64)>,
+    /// Latest [`Record::ns_done`] after the release (ns): over all blocks, over the blocks
+    /// resident at the release, over the others (`None` when there are none) (`None`: the
+    /// kernel does not stamp it in every block).
+    pub done: Option<(f64, f64, Option<f64>)>,
 }
 
 /// Lays the records of one or more replays of a step graph out as launches: grids in launch
@@ -249,6 +263,20 @@ pub fn layout(records: &[Record], kernels: &[(String, u64)]) -> Result<Vec<Vec<L
             let pre: Vec<f64> = recs.iter().map(|r| r.ns_pre as f64).collect();
             let release = recs.iter().map(|r| r.ns_post as f64).fold(f64::INFINITY, f64::min);
             let trig: Option<Vec<f64>> = recs.iter().map(|r| (r.ns_trigger != 0).then_some(r.ns_trigger as f64)).collect();
+            let marks: Vec<f64> = recs.iter().filter(|r| r.ns_mark != 0).map(|r| r.ns_mark as f64 - release).collect();
+            let mark = (!marks.is_empty())
+                .then(|| (marks.iter().sum::<f64>() / marks.len() as f64, marks.iter().copied().fold(f64::NEG_INFINITY, f64::max)));
+            let latest = |early: bool| {
+                recs.iter()
+                    .filter(|r| (r.ns_pre as f64 <= release) == early)
+                    .map(|r| r.ns_done as f64 - release)
+                    .reduce(f64::max)
+            };
+            let done = recs.iter().all(|r| r.ns_done != 0).then(|| {
+                let early = latest(true).unwrap_or(f64::NEG_INFINITY);
+                let late = latest(false);
+                (late.map_or(early, |l| l.max(early)), early, late)
+            });
             launches.push(Launch {
                 name: name.clone(),
                 blocks: *blocks,
@@ -258,6 +286,8 @@ pub fn layout(records: &[Record], kernels: &[(String, u64)]) -> Result<Vec<Vec<L
                 release,
                 resident_at_release: pre.iter().filter(|&&t| t <= release).count() as f64 / b as f64,
                 all_triggered: trig.map(|v| v.into_iter().fold(f64::NEG_INFINITY, f64::max)),
+                mark,
+                done,
             });
         }
         let t0 = launches[0].release;
@@ -274,7 +304,9 @@ pub fn layout(records: &[Record], kernels: &[(String, u64)]) -> Result<Vec<Vec<L
     Ok(steps)
 }
 
-/// Per entry point, averaged over its launches in the given replays (ns):
+/// Per entry point and grid size (one entry point serves launches of different sizes: the
+/// fused-norm GEMV is the GDN and attention input projections and the LM head), averaged over
+/// its launches in the given replays (ns):
 /// `span` = next kernel's release − this kernel's release (what it adds to the chain);
 /// `lead` = release − first block resident; `late` = last block resident − release (0 when
 /// every block was resident in time); `drain` = next release − last trigger (how long the
@@ -306,10 +338,15 @@ pub struct KernelSummary {
     pub launch_us: Option<f64>,
     /// Sum of `span_us` over a replay.
     pub total_us: f64,
+    /// Mean µs from the release to the blocks' mark, and to the latest mark ([`Launch::mark`]).
+    pub mark_us: Option<(f64, f64)>,
+    /// Mean µs from the release to the last block done: of all, of the blocks resident at the
+    /// release, of the others (launches that had late blocks) ([`Launch::done`]).
+    pub done_us: Option<(f64, f64, Option<f64>)>,
 }
 
-/// [`KernelSummary`] of every entry point, in order of first launch in the step. The last
-/// launch of a replay has no next release and no span.
+/// [`KernelSummary`] of every entry point and grid size, in order of first launch in the step.
+/// The last launch of a replay has no next release and no span.
 pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
     struct Acc {
         n: usize,
@@ -323,15 +360,39 @@ pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
         trig: f64,
         drain_n: usize,
         launch: Vec<f64>,
+        mark: Vec<(f64, f64)>,
+        done: Vec<(f64, f64)>,
+        done_late: Vec<f64>,
     }
-    let mut order: Vec<String> = Vec::new();
-    let mut acc: HashMap<String, Acc> = HashMap::new();
+    let mut order: Vec<(String, u64)> = Vec::new();
+    let mut acc: HashMap<(String, u64), Acc> = HashMap::new();
     for step in steps {
         for (i, l) in step.iter().enumerate() {
-            let a = acc.entry(l.name.clone()).or_insert_with(|| {
-                order.push(l.name.clone());
-                Acc { n: 0, blocks: 0.0, span: 0.0, span_n: 0, lead: 0.0, res: 0.0, late: 0.0, drain: 0.0, trig: 0.0, drain_n: 0, launch: Vec::new() }
+            let key = (l.name.clone(), l.blocks);
+            let a = acc.entry(key.clone()).or_insert_with(|| {
+                order.push(key);
+                Acc {
+                    n: 0,
+                    blocks: 0.0,
+                    span: 0.0,
+                    span_n: 0,
+                    lead: 0.0,
+                    res: 0.0,
+                    late: 0.0,
+                    drain: 0.0,
+                    trig: 0.0,
+                    drain_n: 0,
+                    launch: Vec::new(),
+                    mark: Vec::new(),
+                    done: Vec::new(),
+                    done_late: Vec::new(),
+                }
             });
+            a.mark.extend(l.mark);
+            if let Some((all, early, late)) = l.done {
+                a.done.push((all, early));
+                a.done_late.extend(late);
+            }
             a.n += 1;
             a.blocks += l.blocks as f64;
             a.lead += l.release - l.first_resident;
@@ -354,8 +415,9 @@ pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
     let steps_n = steps.len().max(1) as f64;
     order
         .into_iter()
-        .map(|name| {
-            let a = &acc[&name];
+        .map(|key| {
+            let a = &acc[&key];
+            let name = key.0;
             let n = a.n as f64;
             KernelSummary {
                 launches_per_step: n / steps_n,
@@ -368,10 +430,21 @@ pub fn summarize(steps: &[Vec<Launch>]) -> Vec<KernelSummary> {
                 drain_us: (a.drain_n > 0).then(|| a.drain / a.drain_n as f64 / 1e3),
                 launch_us: median(&a.launch).map(|m| m / 1e3),
                 total_us: a.span / steps_n / 1e3,
+                mark_us: mean2(&a.mark).map(|(m, x)| (m / 1e3, x / 1e3)),
+                done_us: mean2(&a.done).map(|(all, early)| {
+                    let late = (!a.done_late.is_empty()).then(|| a.done_late.iter().sum::<f64>() / a.done_late.len() as f64 / 1e3);
+                    (all / 1e3, early / 1e3, late)
+                }),
                 name,
             }
         })
         .collect()
+}
+
+/// Component-wise mean of pairs (`None` for none).
+fn mean2(v: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = v.len() as f64;
+    (!v.is_empty()).then(|| (v.iter().map(|p| p.0).sum::<f64>() / n, v.iter().map(|p| p.1).sum::<f64>() / n))
 }
 
 fn median(v: &[f64]) -> Option<f64> {
@@ -388,17 +461,14 @@ fn median(v: &[f64]) -> Option<f64> {
 mod tests {
     use super::*;
 
-    /// A block's record; its SM clock (unused by the layout) runs at 2 cycles/ns from an
-    /// origin of its own.
+    /// A block's record, without mark and done stamps.
     fn rec(grid: u64, sm: u32, block: u32, pre_ns: u64, post_ns: u64, trig_ns: Option<u64>) -> Record {
-        let origin = if sm == 0 { 1_000_000 } else { 7_000_000 };
-        let clk = |ns: u64| origin + 2 * ns;
         Record {
             grid,
             sm,
             block,
-            clk_pre: clk(pre_ns),
-            clk_post: clk(post_ns),
+            ns_mark: 0,
+            ns_done: 0,
             ns_trigger: trig_ns.unwrap_or(0),
             ns_pre: pre_ns,
             ns_post: post_ns,
@@ -448,6 +518,55 @@ mod tests {
         assert!((sum[2].launch_us.unwrap() - 1.1).abs() < 1e-9);
         assert!((sum[1].late_us - 0.2).abs() < 1e-9);
         assert!((sum[1].lead_us - 1.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn marks_and_done_stamps_are_measured_from_the_release() {
+        // one replay of one kernel: block 0 resident early, block 1 after the release (at 1.5 us)
+        let stamped = |mut r: Record, mark: u64, done: u64| {
+            r.ns_mark = mark;
+            r.ns_done = done;
+            r
+        };
+        let records = vec![
+            stamped(rec(10, 0, 0, 100, 1_000, Some(1_200)), 1_400, 3_000),
+            stamped(rec(10, 1, 1, 1_500, 1_500, Some(1_700)), 2_600, 5_000),
+        ];
+        let steps = layout(&records, &[("a".into(), 2)]).unwrap();
+        let l = &steps[0][0];
+        // marks 0.4 and 1.6 us after the release at 1.0 us
+        let (mean, max) = l.mark.unwrap();
+        assert!((mean - 1_000.0).abs() < 1e-6 && (max - 1_600.0).abs() < 1e-6, "{:?}", l.mark);
+        // done: the late block last (4.0 us), the early one at 2.0 us
+        assert_eq!(l.done, Some((4_000.0, 2_000.0, Some(4_000.0))));
+        let sum = summarize(&steps);
+        assert_eq!(sum[0].done_us, Some((4.0, 2.0, Some(4.0))));
+        assert_eq!(sum[0].mark_us, Some((1.0, 1.6)));
+        // a block without a done stamp: no done figures; without marks: none either
+        let partial = vec![records[0], rec(10, 1, 1, 1_500, 1_500, Some(1_700))];
+        let steps = layout(&partial, &[("a".into(), 2)]).unwrap();
+        assert_eq!(steps[0][0].done, None);
+        assert_eq!(steps[0][0].mark, Some((400.0, 400.0)));
+        let bare = vec![rec(10, 0, 0, 0, 10, None), rec(10, 0, 1, 0, 10, None)];
+        assert_eq!(layout(&bare, &[("a".into(), 2)]).unwrap()[0][0].mark, None);
+    }
+
+    #[test]
+    fn summary_splits_an_entry_point_by_grid_size() {
+        // "g" launched on 2 blocks, then "k", then "g" again on 1 block (as the fused-norm GEMV
+        // is both the input projections and the LM head)
+        let one = |r: Record| Record { blocks: 1, ..r };
+        let records = vec![
+            rec(10, 0, 0, 0, 100, Some(200)),
+            rec(10, 1, 1, 0, 100, Some(200)),
+            one(rec(11, 0, 0, 150, 1_100, Some(1_200))),
+            one(rec(12, 0, 0, 1_150, 2_100, Some(2_200))),
+            one(rec(13, 0, 0, 2_150, 5_100, None)),
+        ];
+        let kernels = vec![("g".to_string(), 2), ("k".to_string(), 1), ("g".to_string(), 1), ("k".to_string(), 1)];
+        let sum = summarize(&layout(&records, &kernels).unwrap());
+        let rows: Vec<(&str, f64, f64)> = sum.iter().map(|k| (k.name.as_str(), k.blocks, k.span_us)).collect();
+        assert_eq!(rows, vec![("g", 2.0, 1.0), ("k", 1.0, 1.0), ("g", 1.0, 3.0)]);
     }
 
     #[test]

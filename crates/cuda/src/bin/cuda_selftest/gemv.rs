@@ -512,15 +512,21 @@ fn fused_norm(s: &mut Suite) -> bool {
             let mut dm = dm;
             if bits == 4 {
                 cx.stage_qmat(&mut dm, &[m]).expect("stage_qmat");
-                let mut st = guarded(cx, rows);
-                cx.gemv_norm(&mut st.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..))
-                    .unwrap_or_else(|e| panic!("gemv_norm (staged): {e}"));
-                let st_h = cx.download_f32(&st).unwrap();
-                let differ = st_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-                if differ > 0 {
-                    c.ok = false;
-                    c.msg.push_str(&format!("the staged (bulk-copy) entry point differs in {differ} words (guards included); "));
+                // per-stage copies, then one copy per warp's unit (set_gemv_staged_unit)
+                for unit in [false, true] {
+                    cx.set_gemv_staged_unit(unit);
+                    let mut st = guarded(cx, rows);
+                    cx.gemv_norm(&mut st.slice_mut(GUARD..GUARD + rows), &dm, &xd.slice(..), &wd.slice(..))
+                        .unwrap_or_else(|e| panic!("gemv_norm (staged, unit copy {unit}): {e}"));
+                    let st_h = cx.download_f32(&st).unwrap();
+                    let differ = st_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                    if differ > 0 {
+                        c.ok = false;
+                        let how = if unit { "one copy per unit" } else { "a copy per stage" };
+                        c.msg.push_str(&format!("the staged (bulk-copy, {how}) entry point differs in {differ} words (guards included); "));
+                    }
                 }
+                cx.set_gemv_staged_unit(false);
             }
             let mut extra = String::new();
             if timed {
@@ -556,8 +562,21 @@ fn fused_norm(s: &mut Suite) -> bool {
                 let (us_pair, us_fused) = (time(false), time(true));
                 cx.set_gemv_staged(true);
                 let us_staged = time(true);
-                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us, fused staged (bulk copies) {us_staged:.2} us (PDL graph, {copies} copies)");
-                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3},\"us_fused_staged\":{us_staged:.3}");
+                // one bulk copy per warp's unit, all of it before the wait, against every stage
+                // before the wait (the like-for-like baseline); 4 bits only (staged copies)
+                let mut unit_txt = String::new();
+                if bits == 4 {
+                    cx.set_gemv_staged_all_early(true);
+                    let us_all = time(true);
+                    cx.set_gemv_staged_all_early(false);
+                    cx.set_gemv_staged_unit(true);
+                    let us_unit = time(true);
+                    cx.set_gemv_staged_unit(false);
+                    unit_txt = format!(", every stage before the wait {us_all:.2} us, one copy per unit {us_unit:.2} us");
+                    extra = format!(",\"us_fused_staged_all_early\":{us_all:.3},\"us_fused_staged_unit\":{us_unit:.3}");
+                }
+                println!("gemv_norm q{bits} [{rows}x{d}]: rms_norm + gemv {us_pair:.2} us, fused {us_fused:.2} us, fused staged (bulk copies) {us_staged:.2} us{unit_txt} (PDL graph, {copies} copies)");
+                extra = format!("\"us_pair\":{us_pair:.3},\"us_fused\":{us_fused:.3},\"us_fused_staged\":{us_staged:.3}{extra}");
             }
             ok_all &= c.ok;
             s.record("gemv_norm", &format!("q{bits} [{rows}x{d}] fused = rms_norm + gemv, vs CPU"), &c, &extra);
