@@ -114,6 +114,11 @@ pub const KERNELS: &[KernelSource] = &[
         entries: &["embed_gather_q4", "embed_gather_q8", "argmax_step", "advance_pos"],
     },
     KernelSource {
+        name: "stream",
+        src: include_str!("../kernels/stream.cu"),
+        entries: &["stream_bulk", "stream_bulk_cl8", "stream_thread"],
+    },
+    KernelSource {
         name: "sample",
         src: include_str!("../kernels/sample.cu"),
         entries: &["sample_prep", "sample_weights", "sample_select", "sample_draw"],
@@ -882,6 +887,65 @@ impl CudaContext {
         Ok(())
     }
 
+    /// Measurement (`cuda_selftest --only stream`): `blocks` blocks of 512 threads, one per SM,
+    /// each moving `bytes` from `src + (base + b) * stride` (block `b`) into its shared memory
+    /// the `how` way (`kernels/stream.cu`), thread 0 storing `%globaltimer` (ns) at its start and
+    /// once its bytes are all there into `times[2b]`, `times[2b + 1]`. Asynchronous on
+    /// [`Self::stream`].
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `bytes` is 0, not a multiple of 16 (and of `chunk`, a
+    /// multiple of 16, for bulk copies) or over 227 KB, when a block's bytes would pass the end
+    /// of `src`, when `times` is shorter than `2 · blocks`, or when a clustered launch's
+    /// `blocks` is not a multiple of 8; driver errors.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn stream_probe(
+        &self,
+        how: StreamProbe,
+        src: &CudaSlice<u8>,
+        stride: usize,
+        base: u32,
+        blocks: u32,
+        bytes: u32,
+        chunk: u32,
+        times: &mut CudaSlice<u64>,
+    ) -> Result<(), CudaError> {
+        let bulk = how != StreamProbe::Threads;
+        let last_end = (base as usize + blocks as usize).saturating_sub(1) * stride + bytes as usize;
+        if bytes == 0
+            || !bytes.is_multiple_of(16)
+            || bytes > 227 * 1024
+            || (bulk && (chunk == 0 || !chunk.is_multiple_of(16) || !bytes.is_multiple_of(chunk)))
+            || blocks == 0
+            || last_end > src.len()
+            || times.len() < 2 * blocks as usize
+            || (how == StreamProbe::BulkClusters && !blocks.is_multiple_of(8))
+        {
+            return Err(CudaError::Unsupported(format!(
+                "stream_probe: {how:?}, {blocks} blocks of {bytes} B in chunks of {chunk} B at stride {stride} from block {base} of a {}-byte source, {} time words",
+                src.len(),
+                times.len()
+            )));
+        }
+        let f = self.func(match how {
+            StreamProbe::Bulk => "stream_bulk",
+            StreamProbe::BulkClusters => "stream_bulk_cl8",
+            StreamProbe::Threads => "stream_thread",
+        })?;
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: bytes };
+        let stride_u = stride as u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(src).arg(&stride_u).arg(&base).arg(&bytes).arg(&chunk).arg(times);
+        // SAFETY: argument types match `stream_*` in kernels/stream.cu; every block reads
+        // [(base + b) * stride, + bytes) of src, in bounds (checked), and writes times[2b..2b+2]
+        // (checked); the clustered entry point's grid is a multiple of its cluster (checked).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Measurement: `layers` 4-bit GEMVs in one persistent launch (`gemv_chain_q4` in
     /// `kernels/gemv.cu`), alternating `xa = W_a·xb` and `xb = W_b·xa`, layer `l` on copy
     /// `(l / 2) % copies` of each, separated by split flag barriers; to price the persistent
@@ -1414,6 +1478,18 @@ fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
     };
     let stage_bytes = 2 * (bits / 2) * 32 * 16 + 32 * 8;
     nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
+}
+
+/// How [`CudaContext::stream_probe`]'s blocks move their bytes into shared memory.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamProbe {
+    /// Bulk copies (TMA) from lanes of warp 0, on one mbarrier (the MoE cluster kernel's way).
+    Bulk,
+    /// The same in thread-block clusters of 8 (placed within one GPC each).
+    BulkClusters,
+    /// Per-thread 16-byte `cp.async` (the decode GEMVs' way).
+    Threads,
 }
 
 /// `(ks_log2, blocks)` for a forced GEMV launch on `mat`: the split clamped to

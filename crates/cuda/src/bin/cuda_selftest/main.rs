@@ -5,7 +5,8 @@
 //! harness measures the roofline (device-to-device copy) first, prints one line per check, and
 //! ends with one `JSON {...}` line and `SELFTEST OK` or `SELFTEST FAILED` (exit 1).
 //!
-//! Usage: `cuda_selftest [--quick] [--only SECTION[,SECTION...]]`; sections: see `SECTIONS`.
+//! Usage: `cuda_selftest [--quick] [--only SECTION[,SECTION...]]`; sections: see `SECTIONS`,
+//! and `ON_REQUEST` (measurements without checks, run only when named).
 
 mod attention;
 mod attn_prefill;
@@ -19,6 +20,7 @@ mod gemv;
 mod sample;
 mod step;
 mod moe;
+mod stream;
 
 use std::time::Instant;
 
@@ -26,8 +28,13 @@ use cuda::CudaContext;
 
 use common::Suite;
 
-/// Every section: name and entry point.
-const SECTIONS: &[(&str, fn(&mut Suite))] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_f32_check), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
+/// A section: name and entry point.
+type Section = (&'static str, fn(&mut Suite));
+
+/// Every section.
+const SECTIONS: &[Section] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_f32_check), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
+/// Sections that only measure (no check against a reference): run when `--only` names them.
+const ON_REQUEST: &[Section] = &[("stream", stream::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -39,8 +46,8 @@ fn main() {
         .map(|v| v.split(',').map(str::to_string).collect());
     if let Some(o) = &only {
         for name in o {
-            if !SECTIONS.iter().any(|(n, _)| n == name) {
-                let names: Vec<&str> = SECTIONS.iter().map(|(n, _)| *n).collect();
+            if !SECTIONS.iter().chain(ON_REQUEST).any(|(n, _)| n == name) {
+                let names: Vec<&str> = SECTIONS.iter().chain(ON_REQUEST).map(|(n, _)| *n).collect();
                 eprintln!("unknown section {name:?}; sections: {}", names.join(", "));
                 std::process::exit(2);
             }
@@ -79,8 +86,10 @@ fn main() {
     suite.copy_bw = 2.0 * copy_bytes as f64 / copy_s;
     println!("device-to-device copy: {:.0} GB/s (read + write)", suite.copy_bw / 1e9);
 
-    for (sec, run) in SECTIONS {
-        if only.as_ref().is_some_and(|o| !o.iter().any(|n| n == sec)) {
+    for (sec, run) in SECTIONS.iter().chain(ON_REQUEST) {
+        let named = only.as_ref().is_some_and(|o| o.iter().any(|n| n == sec));
+        let on_request = ON_REQUEST.iter().any(|(n, _)| n == sec);
+        if (only.is_some() || on_request) && !named {
             continue;
         }
         println!("\n== {sec}");

@@ -1,0 +1,132 @@
+//! Streaming rates from DRAM into shared memory (`CudaContext::stream_probe`,
+//! `kernels/stream.cu`), the two ways the decode step fetches weights, alone and side by side.
+//!
+//! Session 19's kernel timeline found the step's MoE experts (bulk copies into 72 SMs, in
+//! clusters of 8) and the next input projection's weights (per-thread `cp.async` into the SMs
+//! the MoE leaves free) arriving at ~1.3-1.7 TB/s together, where the LM head streams at
+//! 4.1 TB/s (docs/CUDA.md "Session 19"). Each case here launches blocks that each move a
+//! block's worth of those bytes (216 KB like a MoE cluster block, 147 KB like an input
+//! projection block) into shared memory; a case of two parts launches the second on a stream of
+//! its own right after the first, so they run side by side as in the step. Consecutive launches
+//! read other parts of a 1 GiB source, so nothing comes from L2.
+//!
+//! Per case: the wall time per launch (events, median of 7 rounds of 8 launches) and the bytes
+//! over it, then, from the last launch's per-block timer stamps, each part's span (first block
+//! start to last block done), its GB/s over that span, and a block's mean duration and rate. No
+//! correctness check: a measurement only, run when named (`--only stream`).
+
+use cuda::cudarc::driver::CudaSlice;
+use cuda::StreamProbe;
+
+use crate::common::{median, Suite};
+
+const SEC: &str = "stream";
+/// A MoE cluster block's tiles: 144 KB of gate/up and 72 KB of down (16-row tiles + scales).
+const MOE_BYTES: u32 = 216 * 1024;
+/// An input projection block's share: 8 tiles of 16 rows × 2,048 columns at 4 bits + scales.
+const GEMV_BYTES: u32 = 147 * 1024;
+/// Bytes between consecutive blocks' sources (every block's bytes fit).
+const STRIDE: usize = 256 * 1024;
+/// The source: 4,096 block regions, ~18 times the L2.
+const SOURCE: usize = 1 << 30;
+const LAUNCHES: usize = 8;
+
+/// One part of a case: how, blocks, bytes per block, bulk-copy chunk.
+type Part = (StreamProbe, u32, u32, u32);
+
+/// Runs every case and prints the table.
+pub fn run(s: &mut Suite) {
+    let cx = s.cx;
+    let sms = cx.sm_count();
+    let src = cx.stream().alloc_zeros::<u8>(SOURCE).expect("alloc source");
+    let side = cx.sibling().expect("second stream");
+    let ev = || cx.raw().new_event(Some(cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).expect("event");
+    let (forked, joined) = (ev(), ev());
+    let moe_cl: Part = (StreamProbe::BulkClusters, 72, MOE_BYTES, MOE_BYTES / 16);
+    let moe_flat: Part = (StreamProbe::Bulk, 72, MOE_BYTES, MOE_BYTES / 16);
+    let free = sms.saturating_sub(72).max(1);
+    let cases: Vec<(String, Vec<Part>)> = vec![
+        ("bulk, 9 clusters of 8, 216 KB (the MoE)".into(), vec![moe_cl]),
+        ("bulk, 72 blocks, 216 KB".into(), vec![moe_flat]),
+        (format!("bulk, {sms} blocks, 216 KB"), vec![(StreamProbe::Bulk, sms, MOE_BYTES, MOE_BYTES / 16)]),
+        (format!("bulk, {sms} blocks, 216 KB in 2.25 KB copies"), vec![(StreamProbe::Bulk, sms, MOE_BYTES, 2304)]),
+        ("threads, 97 blocks, 147 KB (the input projection)".into(), vec![(StreamProbe::Threads, 97, GEMV_BYTES, 0)]),
+        (format!("threads, {free} blocks, 147 KB"), vec![(StreamProbe::Threads, free, GEMV_BYTES, 0)]),
+        (format!("threads, {sms} blocks, 147 KB"), vec![(StreamProbe::Threads, sms, GEMV_BYTES, 0)]),
+        (format!("bulk, {sms} blocks, 147 KB"), vec![(StreamProbe::Bulk, sms, GEMV_BYTES, GEMV_BYTES / 16)]),
+        (format!("the MoE + threads, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Threads, free, GEMV_BYTES, 0)]),
+        (format!("the MoE + bulk, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Bulk, free, GEMV_BYTES, GEMV_BYTES / 16)]),
+        (format!("bulk 72 blocks + threads, {free} blocks beside"), vec![moe_flat, (StreamProbe::Threads, free, GEMV_BYTES, 0)]),
+    ];
+    let max_blocks = 2 * sms as usize;
+    let mut times: Vec<CudaSlice<u64>> = (0..2).map(|_| cx.stream().alloc_zeros::<u64>(2 * max_blocks).expect("alloc times")).collect();
+    let regions = (SOURCE / STRIDE) as u32;
+    let mut next = 0u32; // the next unread block region
+    println!("{:<52} {:>10} {:>9} | per part: span us, GB/s, block us, GB/s per block", "case", "us/launch", "GB/s");
+    for (name, parts) in &cases {
+        let total: u64 = parts.iter().map(|&(_, b, n, _)| b as u64 * n as u64).sum();
+        let mut launch = |times: &mut Vec<CudaSlice<u64>>| {
+            // the second part on the side stream, after everything queued so far
+            forked.record(cx.stream()).unwrap();
+            side.stream().wait(&forked).unwrap();
+            for (i, &(how, blocks, bytes, chunk)) in parts.iter().enumerate() {
+                if next + blocks > regions {
+                    next = 0;
+                }
+                let on = if i == 0 { cx } else { &side };
+                on.stream_probe(how, &src, STRIDE, next, blocks, bytes, chunk, &mut times[i]).expect("stream_probe");
+                next += blocks;
+            }
+            joined.record(side.stream()).unwrap();
+            cx.stream().wait(&joined).unwrap();
+        };
+        launch(&mut times); // warm-up
+        let mut ts = Vec::new();
+        for _ in 0..7 {
+            ts.push(s.median_timed(1, LAUNCHES, || {
+                for _ in 0..LAUNCHES {
+                    launch(&mut times);
+                }
+            }));
+        }
+        let t = median(ts);
+        // the last launch's stamps, per part
+        let mut per_part = Vec::new();
+        let mut starts = Vec::new();
+        for (i, &(_, blocks, bytes, _)) in parts.iter().enumerate() {
+            let w = cx.stream().clone_dtoh(&times[i].slice(..2 * blocks as usize)).expect("download times");
+            let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
+            let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
+            let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / blocks as f64;
+            let span_ns = t1.saturating_sub(t0) as f64;
+            starts.push(t0);
+            per_part.push((span_ns / 1e3, blocks as f64 * bytes as f64 / span_ns.max(1.0), block_ns / 1e3, bytes as f64 / block_ns.max(1.0)));
+        }
+        let offset_us = if starts.len() == 2 { (starts[1] as f64 - starts[0] as f64) / 1e3 } else { 0.0 };
+        let parts_txt: Vec<String> =
+            per_part.iter().map(|(sp, g, b, gb)| format!("{sp:.2} us {g:.0} GB/s, {b:.2} us {gb:.1} GB/s")).collect();
+        println!(
+            "{SEC:<10} {name:<52} {:>8.2} {:>9.0} | {}{}",
+            t * 1e6,
+            total as f64 / t / 1e9,
+            parts_txt.join(" | "),
+            if parts.len() == 2 { format!(" (second part started {offset_us:+.2} us after the first)") } else { String::new() }
+        );
+        let parts_json: Vec<String> = parts
+            .iter()
+            .zip(&per_part)
+            .map(|(&(how, blocks, bytes, chunk), (sp, g, b, gb))| {
+                format!("{{\"how\":\"{how:?}\",\"blocks\":{blocks},\"bytes\":{bytes},\"chunk\":{chunk},\"span_us\":{sp:.3},\"gbps\":{g:.1},\"block_us\":{b:.3},\"block_gbps\":{gb:.2}}}")
+            })
+            .collect();
+        s.json.push((
+            SEC.into(),
+            format!(
+                "{{\"case\":{name:?},\"us_per_launch\":{:.3},\"gbps\":{:.1},\"second_part_offset_us\":{offset_us:.3},\"parts\":[{}]}}",
+                t * 1e6,
+                total as f64 / t / 1e9,
+                parts_json.join(",")
+            ),
+        ));
+    }
+}
