@@ -887,11 +887,30 @@ impl CudaContext {
         Ok(())
     }
 
+    /// Lets [`Self::stream_probe`]'s kernels take up to `max_bytes` of dynamic shared memory and
+    /// asks for the largest shared-memory carve-out for them (as the decode GEMVs do). Call once
+    /// before the probes, outside any graph capture.
+    ///
+    /// # Errors
+    /// Driver errors (e.g. `max_bytes` beyond what a block may use beside the kernels' 128 bytes
+    /// of static shared memory).
+    #[doc(hidden)]
+    pub fn stream_probe_prepare(&self, max_bytes: u32) -> Result<(), CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        for name in ["stream_bulk", "stream_bulk_cl8", "stream_thread"] {
+            let f = self.func(name)?;
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_bytes as i32)?;
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+        }
+        Ok(())
+    }
+
     /// Measurement (`cuda_selftest --only stream`): `blocks` blocks of 512 threads, one per SM,
     /// each moving `bytes` from `src + (base + b) * stride` (block `b`) into its shared memory
     /// the `how` way (`kernels/stream.cu`), thread 0 storing `%globaltimer` (ns) at its start and
     /// once its bytes are all there into `times[2b]`, `times[2b + 1]`. Asynchronous on
-    /// [`Self::stream`].
+    /// [`Self::stream`]; [`Self::stream_probe_prepare`] must have allowed `bytes` of dynamic
+    /// shared memory (else the launch fails with a driver error).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] when `bytes` is 0, not a multiple of 16 (and of `chunk`, a
@@ -933,8 +952,6 @@ impl CudaContext {
             StreamProbe::BulkClusters => "stream_bulk_cl8",
             StreamProbe::Threads => "stream_thread",
         })?;
-        use cudarc::driver::sys::CUfunction_attribute_enum as A;
-        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: bytes };
         let stride_u = stride as u64;
         let mut b = self.stream.launch_builder(f);

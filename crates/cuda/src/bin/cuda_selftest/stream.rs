@@ -10,12 +10,15 @@
 //! its own right after the first, so they run side by side as in the step. Consecutive launches
 //! read other parts of a 1 GiB source, so nothing comes from L2.
 //!
-//! Per case: the wall time per launch (events, median of 7 rounds of 8 launches) and the bytes
-//! over it, then, from the last launch's per-block timer stamps, each part's span (first block
-//! start to last block done), its GB/s over that span, and a block's mean duration and rate. No
-//! correctness check: a measurement only, run when named (`--only stream`).
+//! Per case, the 8 launches (and the second stream's fork and join, for two parts) are captured
+//! in one CUDA graph, so the host's launch calls are not timed; the graph is replayed 7 times.
+//! Printed: the time per launch (events, median over the replays) and the bytes over it, then,
+//! from each replay's last launch's per-block timer stamps (medians over the replays), each
+//! part's span (first block start to last block done), its GB/s over that span, a block's mean
+//! duration and rate, and when the second part's first block started after the first part's.
+//! No correctness check: a measurement only, run when named (`--only stream`).
 
-use cuda::cudarc::driver::CudaSlice;
+use cuda::cudarc::driver::{sys, CudaSlice};
 use cuda::StreamProbe;
 
 use crate::common::{median, Suite};
@@ -23,8 +26,9 @@ use crate::common::{median, Suite};
 const SEC: &str = "stream";
 /// A MoE cluster block's tiles: 144 KB of gate/up and 72 KB of down (16-row tiles + scales).
 const MOE_BYTES: u32 = 216 * 1024;
-/// An input projection block's share: 8 tiles of 16 rows × 2,048 columns at 4 bits + scales.
-const GEMV_BYTES: u32 = 147 * 1024;
+/// An input projection block's share: 8 tiles of 16 rows × 2,048 columns at 4 bits (16,384 B)
+/// plus their scales and biases (2,048 B): 147,456 B.
+const GEMV_BYTES: u32 = 8 * (16 * 2048 / 2 + 16 * 32 * 4);
 /// Bytes between consecutive blocks' sources (every block's bytes fit).
 const STRIDE: usize = 256 * 1024;
 /// The source: 4,096 block regions, ~18 times the L2.
@@ -39,6 +43,12 @@ pub fn run(s: &mut Suite) {
     let cx = s.cx;
     let sms = cx.sm_count();
     let src = cx.stream().alloc_zeros::<u8>(SOURCE).expect("alloc source");
+    cx.stream_probe_prepare(MOE_BYTES.max(GEMV_BYTES)).expect("stream_probe_prepare");
+    // a cluster of 8 needs 8 free SMs of one GPC: how many of the MoE's fit at once
+    match cx.max_active_clusters("stream_bulk_cl8", 72, 512, MOE_BYTES) {
+        Ok(n) => println!("{SEC:<10} clusters of 8 resident at once with {MOE_BYTES} B each: {n}"),
+        Err(e) => println!("{SEC:<10} max_active_clusters: {e}"),
+    }
     let side = cx.sibling().expect("second stream");
     let ev = || cx.raw().new_event(Some(cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).expect("event");
     let (forked, joined) = (ev(), ev());
@@ -58,17 +68,22 @@ pub fn run(s: &mut Suite) {
         (format!("the MoE + bulk, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Bulk, free, GEMV_BYTES, GEMV_BYTES / 16)]),
         (format!("bulk 72 blocks + threads, {free} blocks beside"), vec![moe_flat, (StreamProbe::Threads, free, GEMV_BYTES, 0)]),
     ];
-    let max_blocks = 2 * sms as usize;
+    let max_blocks = cases.iter().flat_map(|(_, parts)| parts.iter().map(|p| p.1 as usize)).max().unwrap_or(1);
     let mut times: Vec<CudaSlice<u64>> = (0..2).map(|_| cx.stream().alloc_zeros::<u64>(2 * max_blocks).expect("alloc times")).collect();
     let regions = (SOURCE / STRIDE) as u32;
     let mut next = 0u32; // the next unread block region
-    println!("{:<52} {:>10} {:>9} | per part: span us, GB/s, block us, GB/s per block", "case", "us/launch", "GB/s");
+    println!("{SEC:<10} {:<52} {:>8} {:>9} | per part: span us, GB/s, block us, GB/s per block", "case", "us/launch", "GB/s");
     for (name, parts) in &cases {
         let total: u64 = parts.iter().map(|&(_, b, n, _)| b as u64 * n as u64).sum();
-        let mut launch = |times: &mut Vec<CudaSlice<u64>>| {
-            // the second part on the side stream, after everything queued so far
-            forked.record(cx.stream()).unwrap();
-            side.stream().wait(&forked).unwrap();
+        // LAUNCHES launches, each on the next unread regions, captured in one graph
+        let stream = cx.stream();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
+        for _ in 0..LAUNCHES {
+            if parts.len() == 2 {
+                // the second part on the side stream, after everything queued so far
+                forked.record(stream).unwrap();
+                side.stream().wait(&forked).unwrap();
+            }
             for (i, &(how, blocks, bytes, chunk)) in parts.iter().enumerate() {
                 if next + blocks > regions {
                     next = 0;
@@ -77,32 +92,45 @@ pub fn run(s: &mut Suite) {
                 on.stream_probe(how, &src, STRIDE, next, blocks, bytes, chunk, &mut times[i]).expect("stream_probe");
                 next += blocks;
             }
-            joined.record(side.stream()).unwrap();
-            cx.stream().wait(&joined).unwrap();
-        };
-        launch(&mut times); // warm-up
-        let mut ts = Vec::new();
+            if parts.len() == 2 {
+                joined.record(side.stream()).unwrap();
+                stream.wait(&joined).unwrap();
+            }
+        }
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .expect("end capture")
+            .expect("graph");
+        graph.launch().expect("graph launch"); // warm-up
+        // per replay: its time, and each part's figures from its last launch's stamps
+        let (mut ts, mut figs, mut offsets) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..7 {
-            ts.push(s.median_timed(1, LAUNCHES, || {
-                for _ in 0..LAUNCHES {
-                    launch(&mut times);
-                }
-            }));
+            ts.push(s.median_timed(1, LAUNCHES, || graph.launch().unwrap()));
+            let mut starts = Vec::new();
+            let mut per_part = Vec::new();
+            for (i, &(_, blocks, bytes, _)) in parts.iter().enumerate() {
+                let w = stream.clone_dtoh(&times[i].slice(..2 * blocks as usize)).expect("download times");
+                let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
+                let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
+                let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / blocks as f64;
+                let span_ns = t1.saturating_sub(t0) as f64;
+                starts.push(t0);
+                per_part.push([span_ns / 1e3, blocks as f64 * bytes as f64 / span_ns.max(1.0), block_ns / 1e3, bytes as f64 / block_ns.max(1.0)]);
+            }
+            if starts.len() == 2 {
+                offsets.push((starts[1] as i64 - starts[0] as i64) as f64 / 1e3);
+            }
+            figs.push(per_part);
         }
         let t = median(ts);
-        // the last launch's stamps, per part
-        let mut per_part = Vec::new();
-        let mut starts = Vec::new();
-        for (i, &(_, blocks, bytes, _)) in parts.iter().enumerate() {
-            let w = cx.stream().clone_dtoh(&times[i].slice(..2 * blocks as usize)).expect("download times");
-            let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
-            let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
-            let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / blocks as f64;
-            let span_ns = t1.saturating_sub(t0) as f64;
-            starts.push(t0);
-            per_part.push((span_ns / 1e3, blocks as f64 * bytes as f64 / span_ns.max(1.0), block_ns / 1e3, bytes as f64 / block_ns.max(1.0)));
-        }
-        let offset_us = if starts.len() == 2 { (starts[1] as f64 - starts[0] as f64) / 1e3 } else { 0.0 };
+        // medians over the replays, per part and figure
+        let per_part: Vec<(f64, f64, f64, f64)> = (0..parts.len())
+            .map(|i| {
+                let m = |k: usize| median(figs.iter().map(|f| f[i][k]).collect());
+                (m(0), m(1), m(2), m(3))
+            })
+            .collect();
+        let offset_us = if offsets.is_empty() { 0.0 } else { median(offsets) };
         let parts_txt: Vec<String> =
             per_part.iter().map(|(sp, g, b, gb)| format!("{sp:.2} us {g:.0} GB/s, {b:.2} us {gb:.1} GB/s")).collect();
         println!(
