@@ -200,6 +200,11 @@ fn parse_grid(s: &str) -> Result<(i32, u32), String> {
     Ok((ks, blocks))
 }
 
+/// A `KS:BLOCKS` launch of the input projections as JSON.
+fn grid_json((ks_log2, blocks): (i32, u32)) -> serde_json::Value {
+    serde_json::json!({"ks_log2": ks_log2, "blocks": blocks})
+}
+
 /// Arguments of `calla cuda-check`.
 #[derive(Args)]
 pub struct CudaCheckArgs {
@@ -441,7 +446,7 @@ fn step_timeline(
             l.first_resident / 1e3,
             l.last_resident / 1e3,
             l.release / 1e3,
-            l.all_triggered.map(|t| format!("{:.2}", t / 1e3)).unwrap_or_else(|| "-".into()),
+            opt(l.all_triggered.map(|t| t / 1e3)),
             l.done.map(|(a, e, late)| format!("{:.2}/{:.2}/{}", a / 1e3, e / 1e3, opt(late.map(|t| t / 1e3)))).unwrap_or_else(|| "-".into())
         );
     }
@@ -746,7 +751,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_moe_cluster_late_trigger(late_t);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
-                variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(|(ks, b)| serde_json::json!({"ks_log2": ks, "blocks": b})),
+                variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
                     "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -881,7 +886,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold() && !a.no_fuse_norm && !sess.moe_flags().fused,
         "carveout_before_gemv": a.carveout_before_gemv,
         "gemv_early_trigger": a.gemv_early_trigger,
-        "in_proj_grid": a.in_proj_grid_set.map(|(ks, b)| serde_json::json!({"ks_log2": ks, "blocks": b})),
+        "in_proj_grid": a.in_proj_grid_set.map(grid_json),
         "gemv_staged": a.gemv_staged, "gemv_staged_unit": a.gemv_staged_unit,
         "in_proj_late_weights": a.in_proj_late_weights, "moe_late_trigger": a.moe_late_trigger, "moe_mark_issue": a.moe_mark_issue,
         "graph": graph_stats.map(|(k, e)| serde_json::json!({"kernels": k, "programmatic_edges": e})),

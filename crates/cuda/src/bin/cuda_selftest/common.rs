@@ -186,19 +186,25 @@ impl Suite<'_> {
 
     /// Median seconds per call of `launch` (which queues `per_launch` kernels... or any work on
     /// the stream), replayed from a captured CUDA graph, `reps` times, after one warm-up.
-    pub fn time_graph(&self, reps: usize, mut launch: impl FnMut()) -> f64 {
+    pub fn time_graph(&self, reps: usize, launch: impl FnOnce()) -> f64 {
+        let graph = self.capture(launch);
+        graph.launch().expect("graph launch");
+        self.median_timed(reps, 1, || graph.launch().unwrap())
+    }
+
+    /// The work `launch` queues on the context's stream (and on streams it forks from it with
+    /// events and joins back), captured as one CUDA graph, not run.
+    pub fn capture(&self, launch: impl FnOnce()) -> cuda::cudarc::driver::CudaGraph {
         let stream = self.cx.stream();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .expect("begin capture");
         launch();
-        let graph = stream
+        stream
             .end_capture(
                 sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
             )
             .expect("end capture")
-            .expect("graph");
-        graph.launch().expect("graph launch");
-        self.median_timed(reps, 1, || graph.launch().unwrap())
+            .expect("graph")
     }
 }

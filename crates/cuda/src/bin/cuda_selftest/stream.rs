@@ -18,7 +18,7 @@
 //! duration and rate, and when the second part's first block started after the first part's.
 //! No correctness check: a measurement only, run when named (`--only stream`).
 
-use cuda::cudarc::driver::{sys, CudaSlice};
+use cuda::cudarc::driver::CudaSlice;
 use cuda::StreamProbe;
 
 use crate::common::{median, Suite};
@@ -77,30 +77,27 @@ pub fn run(s: &mut Suite) {
         let total: u64 = parts.iter().map(|&(_, b, n, _)| b as u64 * n as u64).sum();
         // LAUNCHES launches, each on the next unread regions, captured in one graph
         let stream = cx.stream();
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
-        for _ in 0..LAUNCHES {
-            if parts.len() == 2 {
-                // the second part on the side stream, after everything queued so far
-                forked.record(stream).unwrap();
-                side.stream().wait(&forked).unwrap();
-            }
-            for (i, &(how, blocks, bytes, chunk)) in parts.iter().enumerate() {
-                if next + blocks > regions {
-                    next = 0;
+        let graph = s.capture(|| {
+            for _ in 0..LAUNCHES {
+                if parts.len() == 2 {
+                    // the second part on the side stream, after everything queued so far
+                    forked.record(stream).unwrap();
+                    side.stream().wait(&forked).unwrap();
                 }
-                let on = if i == 0 { cx } else { &side };
-                on.stream_probe(how, &src, STRIDE, next, blocks, bytes, chunk, &mut times[i]).expect("stream_probe");
-                next += blocks;
+                for (i, &(how, blocks, bytes, chunk)) in parts.iter().enumerate() {
+                    if next + blocks > regions {
+                        next = 0;
+                    }
+                    let on = if i == 0 { cx } else { &side };
+                    on.stream_probe(how, &src, STRIDE, next, blocks, bytes, chunk, &mut times[i]).expect("stream_probe");
+                    next += blocks;
+                }
+                if parts.len() == 2 {
+                    joined.record(side.stream()).unwrap();
+                    stream.wait(&joined).unwrap();
+                }
             }
-            if parts.len() == 2 {
-                joined.record(side.stream()).unwrap();
-                stream.wait(&joined).unwrap();
-            }
-        }
-        let graph = stream
-            .end_capture(sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-            .expect("end capture")
-            .expect("graph");
+        });
         graph.launch().expect("graph launch"); // warm-up
         // per replay: its time, and each part's figures from its last launch's stamps
         let (mut ts, mut figs, mut offsets) = (Vec::new(), Vec::new(), Vec::new());
