@@ -31,6 +31,30 @@ pub enum MoePath {
     Fused,
 }
 
+/// The entry point of the 4-bit output projections with the router fold (`--out-proj`;
+/// `cuda::OutProjVariant`): all compute the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutProj {
+    /// Unbounded registers (102), a 5-stage ring (~219 KB of shared memory): the default
+    /// until session 20.
+    Wide,
+    /// At most 88 registers per thread: fits on an SM beside a GDN step block.
+    C88,
+    /// At most 88 registers and a 3-stage ring (142 KiB): also beside an attention combine
+    /// block. The default (`cuda::OUT_PROJ_VARIANT`).
+    C88s3,
+}
+
+impl OutProj {
+    fn variant(self) -> cuda::OutProjVariant {
+        match self {
+            Self::Wide => cuda::OutProjVariant::Wide,
+            Self::C88 => cuda::OutProjVariant::Cap88,
+            Self::C88s3 => cuda::OutProjVariant::Cap88Stages3,
+        }
+    }
+}
+
 impl MoePath {
     /// Sets the session's router fold and MoE flags for this path (`Auto`: leaves the
     /// defaults, with `down_r48` applied).
@@ -106,6 +130,8 @@ pub struct CudaBenchArgs {
     gemv_staged_unit: bool,
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
     /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
+    /// The default since session 20 (`cuda::CARVEOUT_BEFORE_GEMV`), so a no-op then; the
+    /// compare rows "default carve-out" and "driver carve-out" measure without it.
     #[arg(long)]
     carveout_before_gemv: bool,
     /// Let every decode GEMV trigger the next kernel's launch right after its PDL wait
@@ -174,6 +200,22 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_moe_cluster_mark_issue`).
     #[arg(long)]
     moe_mark_issue: bool,
+    /// For the whole run: the entry point of the 4-bit output projections with the router fold
+    /// (`CudaContext::set_out_proj_variant`).
+    #[arg(long, value_enum, default_value_t = OutProj::C88s3)]
+    out_proj: OutProj,
+    /// Also time decode (first decode context) with each slim output projection (`c88`,
+    /// `c88s3`), between two rows as configured, in this process.
+    #[arg(long)]
+    out_proj_compare: bool,
+    /// For the whole run: unused dynamic shared memory (bytes) per GDN decode step block
+    /// (`CudaContext::set_gdn_step_smem_pad`); `--out-proj-compare` also times 12 KB.
+    #[arg(long, default_value_t = 0)]
+    gdn_pad: u32,
+    /// For the whole run: the GDN step triggers the output projection's launch at entry
+    /// (`CudaContext::set_gdn_step_early_trigger`); `--out-proj-compare` also times it.
+    #[arg(long)]
+    gdn_early_trigger: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -187,6 +229,14 @@ struct FocusRow {
     grid: Option<(i32, u32)>,
     late_w: bool,
     late_t: bool,
+    /// The output projections' entry point (`None`: as configured).
+    out: Option<OutProj>,
+    /// The carve-out setting (`CARVEOUTS` index; `None`: as configured).
+    carve: Option<u8>,
+    /// The GDN step blocks' shared-memory padding (`None`: as configured).
+    gdn_pad: Option<u32>,
+    /// The GDN step triggers at entry (`false`: as configured).
+    gdn_early: bool,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
@@ -259,6 +309,14 @@ pub struct CudaCheckArgs {
     /// other than the default sums K in other pieces, so the step's bits may differ).
     #[arg(long, value_parser = parse_grid)]
     in_proj_grid: Option<(i32, u32)>,
+    /// The entry point of the 4-bit output projections with the router fold
+    /// (`CudaContext::set_out_proj_variant`; the same bits).
+    #[arg(long, value_enum, default_value_t = OutProj::C88s3)]
+    out_proj: OutProj,
+    /// The GDN step triggers the output projection's launch at entry
+    /// (`CudaContext::set_gdn_step_early_trigger`; the same bits).
+    #[arg(long)]
+    gdn_early_trigger: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -364,6 +422,12 @@ fn set_carveout(cx: &CudaContext, c: u8) -> Result<()> {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
     Ok(())
+}
+
+/// The `CARVEOUTS` setting the run is configured with: before GEMVs when the context's default
+/// (`cuda::CARVEOUT_BEFORE_GEMV`) or `--carveout-before-gemv` asks for it, else the driver's.
+fn configured_carveout(a: &CudaBenchArgs) -> u8 {
+    if a.carveout_before_gemv || cuda::CARVEOUT_BEFORE_GEMV { 2 } else { 0 }
 }
 
 /// Decode steps laid out by `cuda-bench --timeline`.
@@ -489,6 +553,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     cx.set_in_proj_late_weights(a.in_proj_late_weights);
     cx.set_moe_cluster_late_trigger(a.moe_late_trigger);
     cx.set_moe_cluster_mark_issue(a.moe_mark_issue);
+    cx.set_out_proj_variant(a.out_proj.variant());
+    cx.set_gdn_step_smem_pad(a.gdn_pad);
+    cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -613,7 +680,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     // the step graph as measured above (the comparisons below capture others)
     let graph_stats = sess.graph_stats();
     let mut variants = Vec::new();
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare {
+    if a.out_proj_compare && a.gemv_staged {
+        bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
+    }
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -639,7 +709,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             Ok((us, sess.graph_stats().map(|(k, _)| k).unwrap_or(0)))
         };
         // carve-out: 0 as configured, 1 the largest on every kernel, 2 the largest before GEMVs
-        let carve0 = if a.carveout_before_gemv { 2 } else { 0 };
+        let carve0 = configured_carveout(&a);
         let early0 = a.gemv_early_trigger;
         // one step variant: every option the rows below vary, set together
         let fold0 = sess.router_fold();
@@ -731,8 +801,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -742,21 +812,47 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 rows.push(row("MoE triggers once its tiles are here".into(), None, false, true));
                 rows.push(row("both".into(), None, true, true));
             }
+            if a.out_proj_compare {
+                // each output projection with the driver's carve-out and with the largest
+                // before the GEMVs (an SM the GDN step or the combine configured for a small
+                // carve-out takes no output projection block until it drains)
+                for o in [OutProj::Wide, OutProj::C88, OutProj::C88s3] {
+                    for carve in [0, 2] {
+                        let name = format!("out_proj {o:?}, {} carve-out", if carve == 0 { "driver" } else { "before-GEMV" });
+                        rows.push(FocusRow { out: Some(o), carve: Some(carve), ..row(name, None, false, false) });
+                    }
+                }
+                rows.push(FocusRow { gdn_early: true, ..row("GDN step triggers at entry".into(), None, false, false) });
+                rows.push(FocusRow { gdn_pad: Some(12 * 1024), ..row("GDN step padded 12 KB".into(), None, false, false) });
+            }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
+                let out = out.unwrap_or(a.out_proj);
                 cx.set_in_proj_grid(grid);
                 cx.set_in_proj_late_weights(late_w);
                 cx.set_moe_cluster_late_trigger(late_t);
+                cx.set_out_proj_variant(out.variant());
+                let carve = carve.unwrap_or(configured_carveout(&a));
+                set_carveout(&cx, carve)?;
+                let gdn_pad = gdn_pad.unwrap_or(a.gdn_pad);
+                cx.set_gdn_step_smem_pad(gdn_pad);
+                let gdn_early = gdn_early || a.gdn_early_trigger;
+                cx.set_gdn_step_early_trigger(gdn_early);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
+                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early,
+                    "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
             cx.set_in_proj_late_weights(a.in_proj_late_weights);
             cx.set_moe_cluster_late_trigger(a.moe_late_trigger);
+            cx.set_out_proj_variant(a.out_proj.variant());
+            set_carveout(&cx, configured_carveout(&a))?;
+            cx.set_gdn_step_smem_pad(a.gdn_pad);
+            cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -822,7 +918,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             run["carveout"] = serde_json::json!(label);
             runs.push(run);
         }
-        set_carveout(&cx, if a.carveout_before_gemv { 2 } else { 0 })?;
+        set_carveout(&cx, configured_carveout(&a))?;
         timeline = serde_json::json!(runs);
     }
     println!(
@@ -868,7 +964,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             );
         }
     }
-    let out = serde_json::json!({
+    let mut out = serde_json::json!({
         "engine": "calla-cuda",
         "device": name,
         "model": a.model.display().to_string(),
@@ -884,7 +980,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "moe_path": format!("{:?}", a.moe), "gdn_in_step": sess.gdn_in_step(), "moe_fused": sess.moe_flags().fused,
         "moe_cluster": sess.moe_flags().cluster,
         "moe_down_r48": a.moe_down_r48, "router_fold": sess.router_fold() && !a.no_fuse_norm && !sess.moe_flags().fused,
-        "carveout_before_gemv": a.carveout_before_gemv,
+        "carveout_before_gemv": a.carveout_before_gemv || cuda::CARVEOUT_BEFORE_GEMV,
         "gemv_early_trigger": a.gemv_early_trigger,
         "in_proj_grid": a.in_proj_grid_set.map(grid_json),
         "gemv_staged": a.gemv_staged, "gemv_staged_unit": a.gemv_staged_unit,
@@ -902,6 +998,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             .map(|(name, regs, smem, threads)| serde_json::json!({"kernel": name, "registers": regs, "static_smem": smem, "max_threads": threads}))
             .collect::<Vec<_>>(),
     });
+    out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
+    out["gdn_pad"] = serde_json::json!(a.gdn_pad);
+    out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -984,6 +1083,8 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         eprintln!("attention early triggers: split {}, combine {}", cx.attn_split_early_trigger(), cx.attn_combine_early_trigger());
     }
     cx.set_in_proj_grid(a.in_proj_grid);
+    cx.set_out_proj_variant(a.out_proj.variant());
+    cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
     cx.set_gemv_staged_unit(a.gemv_staged_unit);
     cx.set_in_proj_late_weights(a.in_proj_late_weights);
     cx.set_moe_cluster_late_trigger(a.moe_late_trigger);

@@ -693,12 +693,17 @@ __device__ __forceinline__ void in_step(float* __restrict__ out, float* __restri
 }  // namespace calla_gdn
 
 // The decode step: grid N_V * COL_BLOCKS blocks of THREADS, clusters of CLUSTER blocks (the
-// column blocks of the V_PER_K V-heads of one QK head).
+// column blocks of the V_PER_K V-heads of one QK head). flags: GDN_STEP_EARLY_TRIGGER (lib
+// gdn.rs): trigger the dependent launch (the output projection) at entry instead of after the
+// block's proj loads and conv, so that its blocks land, and request their weights, while the
+// step still runs (a dependent launch takes ~2 us to land on the H200: cuda::timeline).
+constexpr int GDN_STEP_EARLY_TRIGGER = 1;
 extern "C" __global__ void __cluster_dims__(calla_gdn::CLUSTER, 1, 1) __launch_bounds__(calla_gdn::THREADS)
 gdn_decode_step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
                 const float* __restrict__ proj, const float* __restrict__ conv_w,
                 const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
-                const float* __restrict__ norm_w, CallaL2Prefetch pf) {
+                const float* __restrict__ norm_w, CallaL2Prefetch pf, int flags) {
+    if (flags & GDN_STEP_EARLY_TRIGGER) calla_pdl_launch_dependents();
     calla_l2_prefetch_share(pf);  // e.g. out_proj's weights, read by the next kernel
     calla_gdn::step(out, s, conv_state, proj, conv_w, a_neg_exp, dt_bias, norm_w);
 }

@@ -68,7 +68,8 @@ constexpr int GEMV_STAGED_UNIT = 8;
 constexpr int GEMV_LATE_WEIGHTS = 16;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
-template <int BITS, int K>
+// ST > 0: a ring of ST stages instead of the default (the slim output projections below).
+template <int BITS, int K, int ST = 0>
 struct Cfg {
     static constexpr int NSS = K / 128;                     // super-steps per row
     static constexpr int NSTEP = K / 256;                   // steps per row
@@ -80,7 +81,8 @@ struct Cfg {
     static constexpr int CPT = BITS / 2;                    // 16-byte chunks per thread per row per step
     static constexpr int CODE_BYTES = 2 * CPT * 32 * 16;    // codes of one step of one warp: [2 rows][CPT][32 lanes] x 16 B
     static constexpr int STAGE_BYTES = CODE_BYTES + 32 * 8; // + one 8-byte scale/bias cell per lane
-    static constexpr int STAGES = BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2); // within the 227 KB of a block
+    static constexpr int STAGES = ST > 0 ? ST : BITS == 4 ? 5 : (NSS <= 16 ? 3 : 2); // within the 227 KB of a block
+    static_assert(STAGES >= 2, "a ring of at least two stages");
     static constexpr int BTAB = NSS * 2 * 32 * 16;          // B fragments [NSS][2][32 lanes] uint4
     static constexpr int CST = NSS * 4 * 16;                // per (super-step, t) float4 {u0, u1, xsum, 0}
     static constexpr int RING = BTAB + CST;                 // start of the per-warp rings
@@ -319,7 +321,8 @@ __device__ __forceinline__ float rf_part(uint4 w, unsigned sbw, const float* h, 
 // previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
 // barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
 // are issued before, as before a PDL wait.
-template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0, bool STAGED = false>
+template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0, bool STAGED = false,
+          int ST = 0>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
@@ -327,7 +330,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                                           float eps, int rows, int ks_log2, int flags,
                                           const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0,
                                           const RouterFold rf = {}) {
-    using C = Cfg<BITS, K>;
+    using C = Cfg<BITS, K, ST>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -676,19 +679,39 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 // The output projection + residual with the MoE router folded in (see RouterFold): out [D_MODEL]
 // as gemv_resid_*, and every router row's share added into racc. rows = D_MODEL (= the router's
 // K); the grid may give a block at most RF_CAP tiles (the host checks).
-#define CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, STAGED)                                                \
-    extern "C" __global__ void __launch_bounds__(calla_gemv::THREADS, 1)                                    \
+#define CALLA_GEMV_RF_ENTRY_X(NAME, BITS, K, RB, GB, STAGED, QUALS, ST)                                    \
+    extern "C" __global__ void QUALS                                                                       \
         NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
              const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
              const float* __restrict__ x, const float* __restrict__ resid, int rows, int ks_log2,         \
              int flags, const unsigned char* __restrict__ r_packed, const unsigned* __restrict__ r_sb,     \
              const unsigned char* __restrict__ g_packed, const unsigned* __restrict__ g_sb,                \
              const float* __restrict__ norm_w, double* racc) {                                             \
-        calla_gemv::gemv_body<BITS, K, true, false, false, RB, GB, STAGED>(                                 \
+        calla_gemv::gemv_body<BITS, K, true, false, false, RB, GB, STAGED, ST>(                             \
             out, packed, scales, biases, x, resid, nullptr, 0.f, rows, ks_log2, flags, nullptr, 0,          \
             calla_gemv::RouterFold{r_packed, r_sb, g_packed, g_sb, norm_w, racc});                          \
     }
+#define CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, STAGED) \
+    CALLA_GEMV_RF_ENTRY_X(NAME, BITS, K, RB, GB, STAGED, CALLA_GEMV_ONE_PER_SM, 0)
 #define CALLA_GEMV_RF_ENTRY(NAME, BITS, K, RB, GB) CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, false)
+// Slim output projections (measurement; lib.rs OutProjVariant), the MLX layout at 4 bits: at
+// most 88 registers per thread (c88: 16 warps x 88 = 45,056 registers, and per SM sub-partition
+// 4 x 88 x 32 = 11,264 beside gdn_decode_step's two warps of 64, 4,096, within 16,384; the
+// default entry points take 102 and cannot), and with a ring of 3 stages instead of 5 (c88s3:
+// 142 KiB of dynamic shared memory instead of 214, so that a block also fits beside
+// attn_decode_combine's 9 KB). The c88s3 entry points are the default (lib.rs OUT_PROJ_VARIANT). On its default grid (one 16-row tile per block, K split 16) a
+// warp walks one step, so 3 stages still request all of its weights before the PDL wait. Meant
+// to let the output projection's blocks land, and stream their weights, while the GDN step or
+// the attention combine still runs.
+#define CALLA_GEMV_88_REGS __maxnreg__(88)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88_r4_g4_q4_k4096, 4, CALLA_ATTN_OUT, 4, 4, false, CALLA_GEMV_88_REGS, 0)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88_r4_g8_q4_k4096, 4, CALLA_ATTN_OUT, 4, 8, false, CALLA_GEMV_88_REGS, 0)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88_r8_g4_q4_k4096, 4, CALLA_ATTN_OUT, 8, 4, false, CALLA_GEMV_88_REGS, 0)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88_r8_g8_q4_k4096, 4, CALLA_ATTN_OUT, 8, 8, false, CALLA_GEMV_88_REGS, 0)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88s3_r4_g4_q4_k4096, 4, CALLA_ATTN_OUT, 4, 4, false, CALLA_GEMV_88_REGS, 3)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88s3_r4_g8_q4_k4096, 4, CALLA_ATTN_OUT, 4, 8, false, CALLA_GEMV_88_REGS, 3)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88s3_r8_g4_q4_k4096, 4, CALLA_ATTN_OUT, 8, 4, false, CALLA_GEMV_88_REGS, 3)
+CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88s3_r8_g8_q4_k4096, 4, CALLA_ATTN_OUT, 8, 8, false, CALLA_GEMV_88_REGS, 3)
 // the same with 4-bit weights in the staged layout (TMA)
 CALLA_GEMV_RF_ENTRY_S(gemv_resid_rf_r4_g4_s4_k4096, 4, CALLA_ATTN_OUT, 4, 4, true)
 CALLA_GEMV_RF_ENTRY_S(gemv_resid_rf_r4_g8_s4_k4096, 4, CALLA_ATTN_OUT, 4, 8, true)

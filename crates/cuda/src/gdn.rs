@@ -233,7 +233,9 @@ impl CudaContext {
     /// prefetched before it: the previous writer of `s`/`conv_state` must not be a kernel that
     /// can still be running when this one starts, i.e. anything but this same step one token
     /// earlier must finish before the predecessor triggers (true when every kernel of the chain
-    /// waits before it triggers, and across graph launches).
+    /// waits before it triggers, and across graph launches; with
+    /// [`CudaContext::set_gdn_step_early_trigger`] this step triggers first, which keeps it
+    /// true because the output projection after it waits before it triggers).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] when a length differs from the above or `s`, `conv_w` or
@@ -272,8 +274,11 @@ impl CudaContext {
         let cfg = LaunchConfig {
             grid_dim: ((p::N_V_HEADS * COL_BLOCKS) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            // unused padding (CudaContext::set_gdn_step_smem_pad; 0 by default)
+            shared_mem_bytes: self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed),
         };
+        // GDN_STEP_EARLY_TRIGGER in kernels/gdn.cu (CudaContext::set_gdn_step_early_trigger)
+        let flags: i32 = if self.gdn_step_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { 1 } else { 0 };
         let mut b = stream.launch_builder(self.func("gdn_decode_step")?);
         b.arg(out)
             .arg(s)
@@ -283,7 +288,8 @@ impl CudaContext {
             .arg(a_neg_exp)
             .arg(dt_bias)
             .arg(norm_w)
-            .arg(&scratch.l2_prefetch);
+            .arg(&scratch.l2_prefetch)
+            .arg(&flags);
         // SAFETY: argument order and types match the kernel's signature; lengths checked above.
         // The cluster shape is a compile-time attribute of the kernel (__cluster_dims__), and
         // the grid is a multiple of it.

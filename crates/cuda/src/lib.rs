@@ -50,6 +50,20 @@ pub const ATTN_COMBINE_EARLY_TRIGGER: bool = true;
 /// wait by default ([`CudaContext::set_attn_split_early_trigger`]).
 pub const ATTN_SPLIT_EARLY_TRIGGER: bool = false;
 
+/// Whether the kernels that run right before a decode-step GEMV ([`CudaContext::BEFORE_GEMV`])
+/// ask for the largest shared-memory carve-out by default ([`CudaContext::set_carveout_of`]).
+/// With the slim output projection ([`OutProjVariant::Cap88Stages3`], the default) measured
+/// 8-14 µs per decode step faster at context 128 on the H200 than the driver's carve-out and
+/// the wide output projection, in four processes (`cuda-bench --out-proj-compare`, session
+/// 20); with the wide one it measured slower (sessions 11 and 20). The MoE cluster kernel
+/// (before the next input projection) is not in [`CudaContext::BEFORE_GEMV`] and keeps the
+/// driver's choice.
+pub const CARVEOUT_BEFORE_GEMV: bool = true;
+
+/// The decode step's 4-bit output projection with the router fold by default
+/// ([`CudaContext::set_out_proj_variant`]; session 20, see [`CARVEOUT_BEFORE_GEMV`]).
+pub const OUT_PROJ_VARIANT: OutProjVariant = OutProjVariant::Cap88Stages3;
+
 /// Group size of the MLX affine quantization the kernels are built for (the published
 /// `mlx-community` 4-bit and 8-bit checkpoints use 64).
 pub const QUANT_GROUP: usize = 64;
@@ -105,6 +119,14 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_resid_rf_r4_g8_s4_k4096",
             "gemv_resid_rf_r8_g4_s4_k4096",
             "gemv_resid_rf_r8_g8_s4_k4096",
+            "gemv_resid_rf_c88_r4_g4_q4_k4096",
+            "gemv_resid_rf_c88_r4_g8_q4_k4096",
+            "gemv_resid_rf_c88_r8_g4_q4_k4096",
+            "gemv_resid_rf_c88_r8_g8_q4_k4096",
+            "gemv_resid_rf_c88s3_r4_g4_q4_k4096",
+            "gemv_resid_rf_c88s3_r4_g8_q4_k4096",
+            "gemv_resid_rf_c88s3_r8_g4_q4_k4096",
+            "gemv_resid_rf_c88s3_r8_g8_q4_k4096",
             "gemv_chain_q4",
         ],
     },
@@ -433,6 +455,15 @@ pub struct CudaContext {
     /// `ks_log2 << 32 | blocks` (0: the default of `gemv_launch`); set by
     /// [`CudaContext::set_in_proj_grid`].
     in_proj_grid: std::sync::atomic::AtomicU64,
+    /// Which entry point runs the 4-bit output projections with the router fold
+    /// ([`OutProjVariant`] as `u8`); set by [`CudaContext::set_out_proj_variant`].
+    pub(crate) out_proj_variant: std::sync::atomic::AtomicU8,
+    /// Unused dynamic shared memory (bytes) each GDN decode step block asks for; set by
+    /// [`CudaContext::set_gdn_step_smem_pad`].
+    pub(crate) gdn_step_smem_pad: std::sync::atomic::AtomicU32,
+    /// The GDN decode step triggers its dependent launch at entry; set by
+    /// [`CudaContext::set_gdn_step_early_trigger`].
+    pub(crate) gdn_step_early_trigger: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -523,6 +554,17 @@ impl CudaContext {
                 }
             }
         }
+        // the slim 4-bit output projections (OutProjVariant): their own ring depths
+        for v in [OutProjVariant::Cap88, OutProjVariant::Cap88Stages3] {
+            for rb in [4, 8] {
+                for gb in [4, 8] {
+                    let func = f("gemv", &v.entry(rb, gb))?;
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, v.smem_bytes() as i32)?;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                }
+            }
+        }
         // the staged (bulk-copy) 4-bit entry points: the same shared memory as their twins
         {
             use cudarc::driver::sys::CUfunction_attribute_enum as A;
@@ -558,6 +600,9 @@ impl CudaContext {
             moe_cluster_late_trigger: std::sync::atomic::AtomicBool::new(false),
             moe_cluster_mark_issue: std::sync::atomic::AtomicBool::new(false),
             in_proj_grid: std::sync::atomic::AtomicU64::new(0),
+            out_proj_variant: std::sync::atomic::AtomicU8::new(OUT_PROJ_VARIANT as u8),
+            gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
+            gdn_step_early_trigger: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -566,6 +611,9 @@ impl CudaContext {
             sm_count,
         };
         gdn::in_step_smem_allow(&cx)?;
+        if CARVEOUT_BEFORE_GEMV {
+            cx.set_carveout_of(Self::BEFORE_GEMV, 100)?;
+        }
         Ok(cx)
     }
 
@@ -601,6 +649,9 @@ impl CudaContext {
             moe_cluster_late_trigger: copy(&self.moe_cluster_late_trigger),
             moe_cluster_mark_issue: copy(&self.moe_cluster_mark_issue),
             in_proj_grid: std::sync::atomic::AtomicU64::new(self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed)),
+            out_proj_variant: std::sync::atomic::AtomicU8::new(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed)),
+            gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
+            gdn_step_early_trigger: copy(&self.gdn_step_early_trigger),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),
@@ -1244,6 +1295,53 @@ impl CudaContext {
         }
     }
 
+    /// Picks the entry point of the 4-bit output projections with the router fold
+    /// ([`Self::gemv_residual_router`] on an MLX-layout matrix; default [`OUT_PROJ_VARIANT`]):
+    /// the wide one, or a slim one that can land beside the GDN step or the attention combine
+    /// ([`OutProjVariant`]). The same bits either way. A matrix with a staged copy
+    /// ([`Self::stage_qmat`]) runs the staged entry point whatever the variant. For measurement (`calla cuda-bench --out-proj-compare`); graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_out_proj_variant(&self, v: OutProjVariant) {
+        if self.out_proj_variant.swap(v as u8, std::sync::atomic::Ordering::Relaxed) != v as u8 {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Lets every GDN decode step block ([`Self::gdn_decode_step`]) ask for `bytes` of dynamic
+    /// shared memory it does not use (0, the default: none; clamped to 40 KB). A block of the step
+    /// (256 threads, 64 registers, 3.5 KB) is small enough that the scheduler may put two or
+    /// more on one SM, where the output projection's block then cannot land beside them before
+    /// they finish; with ~10-28 KB of padding two of them no longer fit beside an input
+    /// projection block (~205 KB). The same bits either way. For measurement; graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_gdn_step_smem_pad(&self, bytes: u32) {
+        // within the 48 KB a block gets without opting in, beside the step's 3.5 KB of static
+        let bytes = bytes.min(40 * 1024);
+        if self.gdn_step_smem_pad.swap(bytes, std::sync::atomic::Ordering::Relaxed) != bytes {
+            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Lets the GDN decode step ([`Self::gdn_decode_step`]) trigger its dependent launch (the
+    /// output projection) at entry (`true`) instead of after its blocks' proj loads and conv
+    /// (`false`, the default), so that the output projection's blocks land while the step runs.
+    /// The same bits either way (the output projection reads only constants before its own
+    /// wait, and triggers only after it). The timeline probe records no trigger stamp before a
+    /// wait, so the step's trigger stamps stay the later ones. For measurement; graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_gdn_step_early_trigger(&self, on: bool) {
+        self.set_launch_option(&self.gdn_step_early_trigger, on);
+    }
+
+    /// The entry point [`Self::set_out_proj_variant`] picked.
+    #[doc(hidden)]
+    pub fn out_proj_variant(&self) -> OutProjVariant {
+        OutProjVariant::from_u8(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Lets the input projections ([`Self::gemv_norm`] on a matrix of at most
     /// `max(GDN_PROJ, ATTN_PROJ)` rows) request no weights before their PDL wait (`true`), all
     /// of them right after `x`'s loads, instead of their first ring stages (`false`, the
@@ -1322,7 +1420,7 @@ impl CudaContext {
     /// smaller carve-out can keep the next GEMV's 200 KB blocks off an SM until it drains.
     /// For measurement (`calla cuda-bench --compare`; measured slower); affects launches queued
     /// afterwards, and graphs captured earlier are captured again
-    /// ([`Self::launch_generation`]).
+    /// ([`Self::launch_generation`]). `pct` = -1 also undoes [`CARVEOUT_BEFORE_GEMV`].
     ///
     /// # Errors
     /// Driver errors from setting the attribute.
@@ -1487,14 +1585,67 @@ fn stage_rows(parts: &[QMatRef<'_>], cols: usize) -> Vec<u32> {
 /// 16 rows x 256 columns (2 KB at 4 bits, 4 KB at 8) and 256 B of scales/biases. `STAGES` is 5
 /// at 4 bits, 3 at 8 bits (2 above 2,048 columns): at most 221 KB of the 227 KB a block may use.
 fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
-    let nss = cols / 128;
-    let stages = match (bits, nss) {
+    let stages = match (bits, cols / 128) {
         (4, _) => 5,
         (_, n) if n <= 16 => 3,
         _ => 2,
     };
+    gemv_smem_bytes_with(bits, cols, stages)
+}
+
+/// [`gemv_smem_bytes`] for a ring of `stages` stages (`calla_gemv::Cfg<BITS, K, ST>`).
+fn gemv_smem_bytes_with(bits: usize, cols: usize, stages: usize) -> usize {
+    let nss = cols / 128;
     let stage_bytes = 2 * (bits / 2) * 32 * 16 + 32 * 8;
     nss * 1024 + nss * 64 + GEMV_WARPS * stages * stage_bytes
+}
+
+/// Which entry point runs the decode step's 4-bit output projection with the router fold
+/// ([`CudaContext::set_out_proj_variant`]; `kernels/gemv.cu`, "Slim output projections"). All
+/// compute the same bits. The wide one takes 102 registers per thread and ~219 KB of shared
+/// memory, so its blocks cannot land on an SM while a GDN step block (registers) or an
+/// attention combine block (shared memory) still runs there; the slim ones can.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutProjVariant {
+    /// `gemv_resid_rf_r*_g*_q4_k4096`: unbounded registers, a 5-stage ring (the default until
+    /// session 20).
+    Wide = 0,
+    /// `gemv_resid_rf_c88_*`: at most 88 registers per thread (fits beside the GDN step).
+    Cap88 = 1,
+    /// `gemv_resid_rf_c88s3_*`: at most 88 registers and a 3-stage ring (145,408 B of dynamic
+    /// shared memory; fits beside the GDN step and the attention combine). The default
+    /// ([`OUT_PROJ_VARIANT`]).
+    Cap88Stages3 = 2,
+}
+
+impl OutProjVariant {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::Cap88,
+            2 => Self::Cap88Stages3,
+            _ => Self::Wide,
+        }
+    }
+
+    /// The entry point for router bits `rb` and shared-gate bits `gb` (4 or 8), 4-bit weights.
+    pub(crate) fn entry(self, rb: u32, gb: u32) -> String {
+        let tag = match self {
+            Self::Wide => "",
+            Self::Cap88 => "c88_",
+            Self::Cap88Stages3 => "c88s3_",
+        };
+        format!("gemv_resid_rf_{tag}r{rb}_g{gb}_q4_k{}", p::N_V_HEADS * p::D_V)
+    }
+
+    /// Dynamic shared memory of the entry point (4-bit, K = N_V_HEADS * D_V), bytes.
+    pub(crate) fn smem_bytes(self) -> usize {
+        let k = p::N_V_HEADS * p::D_V;
+        match self {
+            Self::Cap88Stages3 => gemv_smem_bytes_with(4, k, 3),
+            _ => gemv_smem_bytes(4, k),
+        }
+    }
 }
 
 /// How [`CudaContext::stream_probe`]'s blocks move their bytes into shared memory.

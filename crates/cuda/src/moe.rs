@@ -951,7 +951,7 @@ impl CudaContext {
                 p::N_V_HEADS * p::D_V
             )));
         }
-        let (_, cfg, ks_log2, rows) = self.gemv_prepare("gemv_residual_router", out.len(), mat, x, Some(resid.len()))?;
+        let (_, mut cfg, ks_log2, rows) = self.gemv_prepare("gemv_residual_router", out.len(), mat, x, Some(resid.len()))?;
         let tpb = crate::GEMV_WARPS >> ks_log2;
         let iters = d.div_ceil(TILE_ROWS).div_ceil(tpb).div_ceil(cfg.grid_dim.0 as usize);
         if iters * tpb > RF_CAP {
@@ -963,14 +963,22 @@ impl CudaContext {
         }
         // the staged twin (bulk copies, 4-bit) when the matrix has a staged copy
         let staged = self.staged_of(mat);
-        let name = format!(
-            "gemv_resid_rf_r{}_g{}_{}{}_k{}",
-            bits_index(m.router_bits),
-            bits_index(m.shared_gate_bits),
-            if staged.is_some() { "s" } else { "q" },
-            bits_index(mat.bits),
-            mat.cols
-        );
+        // a slim entry point (CudaContext::set_out_proj_variant, the default) for 4-bit
+        // MLX-layout weights
+        let variant = self.out_proj_variant();
+        let name = if staged.is_none() && mat.bits == Bits::B4 && variant != crate::OutProjVariant::Wide {
+            cfg.shared_mem_bytes = variant.smem_bytes() as u32;
+            variant.entry(bits_index(m.router_bits), bits_index(m.shared_gate_bits))
+        } else {
+            format!(
+                "gemv_resid_rf_r{}_g{}_{}{}_k{}",
+                bits_index(m.router_bits),
+                bits_index(m.shared_gate_bits),
+                if staged.is_some() { "s" } else { "q" },
+                bits_index(mat.bits),
+                mat.cols
+            )
+        };
         let flags = self.gemv_flags();
         let mut acc = scratch.racc.slice_mut(set * RF_SET..(set + 1) * RF_SET);
         let mut b = self.stream().launch_builder(self.func(&name)?);

@@ -190,13 +190,18 @@ fn launch_raw(cx: &cuda::CudaContext, name: &str, pdl: bool, a: &Args) -> sys::C
         .iter()
         .map(|v| v as *const u64 as *mut std::ffi::c_void)
         .collect();
-    // gdn_decode_step's ninth parameter: no L2 prefetch (the diagnostic kernels take eight)
+    // gdn_decode_step's ninth and tenth parameters: no L2 prefetch, no flags (its trigger after
+    // the conv, as by default); the diagnostic kernels take eight
     let no_prefetch = cuda::L2Prefetch::default();
-    params.push(&no_prefetch as *const cuda::L2Prefetch as *mut std::ffi::c_void);
+    let flags: i32 = 0;
+    if name == "gdn_decode_step" {
+        params.push(&no_prefetch as *const cuda::L2Prefetch as *mut std::ffi::c_void);
+        params.push(&flags as *const i32 as *mut std::ffi::c_void);
+    }
     cx.raw().bind_to_thread().expect("bind");
     // SAFETY: every gdn.cu entry takes these eight pointers (gdn_decode_step also the prefetch
-    // list); `vals` and `no_prefetch` outlive the call (the driver copies the parameters at
-    // launch).
+    // list and its flags); `vals`, `no_prefetch` and `flags` outlive the call (the driver copies
+    // the parameters at launch).
     unsafe { sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }
 }
 

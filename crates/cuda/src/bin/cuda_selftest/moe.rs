@@ -650,6 +650,23 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
         cx.moe_fold_reset(scratch).expect("moe_fold_reset"); // set 0 from zero again
         run_fold_with(m, scratch, 0, 1)
     });
+    // the other 4-bit output projections (cuda::OutProjVariant) than the default: the same bits
+    let slim_runs: Vec<_> = if out_bits == 4 {
+        let default = cx.out_proj_variant();
+        [cuda::OutProjVariant::Wide, cuda::OutProjVariant::Cap88, cuda::OutProjVariant::Cap88Stages3]
+            .into_iter()
+            .filter(|v| *v != default)
+            .map(|v| {
+                cx.set_out_proj_variant(v);
+                cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+                let r = run_fold(scratch, 0, 1);
+                cx.set_out_proj_variant(default);
+                (v, r)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     // the expert-per-cluster kernel on the same sums (set 0 again, refilled by the output
     // projection; zeroing set 1): equal to the gate/up + down pair bit for bit
     let cluster = cx.moe_cluster_ready(dm, scratch).then(|| {
@@ -704,6 +721,13 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
             fail(&mut c, "the staged output projection (bulk copies) differs from the MLX-layout one; ".into());
         } else {
             c.msg.push_str("staged output projection equal bit for bit; ");
+        }
+    }
+    for (v, (hs, os, idss, ws, _)) in &slim_runs {
+        if !(same(hs, &hf) && same(os, &of) && same(ws, &wf) && *idss == idsf) {
+            fail(&mut c, format!("the output projection's {v:?} entry point differs from the default's; "));
+        } else {
+            c.msg.push_str(&format!("{v:?} equal bit for bit; "));
         }
     }
     if let Some((oc, idsc, wc, raccc)) = cluster {
