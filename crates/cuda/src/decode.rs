@@ -659,8 +659,15 @@ impl CudaSession {
         // (CudaContext::set_moe_defer_combine): `pending` while the residual stream x still
         // has to be made from h and the MoE's slots
         // (only the router fold's cluster path defers; a GDN layer then runs its input
-        // projection as the fused-norm GEMV even with gdn_in_step on)
-        let defer = cx.moe_defer_combine();
+        // projection as the fused-norm GEMV even with gdn_in_step on. The combining entry
+        // points exist at 56 registers for the MLX layout only: not with the register cap off
+        // or a staged input projection or LM head, where the MoE combines as by default.)
+        let defer = cx.moe_defer_combine()
+            && cx.gemv_reg_cap()
+            && cx.staged_of(&m.lm_head).is_none()
+            && m.layers.iter().all(|l| match &l.mixer {
+                DeviceMixer::Gdn { in_proj: s, .. } | DeviceMixer::Attn { qkv: s, .. } => s.runs.iter().all(|(q, _)| cx.staged_of(q).is_none()),
+            });
         let mut pending = false;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());

@@ -1310,6 +1310,11 @@ impl CudaContext {
     }
 
     /// The staged copy of `mat` when the staged GEMVs are on and `mat` has one.
+    /// Whether the fused-norm GEMVs run at 56 registers ([`Self::set_gemv_reg_cap`]).
+    pub(crate) fn gemv_reg_cap(&self) -> bool {
+        self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub(crate) fn staged_of<'a>(&self, mat: &'a DeviceQMat) -> Option<&'a CudaSlice<u32>> {
         if self.gemv_staged.load(std::sync::atomic::Ordering::Relaxed) {
             mat.staged.as_ref()
@@ -1419,8 +1424,10 @@ impl CudaContext {
     /// the fused-norm GEMV after it (`true`; [`Self::gemv_norm_combine`]: the next layer's input
     /// projection or the LM head adds the slots up and stores the residual stream) instead of
     /// the last of its blocks per row range adding them up behind an atomic counter (`false`,
-    /// the default). The same bits either way. For measurement (written in session 20, not yet
-    /// run on a GPU); graphs captured earlier are captured again ([`Self::launch_generation`]).
+    /// the default). The same bits either way. Only with the 56-register fused-norm GEMVs
+    /// ([`Self::set_gemv_reg_cap`]) on MLX-layout matrices (no staged copy in use); otherwise
+    /// the MoE combines as by default. For measurement (written in session 20, not yet run on
+    /// a GPU); graphs captured earlier are captured again ([`Self::launch_generation`]).
     #[doc(hidden)]
     pub fn set_moe_defer_combine(&self, on: bool) {
         self.set_launch_option(&self.moe_defer_combine, on);

@@ -246,6 +246,19 @@ impl MoeScratch {
         (self.part.slice(..(p::TOP_K + 1) * p::D_MODEL), self.sel_w.slice(..p::TOP_K + 1))
     }
 
+    /// Sets every slot output and weight of [`Self::combine_parts`] to `v` (the self-test's
+    /// sentinel before a deferred launch).
+    ///
+    /// # Errors
+    /// Driver errors.
+    #[doc(hidden)]
+    pub fn fill_combine_parts(&mut self, v: f32) -> Result<(), CudaError> {
+        let s = self.part.stream().clone();
+        s.memcpy_htod(&vec![v; self.part.len()], &mut self.part)?;
+        s.memcpy_htod(&vec![v; self.sel_w.len()], &mut self.sel_w)?;
+        Ok(())
+    }
+
     /// The fused kernel's grid-barrier state (arrivals, generation), for checks.
     #[doc(hidden)]
     pub fn bar_state(&self) -> CudaView<'_, u32> {

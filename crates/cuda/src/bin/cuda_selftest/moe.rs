@@ -683,6 +683,7 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
         // the same launch with its combine left to the next fused-norm GEMV
         // (set_moe_defer_combine, gemv_norm_combine): that GEMV's output equal bit for bit to
         // gemv_norm on the cluster kernel's out, and the residual stream it stores equal to it
+        let sel_w_cluster = cx.download_f32(&scratch.sel_w).unwrap();
         let defer = {
             let oc = cx.download_f32(&of).unwrap();
             let win = cx.upload_qmat(rand_qmat(1000, d, out_bits, seed ^ 0x44, 0.02).as_ref()).expect("upload in_proj");
@@ -693,10 +694,15 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
             for set in [1, 0] {
                 cx.gemv_residual_router(&mut hf.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
             }
+            // the slots and weights NaN first, so that only the deferred launch can fill them,
+            // and its `out` left untouched
+            scratch.fill_combine_parts(f32::NAN).expect("fill_combine_parts");
             cx.set_moe_defer_combine(true);
             let mut unused = guarded(cx, d);
+            let sentinel = cx.download_f32(&unused).unwrap();
             cx.moe_fold_cluster(dm, &hf.slice(..), &wd.slice(..), scratch, &mut unused.slice_mut(GUARD..GUARD + d), 0, 1).expect("moe_fold_cluster, deferred");
             cx.set_moe_defer_combine(false);
+            let untouched = cx.download_f32(&unused).unwrap().iter().zip(&sentinel).all(|(a, b)| a.to_bits() == b.to_bits());
             let mut xo = guarded(cx, d);
             let mut y = cx.upload_f32(&vec![0f32; 1000]).unwrap();
             let (part, sel_w) = scratch.combine_parts();
@@ -705,9 +711,9 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
             let (xo, y, y_ref) = (cx.download_f32(&xo).unwrap(), cx.download_f32(&y).unwrap(), cx.download_f32(&y_ref).unwrap());
             let x_same = xo.iter().zip(&oc).all(|(a, b)| a.to_bits() == b.to_bits()); // guard words too
             let y_same = y.iter().zip(&y_ref).all(|(a, b)| a.to_bits() == b.to_bits());
-            (x_same, y_same)
+            (x_same, y_same, untouched)
         };
-        (cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc, defer)
+        (cx.download_f32(&of).unwrap(), ids, sel_w_cluster, racc, defer)
     });
     let (hf2, of2, idsf2, wf2, racc) = run_fold(scratch, 1, 0);
     cx.moe_fold_reset(scratch).expect("moe_fold_reset");
@@ -757,9 +763,11 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
             c.msg.push_str(&format!("{v:?} equal bit for bit; "));
         }
     }
-    if let Some((oc, idsc, wc, raccc, (x_same, y_same))) = cluster {
-        if !(x_same && y_same) {
-            fail(&mut c, format!("deferred combine: residual stream equal {x_same}, fused-norm GEMV output equal {y_same}; "));
+    if let Some((oc, idsc, wc, raccc, (x_same, y_same, untouched))) = cluster {
+        if !(x_same && y_same && untouched) {
+            fail(&mut c, format!(
+                "deferred combine: residual stream equal {x_same}, fused-norm GEMV output equal {y_same}, the MoE's out untouched {untouched}; "
+            ));
         } else {
             c.msg.push_str("deferred combine equal bit for bit; ");
         }
