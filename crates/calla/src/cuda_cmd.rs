@@ -131,7 +131,8 @@ pub struct CudaBenchArgs {
     /// Ask for the largest shared-memory carve-out on the kernels that run right before a
     /// decode GEMV (`CudaContext::BEFORE_GEMV`), so the GEMV's blocks can land beside them.
     /// The default since session 20 (`cuda::CARVEOUT_BEFORE_GEMV`), so a no-op then; the
-    /// compare rows "default carve-out" and "driver carve-out" measure without it.
+    /// `--compare` row "driver carve-out" and the `--out-proj-compare` rows "driver carve-out"
+    /// measure without it.
     #[arg(long)]
     carveout_before_gemv: bool,
     /// Let every decode GEMV trigger the next kernel's launch right after its PDL wait
@@ -204,12 +205,14 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_out_proj_variant`).
     #[arg(long, value_enum, default_value_t = OutProj::C88s3)]
     out_proj: OutProj,
-    /// Also time decode (first decode context) with each slim output projection (`c88`,
-    /// `c88s3`), between two rows as configured, in this process.
+    /// Also time decode (first decode context) with each output projection (`wide`, `c88`,
+    /// `c88s3`) under the driver's carve-out and the largest before the GEMVs, the GDN step
+    /// triggering at entry and its blocks padded with 12 KB, between two rows as configured,
+    /// in this process.
     #[arg(long)]
     out_proj_compare: bool,
-    /// For the whole run: unused dynamic shared memory (bytes) per GDN decode step block
-    /// (`CudaContext::set_gdn_step_smem_pad`); `--out-proj-compare` also times 12 KB.
+    /// For the whole run: unused dynamic shared memory (bytes, at most 40 KB) per GDN decode
+    /// step block (`CudaContext::set_gdn_step_smem_pad`); `--out-proj-compare` also times 12 KB.
     #[arg(long, default_value_t = 0)]
     gdn_pad: u32,
     /// For the whole run: the GDN step triggers the output projection's launch at entry
@@ -763,7 +766,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ("top-k in gate/up", fuse0, pf0, gate_up_topk, carve0, true, early0, false),
             ("max carve-out everywhere", fuse0, pf0, d, 1, true, early0, fold0),
             ("max carve-out before GEMVs", fuse0, pf0, d, 2, true, early0, fold0),
-            ("default carve-out", fuse0, pf0, d, 0, true, early0, fold0),
+            ("driver carve-out", fuse0, pf0, d, 0, true, early0, fold0),
             ("MoE down at 48 registers", fuse0, pf0, down_r48, carve0, true, early0, false),
             ("MoE down r48, carve-out before GEMVs", fuse0, pf0, down_r48, 2, true, early0, false),
             ("GEMV early trigger", fuse0, pf0, d, carve0, true, true, fold0),
