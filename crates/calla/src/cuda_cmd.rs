@@ -207,8 +207,8 @@ pub struct CudaBenchArgs {
     out_proj: OutProj,
     /// Also time decode (first decode context) with each output projection (`wide`, `c88`,
     /// `c88s3`) under the driver's carve-out and the largest before the GEMVs, the GDN step
-    /// triggering at entry and its blocks padded with 12 KB, between two rows as configured,
-    /// in this process.
+    /// triggering at entry and its blocks padded with 12 KB, and the MoE cluster kernel with
+    /// the largest carve-out too, between two rows as configured, in this process.
     #[arg(long)]
     out_proj_compare: bool,
     /// For the whole run: unused dynamic shared memory (bytes, at most 40 KB) per GDN decode
@@ -250,6 +250,9 @@ struct FocusRow {
     gdn_early: bool,
     /// The MoE's combine deferred (`None`: as configured).
     defer: Option<bool>,
+    /// The MoE cluster kernels (before each input projection) also ask for the largest
+    /// carve-out (`false`: as configured).
+    moe_carve: bool,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
@@ -820,7 +823,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
         if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_defer_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, defer: None };
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, defer: None, moe_carve: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -842,6 +845,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 }
                 rows.push(FocusRow { gdn_early: true, ..row("GDN step triggers at entry".into(), None, false, false) });
                 rows.push(FocusRow { gdn_pad: Some(12 * 1024), ..row("GDN step padded 12 KB".into(), None, false, false) });
+                rows.push(FocusRow { moe_carve: true, ..row("MoE cluster kernel: largest carve-out too".into(), None, false, false) });
             }
             if a.moe_defer_compare {
                 for d in [true, false] {
@@ -850,7 +854,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 }
             }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, defer } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, defer, moe_carve } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -860,6 +864,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_out_proj_variant(out.variant());
                 let carve = carve.unwrap_or(configured_carveout(&a));
                 set_carveout(&cx, carve)?;
+                if moe_carve {
+                    // (the next row's set_carveout puts it back)
+                    cx.set_carveout_of(&["moe_cluster"], 100)?;
+                }
                 let gdn_pad = gdn_pad.unwrap_or(a.gdn_pad);
                 cx.set_gdn_step_smem_pad(gdn_pad);
                 let gdn_early = gdn_early || a.gdn_early_trigger;
@@ -869,7 +877,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_defer_combine": defer,
+                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_defer_combine": defer, "moe_cluster_max_carveout": moe_carve,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
