@@ -131,13 +131,13 @@ __device__ __forceinline__ void load_x(const float* __restrict__ x, float4& xa, 
 }
 
 // The MoE's combine deferred into the fused-norm GEMV that follows it (the MoE cluster kernel's
-// CL_DEFER_COMBINE; measurement, lib.rs CudaContext::set_moe_defer_combine): with `part` set,
-// x = resid + sum_k w[k] * part[k] over the MoE's TOP_K + 1 slots (routed, then the shared
+// CL_DEFER_COMBINE; measurement, lib.rs CudaContext::set_moe_defer_combine; the XC entry
+// points, gemv_body's XC): x = resid + sum_k w[k] * part[k] over the MoE's TOP_K + 1 slots (routed, then the shared
 // expert), summed as the cluster kernel's combine does (m = fma(w[k], y_k, m) in slot order,
 // then resid + m), so x equals the cluster kernel's out bit for bit; block 0 stores it to
 // x_out, the residual stream the output projection reads next. `x` is then the residual h.
 struct XCombine {
-    const float* part;  // [TOP_K + 1][K] the slots' unweighted outputs (null: x as given)
+    const float* part;  // [TOP_K + 1][K] the slots' unweighted outputs
     const float* w;     // [TOP_K + 1] their weights (sel_w)
     float* x_out;       // [K]
 };
@@ -743,15 +743,15 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
 #define CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, STAGED) \
     CALLA_GEMV_RF_ENTRY_X(NAME, BITS, K, RB, GB, STAGED, CALLA_GEMV_ONE_PER_SM, 0)
 #define CALLA_GEMV_RF_ENTRY(NAME, BITS, K, RB, GB) CALLA_GEMV_RF_ENTRY_S(NAME, BITS, K, RB, GB, false)
-// Slim output projections (measurement; lib.rs OutProjVariant), the MLX layout at 4 bits: at
-// most 88 registers per thread (c88: 16 warps x 88 = 45,056 registers, and per SM sub-partition
-// 4 x 88 x 32 = 11,264 beside gdn_decode_step's two warps of 64, 4,096, within 16,384; the
-// default entry points take 102 and cannot), and with a ring of 3 stages instead of 5 (c88s3:
-// 142 KiB of dynamic shared memory instead of 214, so that a block also fits beside
-// attn_decode_combine's 9 KB). The c88s3 entry points are the default (lib.rs OUT_PROJ_VARIANT). On its default grid (one 16-row tile per block, K split 16) a
-// warp walks one step, so 3 stages still request all of its weights before the PDL wait. Meant
-// to let the output projection's blocks land, and stream their weights, while the GDN step or
-// the attention combine still runs.
+// Slim output projections (lib.rs OutProjVariant; c88s3 is the decode step's default,
+// OUT_PROJ_VARIANT), the MLX layout at 4 bits: at most 88 registers per thread (c88: 16 warps x
+// 88 = 45,056 registers, and per SM sub-partition 4 x 88 x 32 = 11,264 beside gdn_decode_step's
+// two warps of 64, 4,096, within 16,384; the wide entry points above take 102 and cannot), and
+// with a ring of 3 stages instead of 5 (c88s3: 142 KiB of dynamic shared memory instead of 214,
+// so that a block also fits beside attn_decode_combine's 9 KB). On its default grid (one 16-row
+// tile per block, K split 16) a warp walks one step, so 3 stages still request all of its
+// weights before the PDL wait. Meant to let the output projection's blocks land, and stream
+// their weights, while the GDN step or the attention combine still runs.
 #define CALLA_GEMV_88_REGS __maxnreg__(88)
 CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88_r4_g4_q4_k4096, 4, CALLA_ATTN_OUT, 4, 4, false, CALLA_GEMV_88_REGS, 0)
 CALLA_GEMV_RF_ENTRY_X(gemv_resid_rf_c88_r4_g8_q4_k4096, 4, CALLA_ATTN_OUT, 4, 8, false, CALLA_GEMV_88_REGS, 0)
