@@ -656,17 +656,15 @@ impl CudaSession {
             && !self.moe_flags.fused
             && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
         // the MoE cluster kernel's combine left to the fused-norm GEMV after it
-        // (CudaContext::set_moe_defer_combine): `pending` while the residual stream x still
-        // has to be made from h and the MoE's slots
-        // (only the router fold's cluster path defers; a GDN layer then runs its input
-        // projection as the fused-norm GEMV even with gdn_in_step on. The combining entry
-        // points exist at 56 registers for the MLX layout only: not with the register cap off
-        // or a staged input projection or LM head, where the MoE combines as by default.)
+        // (CudaContext::set_moe_defer_combine), where every such GEMV has a combining entry
+        // point (else the MoE combines as by default): `pending` while the residual stream x
+        // still has to be made from h and the MoE's slots. Only the router fold's cluster path
+        // defers; a GDN layer then runs its input projection as the fused-norm GEMV even with
+        // gdn_in_step on.
         let defer = cx.moe_defer_combine()
-            && cx.gemv_reg_cap()
-            && cx.staged_of(&m.lm_head).is_none()
+            && cx.gemv_norm_combines(&m.lm_head)
             && m.layers.iter().all(|l| match &l.mixer {
-                DeviceMixer::Gdn { in_proj: s, .. } | DeviceMixer::Attn { qkv: s, .. } => s.runs.iter().all(|(q, _)| cx.staged_of(q).is_none()),
+                DeviceMixer::Gdn { in_proj: s, .. } | DeviceMixer::Attn { qkv: s, .. } => s.runs.iter().all(|(q, _)| cx.gemv_norm_combines(q)),
             });
         let mut pending = false;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {

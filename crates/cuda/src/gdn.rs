@@ -29,6 +29,9 @@ pub const GDN_STATE_LEN: usize = p::N_V_HEADS * p::D_K * p::D_V;
 
 /// Width of the GDN output (input of `out_proj`): `n_v·d_v`.
 pub const GDN_OUT: usize = p::N_V_HEADS * p::D_V;
+/// `flags` bit of `gdn_decode_step`: trigger the dependent launch at entry (`GDN_STEP_EARLY_TRIGGER`
+/// in `kernels/gdn.cu`; `CudaContext::set_gdn_step_early_trigger`).
+const GDN_STEP_EARLY_TRIGGER: i32 = 1;
 
 /// Blocks per V-head (must match `COL_BLOCKS` in `kernels/gdn.cu`).
 const COL_BLOCKS: usize = 4;
@@ -277,8 +280,7 @@ impl CudaContext {
             // unused padding (CudaContext::set_gdn_step_smem_pad; 0 by default)
             shared_mem_bytes: self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed),
         };
-        // GDN_STEP_EARLY_TRIGGER in kernels/gdn.cu (CudaContext::set_gdn_step_early_trigger)
-        let flags: i32 = if self.gdn_step_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { 1 } else { 0 };
+        let flags = if self.gdn_step_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { GDN_STEP_EARLY_TRIGGER } else { 0 };
         let mut b = stream.launch_builder(self.func("gdn_decode_step")?);
         b.arg(out)
             .arg(s)

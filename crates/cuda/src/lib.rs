@@ -524,14 +524,10 @@ impl CudaContext {
         for (bi, b) in [4, 8].iter().enumerate() {
             for (ki, k) in [512, 2048, 4096].iter().enumerate() {
                 let cols = [p::D_EXPERT, p::D_MODEL, p::N_Q_HEADS * p::HEAD_DIM][ki];
-                let smem = gemv_smem_bytes(*b, cols) as i32;
+                let smem = gemv_smem_bytes(*b, cols);
                 for (slot, name) in [(&mut gemv, format!("gemv_q{b}_k{k}")), (&mut gemv_resid, format!("gemv_resid_q{b}_k{k}"))] {
                     let func = f("gemv", &name)?;
-                    // more than the default 48 KB of dynamic shared memory, and all of the
-                    // L1/shared carve-out for it (one 512-thread block per SM, up to 221 KB)
-                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)?;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                    allow_block_smem(&func, smem)?;
                     slot[bi][ki] = Some(func);
                 }
             }
@@ -544,25 +540,15 @@ impl CudaContext {
                 (&mut gemv_norm_r56, format!("gemv_norm_r56_q{b}_k2048")),
             ] {
                 let func = f("gemv", &name)?;
-                use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL) as i32)?;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                allow_block_smem(&func, gemv_smem_bytes(*b, p::D_MODEL))?;
                 slot[bi] = Some(func);
             }
             // the same with the MoE's deferred combine (CudaContext::gemv_norm_combine)
-            {
-                let func = f("gemv", &format!("gemv_norm_r56_xc_q{b}_k2048"))?;
-                use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::D_MODEL) as i32)?;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
-            }
+            allow_block_smem(&f("gemv", &format!("gemv_norm_r56_xc_q{b}_k2048"))?, gemv_smem_bytes(*b, p::D_MODEL))?;
             // the output projection with the MoE router folded in (moe.rs gemv_residual_router)
             for rb in [4, 8] {
                 for gb in [4, 8] {
-                    let func = f("gemv", &format!("gemv_resid_rf_r{rb}_g{gb}_q{b}_k4096"))?;
-                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(*b, p::N_V_HEADS * p::D_V) as i32)?;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                    allow_block_smem(&f("gemv", &format!("gemv_resid_rf_r{rb}_g{gb}_q{b}_k4096"))?, gemv_smem_bytes(*b, p::N_V_HEADS * p::D_V))?;
                 }
             }
         }
@@ -570,16 +556,12 @@ impl CudaContext {
         for v in [OutProjVariant::Cap88, OutProjVariant::Cap88Stages3] {
             for rb in [4, 8] {
                 for gb in [4, 8] {
-                    let func = f("gemv", &v.entry(rb, gb))?;
-                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, v.smem_bytes() as i32)?;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                    allow_block_smem(&f("gemv", &v.entry(rb, gb))?, v.smem_bytes())?;
                 }
             }
         }
         // the staged (bulk-copy) 4-bit entry points: the same shared memory as their twins
         {
-            use cudarc::driver::sys::CUfunction_attribute_enum as A;
             let mut staged = vec![("gemv_norm_r56_s4_k2048".to_string(), p::D_MODEL)];
             for rb in [4, 8] {
                 for gb in [4, 8] {
@@ -587,9 +569,7 @@ impl CudaContext {
                 }
             }
             for (name, cols) in staged {
-                let func = f("gemv", &name)?;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemv_smem_bytes(4, cols) as i32)?;
-                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                allow_block_smem(&f("gemv", &name)?, gemv_smem_bytes(4, cols))?;
             }
         }
         let step_scratch = stream.alloc_zeros::<u32>(step::STEP_SCRATCH_WORDS)?;
@@ -933,11 +913,18 @@ impl CudaContext {
         if wp % 16 != 0 {
             return Err(CudaError::Unsupported(format!("gemv_norm: norm_w must be 16-byte aligned (device address {wp:#x})")));
         }
-        let cap = self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed);
+        let cap = self.gemv_reg_cap();
         let table = if cap { &self.gemv_norm_r56 } else { &self.gemv_norm };
         // the staged twin (bulk copies) when the matrix has a staged copy (56 registers only)
         let staged = if cap { self.staged_of(mat) } else { None };
         let f = match (staged, combine.is_some()) {
+            // the deferred combine: 56 registers, MLX layout only
+            (_, true) if !self.gemv_norm_combines(mat) => {
+                return Err(CudaError::Unsupported(
+                    "gemv_norm_combine: built for the MLX layout at 56 registers (no staged copy, set_gemv_reg_cap on)".into(),
+                ))
+            }
+            (_, true) => self.func(&format!("gemv_norm_r56_xc_q{}_k2048", mat.bits.bits()))?,
             (Some(_), false) => self.func("gemv_norm_r56_s4_k2048")?,
             (None, false) => table[match mat.bits {
                 Bits::B4 => 0,
@@ -945,13 +932,6 @@ impl CudaContext {
             }]
             .as_ref()
             .expect("loaded"),
-            // the deferred combine: 56 registers, MLX layout only
-            (None, true) if cap => self.func(&format!("gemv_norm_r56_xc_q{}_k2048", mat.bits.bits()))?,
-            (_, true) => {
-                return Err(CudaError::Unsupported(
-                    "gemv_norm_combine: built for the MLX layout at 56 registers (no staged copy, set_gemv_reg_cap on)".into(),
-                ))
-            }
         };
         let eps = p::RMS_EPS;
         let late = in_proj && self.in_proj_late_weights.load(std::sync::atomic::Ordering::Relaxed);
@@ -1026,11 +1006,8 @@ impl CudaContext {
     /// of static shared memory).
     #[doc(hidden)]
     pub fn stream_probe_prepare(&self, max_bytes: u32) -> Result<(), CudaError> {
-        use cudarc::driver::sys::CUfunction_attribute_enum as A;
         for name in ["stream_bulk", "stream_bulk_cl8", "stream_thread"] {
-            let f = self.func(name)?;
-            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_bytes as i32)?;
-            f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            allow_block_smem(self.func(name)?, max_bytes as usize)?;
         }
         Ok(())
     }
@@ -1150,9 +1127,7 @@ impl CudaContext {
         }
         let f = self.func("gemv_chain_q4")?;
         let smem = gemv_smem_bytes(4, d).max(gemv_smem_bytes(4, e));
-        use cudarc::driver::sys::CUfunction_attribute_enum as A;
-        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
-        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+        allow_block_smem(f, smem)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks_a as u32, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -1309,12 +1284,18 @@ impl CudaContext {
         self.set_launch_option(&self.gemv_staged, on);
     }
 
-    /// The staged copy of `mat` when the staged GEMVs are on and `mat` has one.
     /// Whether the fused-norm GEMVs run at 56 registers ([`Self::set_gemv_reg_cap`]).
     pub(crate) fn gemv_reg_cap(&self) -> bool {
         self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether [`Self::gemv_norm_combine`] has an entry point for `mat`: the 56-register
+    /// fused-norm GEMV on the MLX layout (no staged copy in use).
+    pub(crate) fn gemv_norm_combines(&self, mat: &DeviceQMat) -> bool {
+        self.gemv_reg_cap() && self.staged_of(mat).is_none()
+    }
+
+    /// The staged copy of `mat` when the staged GEMVs are on and `mat` has one.
     pub(crate) fn staged_of<'a>(&self, mat: &'a DeviceQMat) -> Option<&'a CudaSlice<u32>> {
         if self.gemv_staged.load(std::sync::atomic::Ordering::Relaxed) {
             mat.staged.as_ref()
@@ -1374,22 +1355,19 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn set_in_proj_grid(&self, tune: Option<(i32, u32)>) {
         let packed = tune.map_or(0, |(ks, blocks)| ((ks.max(0) as u64) << 32) | blocks.max(1) as u64);
-        if self.in_proj_grid.swap(packed, std::sync::atomic::Ordering::Relaxed) != packed {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.launch_option_changed(self.in_proj_grid.swap(packed, std::sync::atomic::Ordering::Relaxed) != packed);
     }
 
     /// Picks the entry point of the 4-bit output projections with the router fold
     /// ([`Self::gemv_residual_router`] on an MLX-layout matrix; default [`OUT_PROJ_VARIANT`]):
     /// the wide one, or a slim one that can land beside the GDN step or the attention combine
     /// ([`OutProjVariant`]). The same bits either way. A matrix with a staged copy
-    /// ([`Self::stage_qmat`]) runs the staged entry point whatever the variant. For measurement (`calla cuda-bench --out-proj-compare`); graphs captured
-    /// earlier are captured again ([`Self::launch_generation`]).
+    /// ([`Self::stage_qmat`]) runs the staged entry point whatever the variant. For measurement
+    /// (`calla cuda-bench --out-proj-compare`); graphs captured earlier are captured again
+    /// ([`Self::launch_generation`]).
     #[doc(hidden)]
     pub fn set_out_proj_variant(&self, v: OutProjVariant) {
-        if self.out_proj_variant.swap(v as u8, std::sync::atomic::Ordering::Relaxed) != v as u8 {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.launch_option_changed(self.out_proj_variant.swap(v as u8, std::sync::atomic::Ordering::Relaxed) != v as u8);
     }
 
     /// Lets every GDN decode step block ([`Self::gdn_decode_step`]) ask for `bytes` of dynamic
@@ -1403,9 +1381,7 @@ impl CudaContext {
     pub fn set_gdn_step_smem_pad(&self, bytes: u32) {
         // within the 48 KB a block gets without opting in, beside the step's 3.5 KB of static
         let bytes = bytes.min(40 * 1024);
-        if self.gdn_step_smem_pad.swap(bytes, std::sync::atomic::Ordering::Relaxed) != bytes {
-            self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.launch_option_changed(self.gdn_step_smem_pad.swap(bytes, std::sync::atomic::Ordering::Relaxed) != bytes);
     }
 
     /// Lets the GDN decode step ([`Self::gdn_decode_step`]) trigger its dependent launch (the
@@ -1479,7 +1455,12 @@ impl CudaContext {
     /// Sets one of the context-wide launch options to `on`; a change bumps the launch
     /// generation, so graphs captured earlier are captured again ([`Self::launch_generation`]).
     fn set_launch_option(&self, flag: &std::sync::atomic::AtomicBool, on: bool) {
-        if flag.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
+        self.launch_option_changed(flag.swap(on, std::sync::atomic::Ordering::Relaxed) != on);
+    }
+
+    /// Bumps the launch generation when a context-wide launch option `changed`.
+    fn launch_option_changed(&self, changed: bool) {
+        if changed {
             self.launch_gen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
@@ -1694,6 +1675,15 @@ fn gemv_smem_bytes(bits: usize, cols: usize) -> usize {
         _ => 2,
     };
     gemv_smem_bytes_with(bits, cols, stages)
+}
+
+/// Lets one-block-per-SM kernel `f` take `bytes` of dynamic shared memory (beyond the default
+/// 48 KB) and asks for all of the L1/shared carve-out for it, as the decode GEMVs need (one
+/// 512-thread block per SM, up to 221 KB).
+fn allow_block_smem(f: &CudaFunction, bytes: usize) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
 }
 
 /// [`gemv_smem_bytes`] for a ring of `stages` stages (`calla_gemv::Cfg<BITS, K, ST>`).

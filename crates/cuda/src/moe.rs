@@ -989,10 +989,10 @@ impl CudaContext {
         }
         // the staged twin (bulk copies, 4-bit) when the matrix has a staged copy
         let staged = self.staged_of(mat);
-        // a slim entry point (CudaContext::set_out_proj_variant, the default) for 4-bit
-        // MLX-layout weights
+        // 4-bit MLX-layout weights: the entry point CudaContext::set_out_proj_variant picked
+        // (a slim one by default)
         let variant = self.out_proj_variant();
-        let name = if staged.is_none() && mat.bits == Bits::B4 && variant != crate::OutProjVariant::Wide {
+        let name = if staged.is_none() && mat.bits == Bits::B4 {
             cfg.shared_mem_bytes = variant.smem_bytes() as u32;
             variant.entry(bits_index(m.router_bits), bits_index(m.shared_gate_bits))
         } else {
