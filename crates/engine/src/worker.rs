@@ -319,6 +319,10 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
         }
         shared.cache_hits.store(cache.hits, Ordering::Relaxed);
         shared.cache_misses.store(cache.misses, Ordering::Relaxed);
+        // idle before the job's last event: a client that has its answer never sees the
+        // engine still busy with it (/health polled right after a response)
+        shared.running.store(0, Ordering::SeqCst);
+        on_phase(Phase::Idle);
         match result {
             Ok(out) => {
                 (job.sink)(Event::Done { stats: out.stats, cached_tokens: out.cached_tokens });
@@ -331,7 +335,5 @@ fn run(cfg: WorkerConfig, rx: Receiver<Job>, shared: Arc<Shared>) {
                 (job.sink)(Event::Error { message: e.to_string(), client_error });
             }
         }
-        shared.running.store(0, Ordering::SeqCst);
-        on_phase(Phase::Idle);
     }
 }
