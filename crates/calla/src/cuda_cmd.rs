@@ -219,14 +219,6 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_gdn_step_early_trigger`); `--out-proj-compare` also times it.
     #[arg(long)]
     gdn_early_trigger: bool,
-    /// For the whole run: the MoE cluster kernel leaves its combine to the fused-norm GEMV
-    /// after it (`CudaContext::set_moe_defer_combine`).
-    #[arg(long)]
-    moe_defer_combine: bool,
-    /// Also time decode (first decode context) with the MoE's combine deferred and not,
-    /// between two rows as configured, in this process.
-    #[arg(long)]
-    moe_defer_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -248,8 +240,6 @@ struct FocusRow {
     gdn_pad: Option<u32>,
     /// The GDN step triggers at entry (`false`: as configured).
     gdn_early: bool,
-    /// The MoE's combine deferred (`None`: as configured).
-    defer: Option<bool>,
     /// The MoE cluster kernels (before each input projection) also ask for the largest
     /// carve-out (`false`: as configured).
     moe_carve: bool,
@@ -333,10 +323,6 @@ pub struct CudaCheckArgs {
     /// (`CudaContext::set_gdn_step_early_trigger`; the same bits).
     #[arg(long)]
     gdn_early_trigger: bool,
-    /// The MoE cluster kernel leaves its combine to the fused-norm GEMV after it
-    /// (`CudaContext::set_moe_defer_combine`; the same bits).
-    #[arg(long)]
-    moe_defer_combine: bool,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -576,7 +562,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     cx.set_out_proj_variant(a.out_proj.variant());
     cx.set_gdn_step_smem_pad(a.gdn_pad);
     cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
-    cx.set_moe_defer_combine(a.moe_defer_combine);
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -704,7 +689,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_defer_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -822,8 +807,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_defer_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, defer: None, moe_carve: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, moe_carve: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -847,14 +832,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 rows.push(FocusRow { gdn_pad: Some(12 * 1024), ..row("GDN step padded 12 KB".into(), None, false, false) });
                 rows.push(FocusRow { moe_carve: true, ..row("MoE cluster kernel: largest carve-out too".into(), None, false, false) });
             }
-            if a.moe_defer_compare {
-                for d in [true, false] {
-                    let name = format!("MoE combine {}", if d { "in the next GEMV" } else { "in the MoE kernel" });
-                    rows.push(FocusRow { defer: Some(d), ..row(name, None, false, false) });
-                }
-            }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, defer, moe_carve } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, moe_carve } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -872,12 +851,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_gdn_step_smem_pad(gdn_pad);
                 let gdn_early = gdn_early || a.gdn_early_trigger;
                 cx.set_gdn_step_early_trigger(gdn_early);
-                let defer = defer.unwrap_or(a.moe_defer_combine);
-                cx.set_moe_defer_combine(defer);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_defer_combine": defer, "moe_cluster_max_carveout": moe_carve,
+                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -887,7 +864,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             set_carveout(&cx, configured_carveout(&a))?;
             cx.set_gdn_step_smem_pad(a.gdn_pad);
             cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
-            cx.set_moe_defer_combine(a.moe_defer_combine);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -1036,7 +1012,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
-    out["moe_defer_combine"] = serde_json::json!(a.moe_defer_combine);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1121,7 +1096,6 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     cx.set_in_proj_grid(a.in_proj_grid);
     cx.set_out_proj_variant(a.out_proj.variant());
     cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
-    cx.set_moe_defer_combine(a.moe_defer_combine);
     cx.set_gemv_staged_unit(a.gemv_staged_unit);
     cx.set_in_proj_late_weights(a.in_proj_late_weights);
     cx.set_moe_cluster_late_trigger(a.moe_late_trigger);

@@ -130,42 +130,6 @@ __device__ __forceinline__ void load_x(const float* __restrict__ x, float4& xa, 
     }
 }
 
-// The MoE's combine deferred into the fused-norm GEMV that follows it (the MoE cluster kernel's
-// CL_DEFER_COMBINE; measurement, lib.rs CudaContext::set_moe_defer_combine; the XC entry
-// points, gemv_body's XC): x = resid + sum_k w[k] * part[k] over the MoE's TOP_K + 1 slots (routed, then the shared
-// expert), summed as the cluster kernel's combine does (m = fma(w[k], y_k, m) in slot order,
-// then resid + m), so x equals the cluster kernel's out bit for bit; block 0 stores it to
-// x_out, the residual stream the output projection reads next. `x` is then the residual h.
-struct XCombine {
-    const float* part;  // [TOP_K + 1][K] the slots' unweighted outputs
-    const float* w;     // [TOP_K + 1] their weights (sel_w)
-    float* x_out;       // [K]
-};
-constexpr int XC_SLOTS = CALLA_TOP_K + 1;
-
-// This thread's 8 values of x as load_x takes them, the deferred combine added (see XCombine).
-template <int K>
-__device__ __forceinline__ void combine_x(const XCombine& xc, float4& xa, float4& xb) {
-    const int c0 = threadIdx.x * 8;
-    if (c0 >= K) return;
-    float m[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < XC_SLOTS; ++k) {
-        const float w = __ldcg(xc.w + k);
-        const float4 pa = __ldcg(reinterpret_cast<const float4*>(xc.part + (size_t)k * K + c0));
-        const float4 pb = __ldcg(reinterpret_cast<const float4*>(xc.part + (size_t)k * K + c0 + 4));
-        const float y[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m[j] = fmaf(w, y[j], m[j]);
-    }
-    xa = make_float4(xa.x + m[0], xa.y + m[1], xa.z + m[2], xa.w + m[3]);
-    xb = make_float4(xb.x + m[4], xb.y + m[5], xb.z + m[6], xb.w + m[7]);
-    if (blockIdx.x == 0) {
-        reinterpret_cast<float4*>(xc.x_out + c0)[0] = xa;
-        reinterpret_cast<float4*>(xc.x_out + c0)[1] = xb;
-    }
-}
-
 // The per-block table of B fragments (x as digits, in mma order) and the per-(super-step, t)
 // constants. Thread i handles the 8 columns 8i..8i+7, which lie in one group (8 threads per
 // group, reduced with shuffles) and fill two adjacent B words for each of the 8 mma columns n.
@@ -358,14 +322,14 @@ __device__ __forceinline__ float rf_part(uint4 w, unsigned sbw, const float* h, 
 // barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
 // are issued before, as before a PDL wait.
 template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0, bool STAGED = false,
-          int ST = 0, bool XC = false>
+          int ST = 0>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
                                           float eps, int rows, int ks_log2, int flags,
                                           const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0,
-                                          const RouterFold rf = {}, const XCombine xc = {}) {
+                                          const RouterFold rf = {}) {
     using C = Cfg<BITS, K, ST>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
@@ -515,7 +479,6 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     if (early) calla_pdl_launch_dependents();
     float4 xa, xb;
     load_x<K>(x, xa, xb);
-    if constexpr (NORM && XC) combine_x<K>(xc, xa, xb);
 #pragma unroll 1
     for (int s = PRE; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE();
     build_x_table<BITS, K, NORM>(smem, xa, xb, nw, eps, ss_red);
@@ -711,18 +674,6 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                                                                          nullptr, norm_w, eps, rows,       \
                                                                          ks_log2, flags);                  \
     }
-// The same with the MoE's deferred combine (calla_gemv::XCombine): x is the residual h, and
-// part, sel_w, x_out the slots, their weights and the residual stream to store.
-#define CALLA_GEMV_NORM_XC_ENTRY(NAME, BITS, K, QUALS)                                                       \
-    extern "C" __global__ void QUALS                                                                       \
-        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
-             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
-             const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,           \
-             int ks_log2, int flags, const float* part, const float* sel_w, float* x_out) {               \
-        calla_gemv::gemv_body<BITS, K, false, true, false, 0, 0, false, 0, true>(                           \
-            out, packed, scales, biases, x, nullptr, norm_w, eps, rows, ks_log2, flags, nullptr, 0,         \
-            calla_gemv::RouterFold{}, calla_gemv::XCombine{part, sel_w, x_out});                            \
-    }
 #define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS) CALLA_GEMV_NORM_ENTRY_S(NAME, BITS, K, QUALS, false)
 
 // The output projection + residual with the MoE router folded in (see RouterFold): out [D_MODEL]
@@ -786,8 +737,6 @@ CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_S
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 CALLA_GEMV_NORM_ENTRY_S(gemv_norm_r56_s4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS, true)
-CALLA_GEMV_NORM_XC_ENTRY(gemv_norm_r56_xc_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
-CALLA_GEMV_NORM_XC_ENTRY(gemv_norm_r56_xc_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

@@ -978,10 +978,6 @@ constexpr int CL_LATE_TRIGGER = 1;
 // ... and (timeline probe only) stamp the block's mark when its copies are issued instead of when
 // its tiles are all here (moe.rs CL_MARK_ISSUE).
 constexpr int CL_MARK_ISSUE = 2;
-// ... and leave the combine to the next launch (a fused-norm GEMV, calla_gemv::XCombine): every
-// block writes its y to part and leaves, no counter and no last block adding the slots up
-// (moe.rs CL_DEFER_COMBINE; measurement).
-constexpr int CL_DEFER_COMBINE = 4;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -1238,10 +1234,6 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     // publishes them; the last block's acquire, then its barrier, orders its reads after.
     __syncthreads();
     mark(8);  // y written
-    if (flags & CL_DEFER_COMBINE) {  // the next launch adds the slots up (kernel boundary orders it)
-        calla_tl_done();
-        return;
-    }
     if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(counts + r, 1u) == NSLOT - 1 ? 1u : 0u;
     __syncthreads();
     mark(9);  // counted

@@ -119,29 +119,6 @@ impl StackedQMat {
         Ok(())
     }
 
-    /// [`Self::gemv_norm`] on the MoE's deferred combine ([`CudaContext::gemv_norm_combine`]):
-    /// `x = resid + Σ_k w[k]·part[k]` from `scratch`, stored to `x_out` by every run.
-    ///
-    /// # Errors
-    /// As [`CudaContext::gemv_norm_combine`].
-    #[doc(hidden)]
-    pub fn gemv_norm_combine(
-        &self,
-        cx: &CudaContext,
-        out: &mut CudaViewMut<'_, f32>,
-        resid: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        scratch: &crate::moe::MoeScratch,
-        x_out: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), CudaError> {
-        let (part, sel_w) = scratch.combine_parts();
-        for (m, r0) in &self.runs {
-            let mut o = out.slice_mut(*r0..*r0 + m.rows);
-            cx.gemv_norm_combine(&mut o, m, resid, norm_w, &part, &sel_w, x_out)?;
-        }
-        Ok(())
-    }
-
     /// Bytes of weights one application reads.
     pub fn stored_bytes(&self) -> usize {
         self.runs.iter().map(|(m, _)| m.stored_bytes()).sum()
@@ -655,18 +632,6 @@ impl CudaSession {
         let cluster_all = self.moe_flags.cluster
             && !self.moe_flags.fused
             && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
-        // the MoE cluster kernel's combine left to the fused-norm GEMV after it
-        // (CudaContext::set_moe_defer_combine), where every such GEMV has a combining entry
-        // point (else the MoE combines as by default): `pending` while the residual stream x
-        // still has to be made from h and the MoE's slots. Only the router fold's cluster path
-        // defers; a GDN layer then runs its input projection as the fused-norm GEMV even with
-        // gdn_in_step on.
-        let defer = cx.moe_defer_combine()
-            && cx.gemv_norm_combines(&m.lm_head)
-            && m.layers.iter().all(|l| match &l.mixer {
-                DeviceMixer::Gdn { in_proj: s, .. } | DeviceMixer::Attn { qkv: s, .. } => s.runs.iter().all(|(q, _)| cx.gemv_norm_combines(q)),
-            });
-        let mut pending = false;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;
@@ -684,22 +649,19 @@ impl CudaSession {
             // the GDN input projection and step as one launch (gdn_in_step; the ablation
             // leaves it out as the mixer core)
             let in_step = match &lw.mixer {
-                DeviceMixer::Gdn { in_step: Some(w), in_proj, .. } if fuse && self.gdn_in_step && in_proj.runs.len() == 1 && !pending => {
+                DeviceMixer::Gdn { in_step: Some(w), in_proj, .. } if fuse && self.gdn_in_step && in_proj.runs.len() == 1 => {
                     Some((w, &in_proj.runs[0].0))
                 }
                 _ => None,
             };
             if on(ablate::IN_PROJ) && in_step.is_none() {
                 let out = &mut self.proj.slice_mut(..n_in);
-                if fuse && pending {
-                    in_mat.gemv_norm_combine(cx, out, &self.h.slice(..), &lw.input_norm.slice(..), &self.moe_scratch, &mut self.x.slice_mut(..))?;
-                } else if fuse {
+                if fuse {
                     in_mat.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
                 } else {
                     in_mat.gemv(cx, out, &self.u.slice(..))?;
                 }
             }
-            pending = false;
             match (&lw.mixer, ls) {
                 (DeviceMixer::Gdn { conv_w, a_neg_exp, dt_bias, norm, .. }, DeviceLayerState::Gdn { conv, s }) => {
                     if let (Some((w, stacked)), true) = (in_step, on(ablate::MIXER)) {
@@ -779,8 +741,6 @@ impl CudaSession {
                 // own) and zeroes the next layer's accumulators instead
                 if on(ablate::MOE_GATE_UP) {
                     cx.moe_fold_cluster(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
-                    // (an ablated input projection leaves x stale: the ablation times only)
-                    pending = defer;
                 } else {
                     cx.moe_fold_reset(&mut self.moe_scratch)?;
                 }
@@ -825,18 +785,7 @@ impl CudaSession {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &m.final_norm.slice(..))?;
             }
             if on(ablate::LM_HEAD) {
-                if fuse && pending {
-                    let (part, sel_w) = self.moe_scratch.combine_parts();
-                    cx.gemv_norm_combine(
-                        &mut self.logits.slice_mut(..),
-                        &m.lm_head,
-                        &self.h.slice(..),
-                        &m.final_norm.slice(..),
-                        &part,
-                        &sel_w,
-                        &mut self.x.slice_mut(..),
-                    )?;
-                } else if fuse {
+                if fuse {
                     cx.gemv_norm(&mut self.logits.slice_mut(..), &m.lm_head, &self.x.slice(..), &m.final_norm.slice(..))?;
                 } else {
                     cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;

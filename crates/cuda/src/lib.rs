@@ -107,8 +107,6 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
             "gemv_norm_r56_s4_k2048",
-            "gemv_norm_r56_xc_q4_k2048",
-            "gemv_norm_r56_xc_q8_k2048",
             "gemv_resid_rf_r4_g4_q4_k4096",
             "gemv_resid_rf_r4_g8_q4_k4096",
             "gemv_resid_rf_r8_g4_q4_k4096",
@@ -466,9 +464,6 @@ pub struct CudaContext {
     /// The GDN decode step triggers its dependent launch at entry; set by
     /// [`CudaContext::set_gdn_step_early_trigger`].
     pub(crate) gdn_step_early_trigger: std::sync::atomic::AtomicBool,
-    /// The decode step leaves the MoE cluster kernel's combine to the next fused-norm GEMV;
-    /// set by [`CudaContext::set_moe_defer_combine`].
-    pub(crate) moe_defer_combine: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -543,8 +538,6 @@ impl CudaContext {
                 allow_block_smem(&func, gemv_smem_bytes(*b, p::D_MODEL))?;
                 slot[bi] = Some(func);
             }
-            // the same with the MoE's deferred combine (CudaContext::gemv_norm_combine)
-            allow_block_smem(&f("gemv", &format!("gemv_norm_r56_xc_q{b}_k2048"))?, gemv_smem_bytes(*b, p::D_MODEL))?;
             // the output projection with the MoE router folded in (moe.rs gemv_residual_router)
             for rb in [4, 8] {
                 for gb in [4, 8] {
@@ -595,7 +588,6 @@ impl CudaContext {
             out_proj_variant: std::sync::atomic::AtomicU8::new(OUT_PROJ_VARIANT as u8),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
             gdn_step_early_trigger: std::sync::atomic::AtomicBool::new(false),
-            moe_defer_combine: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -645,7 +637,6 @@ impl CudaContext {
             out_proj_variant: std::sync::atomic::AtomicU8::new(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_early_trigger: copy(&self.gdn_step_early_trigger),
-            moe_defer_combine: copy(&self.moe_defer_combine),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),
@@ -840,59 +831,6 @@ impl CudaContext {
         x: &CudaView<'_, f32>,
         norm_w: &CudaView<'_, f32>,
     ) -> Result<(), CudaError> {
-        self.gemv_norm_with(out, mat, x, norm_w, None)
-    }
-
-    /// [`Self::gemv_norm`] on `x = resid + Σ_k w[k]·part[k]` (`k` over the MoE's `TOP_K + 1`
-    /// slots, routed then shared, summed as the MoE cluster kernel's combine sums them, so `x`
-    /// is its output bit for bit), which block 0 also stores to `x_out` (the residual stream):
-    /// the combine of a MoE cluster launch made with [`Self::set_moe_defer_combine`] on, done by
-    /// the fused-norm GEMV after it. `resid`, `x_out`: `[D_MODEL]`; `part`: the MoE scratch's
-    /// `[TOP_K + 1][D_MODEL]` slot outputs; `sel_w`: its `[TOP_K + 1]` weights; all 16-byte
-    /// aligned. For measurement (doc-hidden).
-    ///
-    /// # Errors
-    /// As [`Self::gemv_norm`]; also [`CudaError::Unsupported`] when a length differs from the
-    /// above or a buffer is not 16-byte aligned.
-    #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_norm_combine(
-        &self,
-        out: &mut CudaViewMut<'_, f32>,
-        mat: &DeviceQMat,
-        resid: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        part: &CudaView<'_, f32>,
-        sel_w: &CudaView<'_, f32>,
-        x_out: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), CudaError> {
-        let (d, slots) = (p::D_MODEL, p::TOP_K + 1);
-        if part.len() < slots * d || sel_w.len() < slots || x_out.len() != d {
-            return Err(CudaError::Unsupported(format!(
-                "gemv_norm_combine: part {} (at least {}), sel_w {} (at least {slots}), x_out {} ({d})",
-                part.len(),
-                slots * d,
-                sel_w.len(),
-                x_out.len()
-            )));
-        }
-        for (name, ptr) in [("part", part.device_ptr(&self.stream).0), ("x_out", x_out.device_ptr(&self.stream).0)] {
-            if ptr % 16 != 0 {
-                return Err(CudaError::Unsupported(format!("gemv_norm_combine: {name} must be 16-byte aligned (device address {ptr:#x})")));
-            }
-        }
-        self.gemv_norm_with(out, mat, resid, norm_w, Some((part, sel_w, x_out)))
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn gemv_norm_with(
-        &self,
-        out: &mut CudaViewMut<'_, f32>,
-        mat: &DeviceQMat,
-        x: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        combine: Option<(&CudaView<'_, f32>, &CudaView<'_, f32>, &mut CudaViewMut<'_, f32>)>,
-    ) -> Result<(), CudaError> {
         if mat.cols != p::D_MODEL || norm_w.len() != p::D_MODEL {
             return Err(CudaError::Unsupported(format!(
                 "gemv_norm: a [{}, {}] matrix with {} norm weights (built for D_MODEL = {} columns)",
@@ -917,16 +855,9 @@ impl CudaContext {
         let table = if cap { &self.gemv_norm_r56 } else { &self.gemv_norm };
         // the staged twin (bulk copies) when the matrix has a staged copy (56 registers only)
         let staged = if cap { self.staged_of(mat) } else { None };
-        let f = match (staged, combine.is_some()) {
-            // the deferred combine: 56 registers, MLX layout only
-            (_, true) if !self.gemv_norm_combines(mat) => {
-                return Err(CudaError::Unsupported(
-                    "gemv_norm_combine: built for the MLX layout at 56 registers (no staged copy, set_gemv_reg_cap on)".into(),
-                ))
-            }
-            (_, true) => self.func(&format!("gemv_norm_r56_xc_q{}_k2048", mat.bits.bits()))?,
-            (Some(_), false) => self.func("gemv_norm_r56_s4_k2048")?,
-            (None, false) => table[match mat.bits {
+        let f = match staged {
+            Some(_) => self.func("gemv_norm_r56_s4_k2048")?,
+            None => table[match mat.bits {
                 Bits::B4 => 0,
                 Bits::B8 => 1,
             }]
@@ -950,14 +881,9 @@ impl CudaContext {
             .arg(&rows)
             .arg(&ks_log2)
             .arg(&flags);
-        // the deferred MoE combine's buffers (gemv_norm_r56_xc_*)
-        if let Some((part, sel_w, x_out)) = combine {
-            b.arg(part).arg(sel_w).arg(x_out);
-        }
         // SAFETY: argument types and lengths match `gemv_norm_*` (checked above and in
-        // gemv_prepare; the combine's, for `gemv_norm_r56_xc_*` only, by gemv_norm_combine);
-        // the grid never exceeds the blocks with work. A staged copy holds every tile of the
-        // matrix (stage_qmat checked its rows, columns and bits).
+        // gemv_prepare); the grid never exceeds the blocks with work. A staged copy holds every
+        // tile of the matrix (stage_qmat checked its rows, columns and bits).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -1289,12 +1215,6 @@ impl CudaContext {
         self.gemv_reg_cap.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether [`Self::gemv_norm_combine`] has an entry point for `mat`: the 56-register
-    /// fused-norm GEMV on the MLX layout (no staged copy in use).
-    pub(crate) fn gemv_norm_combines(&self, mat: &DeviceQMat) -> bool {
-        self.gemv_reg_cap() && self.staged_of(mat).is_none()
-    }
-
     /// The staged copy of `mat` when the staged GEMVs are on and `mat` has one.
     pub(crate) fn staged_of<'a>(&self, mat: &'a DeviceQMat) -> Option<&'a CudaSlice<u32>> {
         if self.gemv_staged.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1394,25 +1314,6 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn set_gdn_step_early_trigger(&self, on: bool) {
         self.set_launch_option(&self.gdn_step_early_trigger, on);
-    }
-
-    /// Lets the decode step's MoE cluster kernel (with the router fold) leave its combine to
-    /// the fused-norm GEMV after it (`true`; [`Self::gemv_norm_combine`]: the next layer's input
-    /// projection or the LM head adds the slots up and stores the residual stream) instead of
-    /// the last of its blocks per row range adding them up behind an atomic counter (`false`,
-    /// the default). The same bits either way. Only with the 56-register fused-norm GEMVs
-    /// ([`Self::set_gemv_reg_cap`]) on MLX-layout matrices (no staged copy in use); otherwise
-    /// the MoE combines as by default. For measurement (written in session 20, not yet run on
-    /// a GPU); graphs captured earlier are captured again ([`Self::launch_generation`]).
-    #[doc(hidden)]
-    pub fn set_moe_defer_combine(&self, on: bool) {
-        self.set_launch_option(&self.moe_defer_combine, on);
-    }
-
-    /// Whether [`Self::set_moe_defer_combine`] is on.
-    #[doc(hidden)]
-    pub fn moe_defer_combine(&self) -> bool {
-        self.moe_defer_combine.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The entry point [`Self::set_out_proj_variant`] picked.

@@ -79,10 +79,6 @@ const CL_LATE_TRIGGER: i32 = 1;
 /// issued instead of when the tiles are all here (`CL_MARK_ISSUE` in `moe.cu`;
 /// `CudaContext::set_moe_cluster_mark_issue`).
 const CL_MARK_ISSUE: i32 = 2;
-/// `flags` bit of the expert-per-cluster kernels: every block writes its slot's rows to `part`
-/// and leaves; the next fused-norm GEMV adds them up (`CL_DEFER_COMBINE` in `moe.cu`;
-/// `CudaContext::set_moe_defer_combine`, `CudaContext::gemv_norm_combine`).
-const CL_DEFER_COMBINE: i32 = 4;
 /// Blocks of the expert-per-cluster kernel.
 #[doc(hidden)]
 pub const CL_BLOCKS: usize = (p::TOP_K + 1) * CL;
@@ -237,28 +233,6 @@ pub struct DeviceMoe {
 }
 
 impl MoeScratch {
-    /// The expert-per-cluster kernel's per-slot outputs `[TOP_K + 1][D_MODEL]` (routed slots
-    /// in `sel_ids` order, then the shared expert; not yet weighted) and their weights
-    /// `sel_w`: what [`CudaContext::gemv_norm_combine`] adds up after a launch with
-    /// [`CudaContext::set_moe_defer_combine`] on.
-    #[doc(hidden)]
-    pub fn combine_parts(&self) -> (CudaView<'_, f32>, CudaView<'_, f32>) {
-        (self.part.slice(..(p::TOP_K + 1) * p::D_MODEL), self.sel_w.slice(..p::TOP_K + 1))
-    }
-
-    /// Sets every slot output and weight of [`Self::combine_parts`] to `v` (the self-test's
-    /// sentinel before a deferred launch).
-    ///
-    /// # Errors
-    /// Driver errors.
-    #[doc(hidden)]
-    pub fn fill_combine_parts(&mut self, v: f32) -> Result<(), CudaError> {
-        let s = self.part.stream().clone();
-        s.memcpy_htod(&vec![v; self.part.len()], &mut self.part)?;
-        s.memcpy_htod(&vec![v; self.sel_w.len()], &mut self.sel_w)?;
-        Ok(())
-    }
-
     /// The fused kernel's grid-barrier state (arrivals, generation), for checks.
     #[doc(hidden)]
     pub fn bar_state(&self) -> CudaView<'_, u32> {
@@ -1150,8 +1124,6 @@ impl CudaContext {
     /// the top-k from set `set` itself; the same results bit for bit, `sel_ids`/`sel_w` and set
     /// `zero_set` as they leave them. `h` is the residual stream the output projection wrote
     /// (and the residual of the sum), `norm_w` the post_attention_layernorm, `out` `[D_MODEL]`.
-    /// With [`CudaContext::set_moe_defer_combine`] on, `out` is not written: the slots' outputs
-    /// stay in the scratch ([`MoeScratch::combine_parts`]) for [`CudaContext::gemv_norm_combine`].
     ///
     /// # Errors
     /// As the two; [`CudaError::Unsupported`] when an expert matrix is not 4-bit
@@ -1181,10 +1153,7 @@ impl CudaContext {
         let func = self.func("moe_cluster_fold_e4")?;
         let late = self.moe_cluster_late_trigger.load(std::sync::atomic::Ordering::Relaxed);
         let issue = self.moe_cluster_mark_issue.load(std::sync::atomic::Ordering::Relaxed);
-        let defer = self.moe_defer_combine();
-        let flags: i32 = (if late { CL_LATE_TRIGGER } else { 0 })
-            | (if issue { CL_MARK_ISSUE } else { 0 })
-            | (if defer { CL_DEFER_COMBINE } else { 0 });
+        let flags: i32 = (if late { CL_LATE_TRIGGER } else { 0 }) | (if issue { CL_MARK_ISSUE } else { 0 });
         with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
             let mut b = s.launch_builder(func);
             b.arg(out).arg(h);
