@@ -74,6 +74,20 @@ impl MoePath {
     }
 }
 
+/// The prefill's router kernels (`--prefill-router`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefillRouter {
+    /// Integer products on the tensor cores (`CudaContext::router_logits_digits`).
+    Digits,
+    /// Sequential f32 chains on the CUDA cores (`CudaContext::router_logits_f32`).
+    F32,
+}
+
+impl PrefillRouter {
+    /// The library's default (`cuda::prefill::ROUTER_F32_DEFAULT`).
+    const DEFAULT: PrefillRouter = if cuda::prefill::ROUTER_F32_DEFAULT { PrefillRouter::F32 } else { PrefillRouter::Digits };
+}
+
 /// Arguments of `calla cuda-bench`.
 #[derive(Args)]
 pub struct CudaBenchArgs {
@@ -170,11 +184,15 @@ pub struct CudaBenchArgs {
     /// expert GEMMs, ...), summed over layers.
     #[arg(long)]
     prefill_profile: bool,
-    /// Also time the batched prefill of each prompt length with the shared expert on its own
-    /// stream (the default) and on the main stream, alternating, in this process (median of 5
-    /// each).
+    /// Also time the batched prefill of each prompt length as configured, with the shared
+    /// expert on the main stream instead of its own, and with the other router (f32 chains or
+    /// integer products), alternating, in this process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
+    /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
+    /// the tensor cores); the default is `cuda::prefill::ROUTER_F32_DEFAULT`'s.
+    #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
+    prefill_router: PrefillRouter,
     /// Also time decode (first decode context) with the input projections launched as
     /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
     /// each entry in turn, between two rows as configured, in this process.
@@ -276,6 +294,10 @@ pub struct CudaCheckArgs {
     /// Largest prefill chunk in tokens (small values test chunk boundaries).
     #[arg(long, default_value_t = 64)]
     prefill_chunk: usize,
+    /// The batched prefill's MoE router, for this tool's prefiller and the engine's (as
+    /// `cuda-bench --prefill-router`).
+    #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
+    prefill_router: PrefillRouter,
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
@@ -576,6 +598,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "graph" => false,
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
+    cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -601,10 +624,13 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new()];
+            let router_f32 = pf.router_f32;
             for round in 0..6 {
-                for (j, overlap) in [true, false].into_iter().enumerate() {
+                // as configured; the shared expert on the main stream; the other router
+                for (j, (overlap, f32_router)) in [(true, router_f32), (false, router_f32), (true, !router_f32)].into_iter().enumerate() {
                     pf.overlap_shared_expert = overlap;
+                    pf.router_f32 = f32_router;
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
@@ -615,9 +641,17 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 }
             }
             pf.overlap_shared_expert = true;
-            let [on, off] = ms.each_mut().map(|v| median(v));
-            eprintln!("prefill compare {n:>6}: shared expert on its own stream {on:>8.2} ms, on the main stream {off:>8.2} ms ({:+.1}%)", 100.0 * (on / off - 1.0));
-            prefill_compare.push(serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off}));
+            pf.router_f32 = router_f32;
+            let [on, off, other] = ms.each_mut().map(|v| median(v));
+            let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
+            eprintln!(
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%)",
+                100.0 * (off / on - 1.0),
+                100.0 * (other / on - 1.0)
+            );
+            let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
+            row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
+            prefill_compare.push(row);
         }
     }
     let mut start = |sess: &mut CudaSession, prompt: &[u32]| -> Result<()> {
@@ -1012,6 +1046,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
+    out["prefill_router"] = serde_json::json!(format!("{:?}", a.prefill_router));
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1110,6 +1145,8 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     sess.set_pdl(a.pdl);
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
+    // the engine's accelerator below creates its own prefiller: the same router for both
+    cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;
@@ -1283,6 +1320,16 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         let mut eng = engine::Engine::open(&a.model, max_ctx)?;
         let acc = accelerator(&eng, a.device, a.prefill_chunk)?;
         eng.set_accelerator(acc);
+        // The session the engine's tokens are compared with, configured as the accelerator's
+        // own (CudaAccelerator::new): one slot more than the engine's limit, PDL, the default
+        // MoE and GDN paths. The decode attention's split count follows the context limit, so
+        // a session of another limit rounds differently and may sample other tokens at
+        // temperature 1 (it did once the prefill router changed the trajectory).
+        // (--in-proj-grid changes the input projections' K split, hence their bits: back to the
+        // default grid the accelerator's context launches; the other options keep the bits)
+        cx.set_in_proj_grid(None);
+        let mut esess = CudaSession::new(&cx, &gm, eng.max_ctx + 1)?;
+        esess.set_pdl(true);
         let mut cases = vec![sampler::SamplingParams::greedy()];
         cases.extend(sampling_cases().into_iter().map(|mut c| {
             c.seed = Some(c.seed.unwrap_or(0x5EED));
@@ -1308,10 +1355,10 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             let first = run_engine(&prompt, params)?;
             run_engine(&other, params)?;
             let again = run_engine(&prompt, params)?;
-            sess.set_sampling(&cx, &gm, if params.is_greedy() { None } else { Some(params) })?;
-            sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
-            sess.decode(&gm, a.steps)?;
-            let want = sess.generated(&cx)?;
+            esess.set_sampling(&cx, &gm, if params.is_greedy() { None } else { Some(params) })?;
+            esess.start_batched(&cx, &gm, &mut pf, &prompt)?;
+            esess.decode(&gm, a.steps)?;
+            let want = esess.generated(&cx)?;
             let repeat = k >= cases.len();
             let before_ok = !repeat || wants[case] == want;
             checks += 1;
@@ -1332,7 +1379,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
                 wants.push(want);
             }
         }
-        sess.set_sampling(&cx, &gm, None)?;
+        esess.set_sampling(&cx, &gm, None)?;
         // The device prefix cache: a second turn that extends the first (its prompt, the
         // tokens fed back, new tokens) continues from the snapshot kept after the first and
         // prefills only the new part. Its tokens must equal the session's doing the same by
@@ -1355,15 +1402,15 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         p2.extend_from_slice(&g1[..a.steps]);
         p2.extend(random_prompt(23, vocab, 4343));
         let (g2, c2) = turn(&mut cache, &p2)?;
-        sess.start_batched(&cx, &gm, &mut pf, &p1)?;
-        sess.decode(&gm, a.steps)?;
-        let snap = sess.snapshot(&cx, &p2[..p1.len() + a.steps])?;
-        sess.start_batched_from(&cx, &gm, &mut pf, Some(&snap), &p2, false)?;
-        sess.decode(&gm, a.steps)?;
-        let want = sess.generated(&cx)?;
-        sess.start_batched(&cx, &gm, &mut pf, &p2)?;
-        sess.decode(&gm, a.steps)?;
-        let fresh = sess.generated(&cx)?;
+        esess.start_batched(&cx, &gm, &mut pf, &p1)?;
+        esess.decode(&gm, a.steps)?;
+        let snap = esess.snapshot(&cx, &p2[..p1.len() + a.steps])?;
+        esess.start_batched_from(&cx, &gm, &mut pf, Some(&snap), &p2, false)?;
+        esess.decode(&gm, a.steps)?;
+        let want = esess.generated(&cx)?;
+        esess.start_batched(&cx, &gm, &mut pf, &p2)?;
+        esess.decode(&gm, a.steps)?;
+        let fresh = esess.generated(&cx)?;
         let same_fresh = fresh.iter().zip(&g2).take_while(|(x, y)| x == y).count();
         // the second prompt again: the snapshot after it kept its logits, so nothing is prefilled
         let (g3, c3) = turn(&mut cache, &p2)?;

@@ -200,6 +200,151 @@ __device__ __forceinline__ void router_f32_body(float* __restrict__ y, const uns
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The router from exact integer products (router_dg_q{4,8}_p{4,8}). Per token and 64-column
+// group, x is written as four balanced base-256 digits of X = round(x · 2^(30-E))
+// (calla_qt::quantize_words, as the MoE decode kernels quantize u), so that
+//   Σ_{c in g} W[r, c] x[c] = scale[r,g] · 2^(E-30) · Σ_c q[r,c] X[c] + bias[r,g] · Σ_c x[c]
+// with Σ q X = C0 + 256 C1 + 65536 (C2 + 256 C3), C_i = Σ_c q[r,c] d_i[c] exact in int32
+// (|C_i| <= 64 · 255 · 128). The roundings: X (2^-30 of the group's largest |x|), Σx (an f32
+// tree sum), the f32 conversions of C0 + 256 C1 and of C2 + 256 C3 (the powers of two 2^(E-30)
+// and 65536 scale them exactly), two f32 fma chains over the 32 groups (one per lane of a pair:
+// the low digits with bias·Σx, the high digits), and the add of the two. About as accurate as a
+// sequential f32 chain over the 2,048 columns (the router_f32 kernels'; on the self-test's
+// inputs 1.1e-7 against 3.1e-7 of Σ|w·x|), not the same bits. The two chains' partial sums can
+// be a few times Σ|w·x| when a group's values share a sign (scale·q and bias·Σx then cancel),
+// which the accuracy then follows. mma.m16n8k32 u8 x s8: the 8 columns of B are 2 tokens x 4
+// digits.
+//
+// Block: one warp per 16-row tile of W (blockDim = 32 · ceil(n / 16), n <= N_EXPERTS + 1), TB = 2 ·
+// PAIRS tokens. First the block writes its tokens' digits into shared memory (a half-warp per
+// (token, group)): dg[token][group][digit][16 words], word j of a digit row holding the digits of
+// the 4 columns lane t of an mma consumes as A's bytes: at 8 bits columns 4j .. 4j+3; at 4 bits
+// 8(j/2) + (j%2) + {0, 2, 4, 6} (the nibbles w & 0x0F0F0F0F and (w >> 4) & 0x0F0F0F0F of packed
+// word j/2 give), then per group each warp loads lane t's 16 bytes (8 bits) or 8 bytes (4 bits)
+// of rows g and g+8 straight from the MLX layout (columns 16t .. 16t+15: digit-row words 4t ..
+// 4t+3) and runs 2 mmas per token pair. Dynamic shared memory: TB · (NG · 256 + NG · 8) bytes.
+constexpr int DG_GROUPS = CALLA_D_MODEL / CALLA_QUANT_GROUP;
+constexpr int DG_TOKEN_BYTES = DG_GROUPS * (256 + 8);  // digits, then meta {2^(E-30), Σx}, per token
+constexpr int DG_MAX_THREADS = 32 * ((CALLA_N_EXPERTS + 1 + 15) / 16);  // the router and shared-gate rows
+
+template <int BITS>
+__device__ __forceinline__ float4 dg_values(const float* __restrict__ xg, int q) {
+    if (BITS == 8) return __ldcg(reinterpret_cast<const float4*>(xg + 4 * q));
+    const int c = 8 * (q >> 1) + (q & 1);
+    return make_float4(__ldcg(xg + c), __ldcg(xg + c + 2), __ldcg(xg + c + 4), __ldcg(xg + c + 6));
+}
+
+template <int BITS, int PAIRS>
+__device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsigned* __restrict__ packed,
+                                               const unsigned short* __restrict__ scales,
+                                               const unsigned short* __restrict__ biases,
+                                               const float* __restrict__ x, int t, int n) {
+    constexpr int K = CALLA_D_MODEL, NG = DG_GROUPS, TB = 2 * PAIRS;
+    constexpr int WPR = K * BITS / 32;   // packed words per row
+    constexpr int WPG = 64 * BITS / 32;  // packed words per row and group
+    static_assert(CALLA_QUANT_GROUP == 64, "one mma pair per 64-column group");
+    extern __shared__ __align__(16) unsigned dg[];                        // [TB][NG][4][16]
+    float2* meta = reinterpret_cast<float2*>(dg + TB * NG * 64);         // [TB][NG]
+    calla_pdl_wait();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int t0 = blockIdx.x * TB;
+
+    // the block's tokens as digits (both half-warps of a warp run the same number of jobs:
+    // TB · NG is even)
+    {
+        const int q = lane & 15;
+        for (int job = 2 * warp + (lane >> 4); job < TB * NG; job += 2 * nw) {
+            const int tt = job / NG, gi = job % NG, tok = t0 + tt;
+            const float4 v = tok < t ? dg_values<BITS>(x + (size_t)tok * K + gi * 64, q) : make_float4(0.f, 0.f, 0.f, 0.f);
+            unsigned w[4];
+            float2 mt;
+            calla_qt::quantize_words(v, w, mt);
+            if (!(fabsf(mt.y) <= 3.402823466e38f)) mt.x = __int_as_float(0x7fc00000);  // NaN / inf poison the token
+            unsigned* d = dg + (tt * NG + gi) * 64;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) d[16 * k + q] = w[k];
+            if (q == 0) meta[tt * NG + gi] = mt;
+        }
+    }
+    __syncthreads();
+    const int r0 = warp * 16;
+    if (r0 >= n) return;
+    const int g = lane >> 2, tq = lane & 3;
+    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
+    const unsigned* pa = packed + (size_t)ra * WPR + (BITS == 8 ? 4 : 2) * tq;
+    const unsigned* pb = packed + (size_t)rb * WPR + (BITS == 8 ? 4 : 2) * tq;
+    const unsigned short* sa = scales + (size_t)ra * NG;
+    const unsigned short* sb = scales + (size_t)rb * NG;
+    const unsigned short* ba = biases + (size_t)ra * NG;
+    const unsigned short* bb = biases + (size_t)rb * NG;
+    // lane t's C columns 2t, 2t+1: token 2p + t/2, digits {0, 1} (t even) or {2, 3}
+    const float tmul = (tq & 1) ? 65536.0f : 1.0f, xmask = (tq & 1) ? 0.0f : 1.0f;
+    // lane (g, t)'s B column g: token 2p + g/4, digit g % 4
+    const unsigned* bcol = dg + (g >> 2) * NG * 64 + (g & 3) * 16 + 4 * tq;
+    const float2* mcol = meta + (tq >> 1) * NG;
+    float acc[PAIRS][2];
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) acc[p][0] = acc[p][1] = 0.f;
+    auto load_a = [&](int gi, uint4& wa, uint4& wb, float4& sbv) {
+        if (BITS == 8) {
+            wa = __ldg(reinterpret_cast<const uint4*>(pa + gi * WPG));
+            wb = __ldg(reinterpret_cast<const uint4*>(pb + gi * WPG));
+        } else {
+            const uint2 a = __ldg(reinterpret_cast<const uint2*>(pa + gi * WPG));
+            const uint2 b = __ldg(reinterpret_cast<const uint2*>(pb + gi * WPG));
+            wa = make_uint4(a.x, a.y, 0u, 0u);
+            wb = make_uint4(b.x, b.y, 0u, 0u);
+        }
+        sbv = make_float4(calla_bf16_to_f32(__ldg(sa + gi)), calla_bf16_to_f32(__ldg(ba + gi)),
+                          calla_bf16_to_f32(__ldg(sb + gi)), calla_bf16_to_f32(__ldg(bb + gi)));
+    };
+    uint4 wa, wb;
+    float4 sbv;
+    load_a(0, wa, wb, sbv);
+#pragma unroll 1
+    for (int gi = 0; gi < NG; ++gi) {
+        uint4 na = wa, nb = wb;
+        float4 nsb = sbv;
+        if (gi + 1 < NG) load_a(gi + 1, na, nb, nsb);  // the next group's weights in flight
+        unsigned a[8];
+        if (BITS == 8) {
+            a[0] = wa.x; a[1] = wb.x; a[2] = wa.y; a[3] = wb.y;
+            a[4] = wa.z; a[5] = wb.z; a[6] = wa.w; a[7] = wb.w;
+        } else {
+            a[0] = wa.x & 0x0F0F0F0Fu; a[1] = wb.x & 0x0F0F0F0Fu;
+            a[2] = (wa.x >> 4) & 0x0F0F0F0Fu; a[3] = (wb.x >> 4) & 0x0F0F0F0Fu;
+            a[4] = wa.y & 0x0F0F0F0Fu; a[5] = wb.y & 0x0F0F0F0Fu;
+            a[6] = (wa.y >> 4) & 0x0F0F0F0Fu; a[7] = (wb.y >> 4) & 0x0F0F0F0Fu;
+        }
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) {
+            const uint4 bq = *reinterpret_cast<const uint4*>(bcol + (2 * p * NG + gi) * 64);
+            const float2 mt = mcol[2 * p * NG + gi];
+            int d[4] = {0, 0, 0, 0};
+            calla_qt::mma_u8s8(d, a[0], a[1], a[2], a[3], bq.x, bq.y);
+            calla_qt::mma_u8s8(d, a[4], a[5], a[6], a[7], bq.z, bq.w);
+            // f = 2^(E-30) (· 65536): f · v is exact (no subnormal scale · 2^(E-30) either)
+            const float f = mt.x * tmul, xs = mt.y * xmask;
+            acc[p][0] = fmaf(sbv.x, f * (float)(d[0] + 256 * d[1]), fmaf(sbv.y, xs, acc[p][0]));
+            acc[p][1] = fmaf(sbv.z, f * (float)(d[2] + 256 * d[3]), fmaf(sbv.w, xs, acc[p][1]));
+        }
+        wa = na;
+        wb = nb;
+        sbv = nsb;
+    }
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+        const float v0 = acc[p][0] + __shfl_xor_sync(0xffffffffu, acc[p][0], 1);
+        const float v1 = acc[p][1] + __shfl_xor_sync(0xffffffffu, acc[p][1], 1);
+        const int tok = t0 + 2 * p + (tq >> 1);
+        if ((tq & 1) == 0 && tok < t) {
+            if (r0 + g < n) y[(size_t)tok * n + r0 + g] = v0;
+            if (r0 + g + 8 < n) y[(size_t)tok * n + r0 + g + 8] = v1;
+        }
+    }
+}
+
 }  // namespace calla_prefill
 
 // Router entry points: `router_f32_q{4,8}` the narrow tile (32 tokens x 32 rows per block, 8
@@ -216,6 +361,20 @@ CALLA_ROUTER_ENTRY(router_f32_q4, 4, 2, 2, 2)
 CALLA_ROUTER_ENTRY(router_f32_q8, 8, 2, 2, 2)
 CALLA_ROUTER_ENTRY(router_f32w_q4, 4, 4, 4, 1)
 CALLA_ROUTER_ENTRY(router_f32w_q8, 8, 4, 4, 1)
+
+// Integer router entry points: router_dg_q{BITS}_p{PAIRS} (2 · PAIRS tokens per block), grid
+// ceil(t / (2 · PAIRS)), 32 · ceil(n / 16) threads (n <= N_EXPERTS + 1), dynamic shared memory
+// 2 · PAIRS · DG_TOKEN_BYTES; the host picks (prefill.rs router_logits_digits).
+#define CALLA_ROUTER_DG_ENTRY(NAME, BITS, PAIRS)                                                           \
+    extern "C" __global__ void __launch_bounds__(calla_prefill::DG_MAX_THREADS)                             \
+    NAME(float* __restrict__ y, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales, \
+         const unsigned short* __restrict__ biases, const float* __restrict__ x, int t, int n) {            \
+        calla_prefill::router_dg_body<BITS, PAIRS>(y, packed, scales, biases, x, t, n);                    \
+    }
+CALLA_ROUTER_DG_ENTRY(router_dg_q4_p4, 4, 4)
+CALLA_ROUTER_DG_ENTRY(router_dg_q8_p4, 8, 4)
+CALLA_ROUTER_DG_ENTRY(router_dg_q4_p8, 4, 8)
+CALLA_ROUTER_DG_ENTRY(router_dg_q8_p8, 8, 8)
 
 extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
 embed_rows_q4(float* __restrict__ x, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,

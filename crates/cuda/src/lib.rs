@@ -84,7 +84,8 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "prefill",
         src: include_str!("../kernels/prefill.cu"),
-        entries: &["embed_rows_q4", "embed_rows_q8", "router_f32_q4", "router_f32_q8", "router_f32w_q4", "router_f32w_q8"],
+        entries: &["embed_rows_q4", "embed_rows_q8", "router_f32_q4", "router_f32_q8", "router_f32w_q4", "router_f32w_q8",
+            "router_dg_q4_p4", "router_dg_q8_p4", "router_dg_q4_p8", "router_dg_q8_p8"],
     },
     KernelSource {
         name: "gemv",

@@ -22,7 +22,7 @@
 //! kernels read them in [`crate::moe::DeviceMoe`]'s own layout, so today the routed experts are
 //! held twice on the device (about 2 × 17 GB at 4 bits for the full model; the H200 has 141 GB).
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use model::load::Weights;
 use quant::{Bits, QMatRef};
 use spec::production as p;
@@ -84,6 +84,23 @@ impl PrefillMoe {
     }
 }
 
+/// Whether a [`Prefiller`] starts with the f32-chain router ([`Prefiller::router_f32`]) unless
+/// [`set_default_router_f32`] says otherwise. The integer-product router measured 3-6% faster
+/// prefill on the H200 (session 21, docs/CUDA.md) and stays off until `calla cuda-check` has
+/// passed with it: its first run compared the engine with a session of another context limit
+/// (another decode-attention split count, so other roundings), and one temperature-1 case
+/// sampled differently from the 10th token; the check now compares like with like, not yet run.
+pub const ROUTER_F32_DEFAULT: bool = true;
+
+static DEFAULT_ROUTER_F32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(ROUTER_F32_DEFAULT);
+
+/// The router every [`Prefiller`] created afterwards starts with ([`Prefiller::router_f32`]):
+/// the f32 chains when `on`, else the integer products. Process-wide, so that the engine's
+/// accelerator and a tool's own prefiller agree (`calla cuda-check --prefill-router`).
+pub fn set_default_router_f32(on: bool) {
+    DEFAULT_ROUTER_F32.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Buffers and weights of the batched prefill, for chunks of up to `max_t` tokens.
 pub struct Prefiller {
     max_t: usize,
@@ -105,6 +122,13 @@ pub struct Prefiller {
     /// experts (default `true`; `false` queues it on the main stream between them, as when
     /// profiling). For measurement (`calla cuda-bench --prefill-compare`).
     pub overlap_shared_expert: bool,
+    /// Compute the router logits as sequential f32 chains ([`CudaContext::router_logits_f32`])
+    /// instead of from integer products on the tensor cores
+    /// ([`CudaContext::router_logits_digits`]). Both are about as accurate (the integer
+    /// products somewhat more); for measurement (`calla cuda-bench --prefill-compare`,
+    /// `--prefill-router`). Starts as [`set_default_router_f32`] last set
+    /// ([`ROUTER_F32_DEFAULT`] unless set).
+    pub router_f32: bool,
     routing: MoeRouting,
     gdn: GdnPrefillScratch,
     attn: AttnPrefillScratch,
@@ -164,6 +188,7 @@ impl Prefiller {
             gemm: cx.gemm_scratch(max_t)?,
             side: SharedExpertStream::new(cx, max_t)?,
             overlap_shared_expert: true,
+            router_f32: DEFAULT_ROUTER_F32.load(std::sync::atomic::Ordering::Relaxed),
             routing: cx.moe_routing(max_t)?,
             gdn: cx.gdn_prefill_scratch(max_t)?,
             attn: cx.attn_prefill_scratch(max_t)?,
@@ -282,8 +307,13 @@ impl Prefiller {
             // succeeds or not, so no later work on the main stream (or a retried chunk) can
             // overwrite u or read shared_out while the shared expert may still run
             let routed = (|| -> Result<(), CudaError> {
-                cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
-                mark(&mut self.profile, cx, "router (f32)")?;
+                if self.router_f32 {
+                    cx.router_logits_f32(&mut self.router_logits, &pm.router, &self.u, t)?;
+                    mark(&mut self.profile, cx, "router (f32)")?;
+                } else {
+                    cx.router_logits_digits(&mut self.router_logits, &pm.router, &self.u, t)?;
+                    mark(&mut self.profile, cx, "router (integer products)")?;
+                }
                 self.routing.count_into = hist_row(l);
                 let r = cx.moe_route(&self.router_logits.slice(..t * ne), t, &mut self.routing);
                 self.routing.count_into = 0;
@@ -428,21 +458,103 @@ impl CudaContext {
             (Bits::B4, true) => "router_f32w_q4",
             (Bits::B8, true) => "router_f32w_q8",
         })?;
+        let bt = if wide { 64 } else { 32 };
+        let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(bt) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
+        unsafe { self.launch_router(f, cfg, y, w, u, t) }
+    }
+
+    /// Launches a router entry point (`router_f32*_q*` or `router_dg_q*_p*`, which take the same
+    /// arguments: `y, packed, scales, biases, u, t, n`) on the stream.
+    ///
+    /// # Safety
+    /// The caller has checked the shapes against what the entry point reads and writes at
+    /// `cfg`: `y` holds `t · w.rows` f32, `u` `t · D_MODEL` f32.
+    unsafe fn launch_router(&self, f: &CudaFunction, cfg: LaunchConfig, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
         let st = self.stream();
         let (py, _g0) = y.device_ptr_mut(st);
         let (pp, _g1) = w.packed.device_ptr(st);
         let (ps, _g2) = w.scales.device_ptr(st);
         let (pb, _g3) = w.biases.device_ptr(st);
         let (pu, _g4) = u.device_ptr(st);
-        let (t32, n32) = (t as i32, n as i32);
+        let (t32, n32) = (t as i32, w.rows as i32);
         let mut b = st.launch_builder(f);
         b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
-        let bt = if wide { 64 } else { 32 };
-        let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, t.div_ceil(bt) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout (checked).
+        // SAFETY: as the caller promised.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
+}
+
+impl CudaContext {
+    /// The prefill's MoE router logits from exact integer products on the tensor cores:
+    /// `y[i, r] = Σ_k W[r, k]·u[i, k]` for `i < t`, `W` a quantized `[rows, D_MODEL]` matrix
+    /// (router rows, then the shared-expert gate row; `rows <= N_EXPERTS + 1`), `u`
+    /// `[t, D_MODEL]`, `y` `[t, rows]`. Each 64-column group of `u` becomes four balanced
+    /// base-256 digits of `round(u · 2^(30−E))` and meets the weight codes in int32
+    /// (`kernels/prefill.cu`, `router_dg_*`): about as accurate as the f32 chain of
+    /// [`Self::router_logits_f32`] (error ~1e-7 of `Σ|W·u|` on the self-test's inputs, where
+    /// the chain's is ~3e-7), not the same bits. A
+    /// non-finite value in a token's `u` makes that token's logits NaN. The block tile (8 or 16
+    /// tokens) is picked by [`router_digits_pairs`].
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for other widths, too many rows or short buffers; driver errors.
+    pub fn router_logits_digits(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
+        self.router_logits_digits_tile(y, w, u, t, router_digits_pairs(t, self.sm_count() as usize))
+    }
+
+    /// [`Self::router_logits_digits`] with `2 · pairs` tokens per block (`pairs` 4 or 8) chosen
+    /// by the caller; the same bits either way. For the self-test and the measurements behind
+    /// [`router_digits_pairs`].
+    #[doc(hidden)]
+    pub fn router_logits_digits_tile(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize, pairs: usize) -> Result<(), CudaError> {
+        let n = w.rows;
+        if w.cols != p::D_MODEL || n == 0 || n > p::N_EXPERTS + 1 || y.len() < t * n || u.len() < t * p::D_MODEL {
+            return Err(CudaError::Unsupported(format!(
+                "router_digits: W [{n}, {}] (at most {} rows of {}), {t} tokens, y of {} and u of {} f32",
+                w.cols,
+                p::N_EXPERTS + 1,
+                p::D_MODEL,
+                y.len(),
+                u.len()
+            )));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let name = match (w.bits, pairs) {
+            (Bits::B4, 4) => "router_dg_q4_p4",
+            (Bits::B8, 4) => "router_dg_q8_p4",
+            (Bits::B4, 8) => "router_dg_q4_p8",
+            (Bits::B8, 8) => "router_dg_q8_p8",
+            _ => return Err(CudaError::Unsupported(format!("router_digits: {pairs} token pairs per block (4 or 8)"))),
+        };
+        let f = self.func(name)?;
+        let smem = 2 * pairs * ROUTER_DIGITS_TOKEN_BYTES;
+        crate::allow_block_smem(f, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (t.div_ceil(2 * pairs) as u32, 1, 1),
+            block_dim: (32 * n.div_ceil(16) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout, n rows
+        // fit the block (checked).
+        unsafe { self.launch_router(f, cfg, y, w, u, t) }
+    }
+}
+
+/// Shared memory per token of the integer router (`DG_TOKEN_BYTES` in `kernels/prefill.cu`):
+/// 32 groups × (4 digit rows of 64 bytes + an f32 pair).
+const ROUTER_DIGITS_TOKEN_BYTES: usize = (p::D_MODEL / 64) * (256 + 8);
+
+/// Token pairs per block of the integer router for a `t`-token chunk: 4 (8 tokens, more blocks
+/// for short prompts) while that makes at most one block per SM, else 8 (half the weight reads
+/// from L2 per token). Measured on the H200 (132 SMs, 257 rows, `cuda_selftest --only router`,
+/// µs with 8 / 16 tokens per block, 4-bit; 8-bit alike): T = 512 31.6 / 48.1, 1,024 33.3 / 48.7,
+/// 2,048 57.3 / 50.8, 8,192 206.7 / 186.3.
+pub fn router_digits_pairs(t: usize, sm_count: usize) -> usize {
+    if t.div_ceil(8) <= sm_count.max(1) { 4 } else { 8 }
 }
 
 /// Whether the f32 router of a `t`-token chunk over `rows` rows runs on the wide block tile (64

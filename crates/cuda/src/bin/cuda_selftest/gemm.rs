@@ -1003,10 +1003,180 @@ pub fn router_f32_check(s: &mut Suite) {
     }
 }
 
+/// The prefill's integer router (`CudaContext::router_logits_digits`, `router_dg_*`) against
+/// the exact sum in f64 (`Σ_c (scale·q + bias)·x_c` from the codes), both bit widths, both block
+/// tiles (8 and 16 tokens, which must agree bit for bit), token counts around the tiles and the
+/// 257 rows (a last 16-row tile of one row). Each logit must be within 1e-6·B of the exact sum,
+/// B = Σ_c |w_c·x_c| (plus 1e-26·Σ_c |w_c| for values below the digits' floor of 2^-90): ~9x
+/// the largest error measured (1.1e-7·B; the CPU's sequential f32 chain, measured against the
+/// same bound for comparison, reaches 3e-7·B), tight enough that a lost or misplaced digit shows
+/// on the token whose groups are one value of 1 and 63 values below 2^-15 (they live in digits
+/// 0-1, ~1e-3 of B). The top 8 of the 256 expert logits must be the exact top 8 wherever the
+/// exact gap between the 8th and the 9th exceeds twice the bound (implied by the per-logit bound;
+/// printed because routing is what the logits are for). Inputs also hold an all-zero group, a
+/// token scaled by 1e-20 and a token with one NaN, whose logits must all be NaN and written
+/// (the output starts as a NaN of another payload, which the guard words after it must keep).
+/// Then its time at prefill sizes against the f32 chains.
+pub fn router_digits_check(s: &mut Suite) {
+    let cx = s.cx;
+    let (d, n, ne) = (p::D_MODEL, p::N_EXPERTS + 1, p::N_EXPERTS);
+    const TOL: f64 = 1e-6;
+    // a NaN no kernel arithmetic produces (their NaNs carry the canonical payload)
+    const UNWRITTEN: u32 = 0x7fa5_5a5a;
+    for bits in [4u32, 8] {
+        let w = random_qmat(n, d, bits, 0xD161 + u64::from(bits));
+        let wr = w.r();
+        // exact weights (scale·q + bias in f64) and the CPU's dequantized f32 ones
+        let w64: Vec<f64> = (0..n * d)
+            .into_par_iter()
+            .map(|i| {
+                let (r, c) = (i / d, i % d);
+                let (sc, bi) = wr.scale_bias(r, c);
+                f64::from(sc) * f64::from(wr.code(r, c)) + f64::from(bi)
+            })
+            .collect();
+        let mut wf = vec![0f32; n * d];
+        quant::dequantize(wr, &mut wf);
+        let dw = cx.upload_qmat(wr).unwrap();
+        for t in [1usize, 7, 8, 9, 15, 16, 17, 333] {
+            let mut x = rand_x(t * d, 0xD1C ^ t as u64);
+            if t > 1 {
+                x[d + 5 * 64..d + 6 * 64].iter_mut().for_each(|v| *v = 0.0); // token 1: a zero group
+            }
+            if t > 2 {
+                x[2 * d..3 * d].iter_mut().for_each(|v| *v *= 1e-20); // token 2: tiny values
+            }
+            if t > 3 {
+                // token 3: per group one value of 1 and 63 below 2^-15 (digits 0 and 1 only)
+                for (c, v) in x[3 * d..4 * d].iter_mut().enumerate() {
+                    *v = if c % 64 == 17 { 1.0 } else { *v * (1.0 / 32768.0) };
+                }
+            }
+            let nan_tok = if t > 4 { Some(4) } else { None };
+            if let Some(k) = nan_tok {
+                x[k * d + 777] = f32::NAN;
+            }
+            // exact sums, the bounds, and the CPU's f32 chain
+            let (exact, bound): (Vec<f64>, Vec<f64>) = (0..t * n)
+                .into_par_iter()
+                .map(|i| {
+                    let (tok, r) = (i / n, i % n);
+                    let (xr, wrow) = (&x[tok * d..(tok + 1) * d], &w64[r * d..(r + 1) * d]);
+                    let sum: f64 = xr.iter().zip(wrow).map(|(a, b)| f64::from(*a) * b).sum();
+                    let b: f64 = xr.iter().zip(wrow).map(|(a, b)| (f64::from(*a) * b).abs()).sum::<f64>()
+                        + 1e-26 * wrow.iter().map(|b| b.abs()).sum::<f64>();
+                    (sum, b)
+                })
+                .unzip();
+            let chain: Vec<f32> = (0..t * n)
+                .into_par_iter()
+                .map(|i| {
+                    let (tok, r) = (i / n, i % n);
+                    let (xr, wrow) = (&x[tok * d..(tok + 1) * d], &wf[r * d..(r + 1) * d]);
+                    xr.iter().zip(wrow).fold(0f32, |acc, (a, b)| a.mul_add(*b, acc))
+                })
+                .collect();
+            let du = cx.upload_f32(&x).unwrap();
+            let mut outs = Vec::new();
+            for pairs in [4usize, 8] {
+                let mut y = cx.upload_f32(&vec![f32::from_bits(UNWRITTEN); t * n + 64]).unwrap();
+                cx.router_logits_digits_tile(&mut y, &dw, &du, t, pairs).unwrap();
+                outs.push(cx.download_f32(&y).unwrap());
+            }
+            let got = &outs[0];
+            let mut msg = String::new();
+            let mut ok = true;
+            if outs[0].iter().zip(&outs[1]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                ok = false;
+                msg.push_str("8- and 16-token tiles differ; ");
+            }
+            if !got[t * n..].iter().all(|v| v.to_bits() == UNWRITTEN) {
+                ok = false;
+                msg.push_str(&format!("wrote past the {t}x{n} logits; "));
+            }
+            let unwritten = got[..t * n].iter().filter(|v| v.to_bits() == UNWRITTEN).count();
+            if unwritten > 0 {
+                ok = false;
+                msg.push_str(&format!("{unwritten} logits not written; "));
+            }
+            let (mut worst, mut worst_chain, mut over) = (0f64, 0f64, 0usize);
+            for i in 0..t * n {
+                let tok = i / n;
+                if Some(tok) == nan_tok {
+                    if !got[i].is_nan() {
+                        ok = false;
+                        over += 1;
+                    }
+                    continue;
+                }
+                let e = (f64::from(got[i]) - exact[i]).abs() / bound[i];
+                let ec = (f64::from(chain[i]) - exact[i]).abs() / bound[i];
+                worst_chain = worst_chain.max(ec);
+                if e.is_nan() || e > TOL {
+                    over += 1;
+                    ok = false;
+                }
+                if e.is_finite() {
+                    worst = worst.max(e);
+                }
+            }
+            // the top 8 of the expert logits, where the exact gap allows no doubt
+            let mut flips = 0usize;
+            let mut decided = 0usize;
+            for tok in (0..t).filter(|&k| Some(k) != nan_tok) {
+                let row = |v: &dyn Fn(usize) -> f64| {
+                    let mut idx: Vec<usize> = (0..ne).collect();
+                    idx.sort_by(|&a, &b| v(b).total_cmp(&v(a)).then(a.cmp(&b)));
+                    idx
+                };
+                let ex = row(&|e| exact[tok * n + e]);
+                let margin = exact[tok * n + ex[7]] - exact[tok * n + ex[8]];
+                let bmax = (0..ne).map(|e| bound[tok * n + e]).fold(0f64, f64::max);
+                if margin <= 2.0 * TOL * bmax {
+                    continue;
+                }
+                decided += 1;
+                let gt = row(&|e| f64::from(got[tok * n + e]));
+                let (mut a, mut b) = (ex[..8].to_vec(), gt[..8].to_vec());
+                a.sort_unstable();
+                b.sort_unstable();
+                if a != b {
+                    flips += 1;
+                    ok = false;
+                }
+            }
+            msg.push_str(&format!(
+                "max |err|/B {worst:.2e} (the f32 chain's {worst_chain:.2e}), {over} over {TOL:.0e}, top-8 equal in {}/{decided} decided tokens; ",
+                decided - flips
+            ));
+            let c = Cmp { rel: worst, max_over_rms: worst, ok, msg };
+            s.record(SEC, &format!("router_digits q{bits} [{n}x{d}] T={t} = exact sum within {TOL:.0e}·Σ|w·x|"), &c, "");
+        }
+        for t in [512usize, 1024, 2048, 8192] {
+            let du = cx.upload_f32(&rand_x(t * d, 0xB16)).unwrap();
+            let mut y = cx.upload_f32(&vec![0f32; t * n]).unwrap();
+            let wide = cuda::prefill::router_wide_tile(t, n, cx.sm_count() as usize);
+            let f32_us = s.median_timed(7, 1, || cx.router_logits_f32_tile(&mut y, &dw, &du, t, wide).unwrap()) * 1e6;
+            let mut line = format!("{SEC:<10} router q{bits} T={t}: f32 chains {f32_us:.1} us;");
+            for pairs in [4usize, 8] {
+                let us = s.median_timed(7, 1, || cx.router_logits_digits_tile(&mut y, &dw, &du, t, pairs).unwrap()) * 1e6;
+                line += &format!(" integer products, {} tokens per block {us:.1} us;", 2 * pairs);
+            }
+            println!("{line} default {} tokens", 2 * cuda::prefill::router_digits_pairs(t, cx.sm_count() as usize));
+        }
+    }
+}
+
+/// The two prefill routers' checks (section `router`).
+pub fn router_checks(s: &mut Suite) {
+    router_f32_check(s);
+    router_digits_check(s);
+}
+
 /// Runs the prefill GEMM checks and timings.
 pub fn run(s: &mut Suite) {
     probe(s);
-    router_f32_check(s);
+    router_checks(s);
     route_check(s);
     dense(s);
     let w4 = moe_checks(s);

@@ -32,7 +32,7 @@ use common::Suite;
 type Section = (&'static str, fn(&mut Suite));
 
 /// Every section.
-const SECTIONS: &[Section] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_f32_check), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
+const SECTIONS: &[Section] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_checks), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run)];
 /// Sections that only measure (no check against a reference): run when `--only` names them.
 const ON_REQUEST: &[Section] = &[("stream", stream::run)];
 
