@@ -227,6 +227,11 @@ __device__ __forceinline__ void router_f32_body(float* __restrict__ y, const uns
 constexpr int DG_GROUPS = CALLA_D_MODEL / CALLA_QUANT_GROUP;
 constexpr int DG_TOKEN_BYTES = DG_GROUPS * (256 + 8);  // digits, then meta {2^(E-30), Σx}, per token
 constexpr int DG_MAX_THREADS = 32 * ((CALLA_N_EXPERTS + 1 + 15) / 16);  // the router and shared-gate rows
+// groups of weights in flight per warp (dividing DG_GROUPS), as many as at most 96 registers
+// per thread (17 warps) hold without spills: at 4 bits 4 with 8 tokens per block, 2 with 16; at
+// 8 bits 2 and 1 (one group ahead)
+template <int BITS, int PAIRS>
+constexpr int dg_ahead() { return BITS == 4 ? (PAIRS == 4 ? 4 : 2) : (PAIRS == 4 ? 2 : 1); }
 
 template <int BITS>
 __device__ __forceinline__ float4 dg_values(const float* __restrict__ xg, int q) {
@@ -243,6 +248,8 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
     constexpr int K = CALLA_D_MODEL, NG = DG_GROUPS, TB = 2 * PAIRS;
     constexpr int WPR = K * BITS / 32;   // packed words per row
     constexpr int WPG = 64 * BITS / 32;  // packed words per row and group
+    constexpr int DG_AHEAD = dg_ahead<BITS, PAIRS>();
+    static_assert(NG % DG_AHEAD == 0, "whole rounds of the weight ring");
     static_assert(CALLA_QUANT_GROUP == 64, "one mma pair per 64-column group");
     extern __shared__ __align__(16) unsigned dg[];                        // [TB][NG][4][16]
     float2* meta = reinterpret_cast<float2*>(dg + TB * NG * 64);         // [TB][NG]
@@ -250,21 +257,34 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int t0 = blockIdx.x * TB;
 
-    // the block's tokens as digits (both half-warps of a warp run the same number of jobs:
-    // TB · NG is even)
+    // the block's tokens as digits, DG_JOBS (token, group) jobs per half-warp and pass with all
+    // their loads issued first (both half-warps of a warp run the same jobs up to the parity:
+    // TB · NG and the strides are even, so the shuffles of quantize_words see all 32 lanes)
     {
+        constexpr int DG_JOBS = 4;
         const int q = lane & 15;
-        for (int job = 2 * warp + (lane >> 4); job < TB * NG; job += 2 * nw) {
-            const int tt = job / NG, gi = job % NG, tok = t0 + tt;
-            const float4 v = tok < t ? dg_values<BITS>(x + (size_t)tok * K + gi * 64, q) : make_float4(0.f, 0.f, 0.f, 0.f);
-            unsigned w[4];
-            float2 mt;
-            calla_qt::quantize_words(v, w, mt);
-            if (!(fabsf(mt.y) <= 3.402823466e38f)) mt.x = __int_as_float(0x7fc00000);  // NaN / inf poison the token
-            unsigned* d = dg + (tt * NG + gi) * 64;
+        for (int j0 = 2 * warp + (lane >> 4); j0 < TB * NG; j0 += 2 * nw * DG_JOBS) {
+            float4 v[DG_JOBS];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) d[16 * k + q] = w[k];
-            if (q == 0) meta[tt * NG + gi] = mt;
+            for (int u = 0; u < DG_JOBS; ++u) {
+                const int job = j0 + 2 * nw * u, tok = t0 + job / NG;
+                v[u] = job < TB * NG && tok < t ? dg_values<BITS>(x + (size_t)tok * K + (job % NG) * 64, q)
+                                                : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < DG_JOBS; ++u) {
+                const int job = j0 + 2 * nw * u;
+                if (job >= TB * NG) break;  // the same for both half-warps
+                const int tt = job / NG, gi = job % NG;
+                unsigned w[4];
+                float2 mt;
+                calla_qt::quantize_words(v[u], w, mt);
+                if (!(fabsf(mt.y) <= 3.402823466e38f)) mt.x = __int_as_float(0x7fc00000);  // NaN / inf poison the token
+                unsigned* d = dg + (tt * NG + gi) * 64;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) d[16 * k + q] = w[k];
+                if (q == 0) meta[tt * NG + gi] = mt;
+            }
         }
     }
     __syncthreads();
@@ -299,39 +319,44 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
         sbv = make_float4(calla_bf16_to_f32(__ldg(sa + gi)), calla_bf16_to_f32(__ldg(ba + gi)),
                           calla_bf16_to_f32(__ldg(sb + gi)), calla_bf16_to_f32(__ldg(bb + gi)));
     };
-    uint4 wa, wb;
-    float4 sbv;
-    load_a(0, wa, wb, sbv);
-#pragma unroll 1
-    for (int gi = 0; gi < NG; ++gi) {
-        uint4 na = wa, nb = wb;
-        float4 nsb = sbv;
-        if (gi + 1 < NG) load_a(gi + 1, na, nb, nsb);  // the next group's weights in flight
-        unsigned a[8];
-        if (BITS == 8) {
-            a[0] = wa.x; a[1] = wb.x; a[2] = wa.y; a[3] = wb.y;
-            a[4] = wa.z; a[5] = wb.z; a[6] = wa.w; a[7] = wb.w;
-        } else {
-            a[0] = wa.x & 0x0F0F0F0Fu; a[1] = wb.x & 0x0F0F0F0Fu;
-            a[2] = (wa.x >> 4) & 0x0F0F0F0Fu; a[3] = (wb.x >> 4) & 0x0F0F0F0Fu;
-            a[4] = wa.y & 0x0F0F0F0Fu; a[5] = wb.y & 0x0F0F0F0Fu;
-            a[6] = (wa.y >> 4) & 0x0F0F0F0Fu; a[7] = (wb.y >> 4) & 0x0F0F0F0Fu;
-        }
+    // a ring of DG_AHEAD groups of weights in registers: group gi's slot is refilled with
+    // group gi + DG_AHEAD right after its products, so that many L2 round trips overlap (one
+    // group ahead, each group waited ~1 us: the time per block followed the 32 groups)
+    uint4 ring_a[DG_AHEAD], ring_b[DG_AHEAD];
+    float4 ring_s[DG_AHEAD];
 #pragma unroll
-        for (int p = 0; p < PAIRS; ++p) {
-            const uint4 bq = *reinterpret_cast<const uint4*>(bcol + (2 * p * NG + gi) * 64);
-            const float2 mt = mcol[2 * p * NG + gi];
-            int d[4] = {0, 0, 0, 0};
-            calla_qt::mma_u8s8(d, a[0], a[1], a[2], a[3], bq.x, bq.y);
-            calla_qt::mma_u8s8(d, a[4], a[5], a[6], a[7], bq.z, bq.w);
-            // f = 2^(E-30) (· 65536): f · v is exact (no subnormal scale · 2^(E-30) either)
-            const float f = mt.x * tmul, xs = mt.y * xmask;
-            acc[p][0] = fmaf(sbv.x, f * (float)(d[0] + 256 * d[1]), fmaf(sbv.y, xs, acc[p][0]));
-            acc[p][1] = fmaf(sbv.z, f * (float)(d[2] + 256 * d[3]), fmaf(sbv.w, xs, acc[p][1]));
+    for (int i = 0; i < DG_AHEAD; ++i) load_a(i, ring_a[i], ring_b[i], ring_s[i]);
+#pragma unroll 1
+    for (int g0 = 0; g0 < NG; g0 += DG_AHEAD) {
+#pragma unroll
+        for (int slot = 0; slot < DG_AHEAD; ++slot) {
+            const int gi = g0 + slot;
+            const uint4 wa = ring_a[slot], wb = ring_b[slot];
+            const float4 sbv = ring_s[slot];
+            if (gi + DG_AHEAD < NG) load_a(gi + DG_AHEAD, ring_a[slot], ring_b[slot], ring_s[slot]);
+            unsigned a[8];
+            if (BITS == 8) {
+                a[0] = wa.x; a[1] = wb.x; a[2] = wa.y; a[3] = wb.y;
+                a[4] = wa.z; a[5] = wb.z; a[6] = wa.w; a[7] = wb.w;
+            } else {
+                a[0] = wa.x & 0x0F0F0F0Fu; a[1] = wb.x & 0x0F0F0F0Fu;
+                a[2] = (wa.x >> 4) & 0x0F0F0F0Fu; a[3] = (wb.x >> 4) & 0x0F0F0F0Fu;
+                a[4] = wa.y & 0x0F0F0F0Fu; a[5] = wb.y & 0x0F0F0F0Fu;
+                a[6] = (wa.y >> 4) & 0x0F0F0F0Fu; a[7] = (wb.y >> 4) & 0x0F0F0F0Fu;
+            }
+#pragma unroll
+            for (int p = 0; p < PAIRS; ++p) {
+                const uint4 bq = *reinterpret_cast<const uint4*>(bcol + (2 * p * NG + gi) * 64);
+                const float2 mt = mcol[2 * p * NG + gi];
+                int d[4] = {0, 0, 0, 0};
+                calla_qt::mma_u8s8(d, a[0], a[1], a[2], a[3], bq.x, bq.y);
+                calla_qt::mma_u8s8(d, a[4], a[5], a[6], a[7], bq.z, bq.w);
+                // f = 2^(E-30) (· 65536): f · v is exact (no subnormal scale · 2^(E-30) either)
+                const float f = mt.x * tmul, xs = mt.y * xmask;
+                acc[p][0] = fmaf(sbv.x, f * (float)(d[0] + 256 * d[1]), fmaf(sbv.y, xs, acc[p][0]));
+                acc[p][1] = fmaf(sbv.z, f * (float)(d[2] + 256 * d[3]), fmaf(sbv.w, xs, acc[p][1]));
+            }
         }
-        wa = na;
-        wb = nb;
-        sbv = nsb;
     }
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p) {
