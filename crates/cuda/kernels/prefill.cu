@@ -227,9 +227,9 @@ __device__ __forceinline__ void router_f32_body(float* __restrict__ y, const uns
 constexpr int DG_GROUPS = CALLA_D_MODEL / CALLA_QUANT_GROUP;
 constexpr int DG_TOKEN_BYTES = DG_GROUPS * (256 + 8);  // digits, then meta {2^(E-30), Σx}, per token
 constexpr int DG_MAX_THREADS = 32 * ((CALLA_N_EXPERTS + 1 + 15) / 16);  // the router and shared-gate rows
-// groups of weights in flight per warp (dividing DG_GROUPS), as many as at most 96 registers
-// per thread (17 warps) hold without spills: at 4 bits 4 with 8 tokens per block, 2 with 16; at
-// 8 bits 2 and 1 (one group ahead)
+// groups of weights in flight per warp (dividing DG_GROUPS), as many as fit the 96 registers
+// per thread ptxas gives these entry points (17 warps) without spills: at 4 bits 4 with 8
+// tokens per block, 2 with 16; at 8 bits 2 and 1 (one group ahead)
 template <int BITS, int PAIRS>
 constexpr int dg_ahead() { return BITS == 4 ? (PAIRS == 4 ? 4 : 2) : (PAIRS == 4 ? 2 : 1); }
 
@@ -274,16 +274,17 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
 #pragma unroll
             for (int u = 0; u < DG_JOBS; ++u) {
                 const int job = j0 + 2 * nw * u;
-                if (job >= TB * NG) break;  // the same for both half-warps
-                const int tt = job / NG, gi = job % NG;
-                unsigned w[4];
-                float2 mt;
-                calla_qt::quantize_words(v[u], w, mt);
-                if (!(fabsf(mt.y) <= 3.402823466e38f)) mt.x = __int_as_float(0x7fc00000);  // NaN / inf poison the token
-                unsigned* d = dg + (tt * NG + gi) * 64;
+                if (job < TB * NG) {  // the same for both half-warps
+                    const int tt = job / NG, gi = job % NG;
+                    unsigned w[4];
+                    float2 mt;
+                    calla_qt::quantize_words(v[u], w, mt);
+                    if (!(fabsf(mt.y) <= 3.402823466e38f)) mt.x = __int_as_float(0x7fc00000);  // NaN / inf poison the token
+                    unsigned* d = dg + (tt * NG + gi) * 64;
 #pragma unroll
-                for (int k = 0; k < 4; ++k) d[16 * k + q] = w[k];
-                if (q == 0) meta[tt * NG + gi] = mt;
+                    for (int k = 0; k < 4; ++k) d[16 * k + q] = w[k];
+                    if (q == 0) meta[tt * NG + gi] = mt;
+                }
             }
         }
     }
@@ -320,8 +321,9 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
                           calla_bf16_to_f32(__ldg(sb + gi)), calla_bf16_to_f32(__ldg(bb + gi)));
     };
     // a ring of DG_AHEAD groups of weights in registers: group gi's slot is refilled with
-    // group gi + DG_AHEAD right after its products, so that many L2 round trips overlap (one
-    // group ahead, each group waited ~1 us: the time per block followed the 32 groups)
+    // group gi + DG_AHEAD as soon as it is copied out, before gi's products, so that that many
+    // L2 round trips overlap (one group ahead, each group waited ~1 us: the time per block
+    // followed the 32 groups)
     uint4 ring_a[DG_AHEAD], ring_b[DG_AHEAD];
     float4 ring_s[DG_AHEAD];
 #pragma unroll
