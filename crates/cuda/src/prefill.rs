@@ -792,7 +792,7 @@ impl CudaSession {
 
 #[cfg(test)]
 mod tests {
-    use super::router_wide_tile;
+    use super::{router_digits_pairs, router_wide_tile};
 
     /// The tile choices measured fastest on the H200 (132 SMs, 257 router rows): see
     /// `router_wide_tile`.
@@ -807,5 +807,16 @@ mod tests {
         assert!(!pick(1));
         // no SM count (0): counted as one SM, no division by zero
         assert!(!router_wide_tile(1, 257, 0));
+    }
+
+    /// The integer router's tiles measured fastest on the H200 (132 SMs): see
+    /// `router_digits_pairs`.
+    #[test]
+    fn router_digits_tile_follows_the_h200_measurements() {
+        let pick = |t| router_digits_pairs(t, 132);
+        assert_eq!([pick(512), pick(1024), pick(2048), pick(8192)], [4, 4, 8, 8]);
+        // one token, and no SM count (counted as one SM)
+        assert_eq!(pick(1), 4);
+        assert_eq!(router_digits_pairs(9, 0), 8);
     }
 }
