@@ -953,6 +953,21 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
     }
 }
 
+/// The CPU's router sum: `y[tok, r] = Σ_k x[tok, k]·w[r, k]` as one f32 `mul_add` chain per
+/// output in `k` order (what `router_f32_*` equal bit for bit), `x` `[t, D_MODEL]`, `w`
+/// `[n, D_MODEL]` dequantized, `y` `[t, n]`.
+fn cpu_f32_chain(x: &[f32], w: &[f32], t: usize, n: usize) -> Vec<f32> {
+    let d = p::D_MODEL;
+    (0..t * n)
+        .into_par_iter()
+        .map(|i| {
+            let (tok, r) = (i / n, i % n);
+            let (xr, wr) = (&x[tok * d..(tok + 1) * d], &w[r * d..(r + 1) * d]);
+            xr.iter().zip(wr).fold(0f32, |acc, (a, b)| a.mul_add(*b, acc))
+        })
+        .collect()
+}
+
 /// The prefill's f32 router (`CudaContext::router_logits_f32`, `router_f32_q*`) against the
 /// same sum on the CPU: dequantized weights (`quant::dequantize`), one `mul_add` chain per
 /// output in `k` order. Bit for bit, with both block tiles (32 and 64 tokens), at token counts
@@ -969,14 +984,7 @@ pub fn router_f32_check(s: &mut Suite) {
         let dw = cx.upload_qmat(w.r()).unwrap();
         for t in [1usize, 31, 33, 63, 64, 65, 333] {
             let x = rand_x(t * d, 0x5EED ^ t as u64);
-            let want: Vec<f32> = (0..t * n)
-                .into_par_iter()
-                .map(|i| {
-                    let (tok, r) = (i / n, i % n);
-                    let (xr, wr) = (&x[tok * d..(tok + 1) * d], &wf[r * d..(r + 1) * d]);
-                    xr.iter().zip(wr).fold(0f32, |acc, (a, b)| a.mul_add(*b, acc))
-                })
-                .collect();
+            let want = cpu_f32_chain(&x, &wf, t, n);
             let du = cx.upload_f32(&x).unwrap();
             for wide in [false, true] {
                 let mut y = cx.upload_f32(&vec![f32::NAN; t * n + 64]).unwrap();
@@ -1068,14 +1076,7 @@ pub fn router_digits_check(s: &mut Suite) {
                     (sum, b)
                 })
                 .unzip();
-            let chain: Vec<f32> = (0..t * n)
-                .into_par_iter()
-                .map(|i| {
-                    let (tok, r) = (i / n, i % n);
-                    let (xr, wrow) = (&x[tok * d..(tok + 1) * d], &wf[r * d..(r + 1) * d]);
-                    xr.iter().zip(wrow).fold(0f32, |acc, (a, b)| a.mul_add(*b, acc))
-                })
-                .collect();
+            let chain = cpu_f32_chain(&x, &wf, t, n);
             let du = cx.upload_f32(&x).unwrap();
             let mut outs = Vec::new();
             for pairs in [4usize, 8] {
