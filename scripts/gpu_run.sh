@@ -5,7 +5,7 @@
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
 #      (also with each other MoE path: `--moe three|fold|cluster|fused`, with the measured
-#      variants `--gdn-in-step` and `--gemv-staged`, and with `--prefill-router digits`),
+#      variants `--gdn-in-step` and `--gemv-staged`, and with `--prefill-router f32`),
 #      and `calla serve --device cuda` over HTTP (scripts/gpu_serve_check.py),
 #   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`, then
 #      the engine on the GPU (`calla generate --device cuda`, `calla serve --device cuda`)
@@ -99,11 +99,11 @@ if [ "$check" = 1 ]; then
     $to $b/calla cuda-check --model "$work/L4-q4" --pdl --$v > "$out/cuda-check-$v.txt" 2>&1 || status=1
     tail -3 "$out/cuda-check-$v.txt"
   done
-  # the prefill's other MoE router (integer products; not yet the default: docs/CUDA.md
-  # "Session 21"), for the check's prefiller and the engine's
-  step "cuda-check with PDL, --prefill-router digits"
-  $to $b/calla cuda-check --model "$work/L4-q4" --pdl --prefill-router digits > "$out/cuda-check-router-digits.txt" 2>&1 || status=1
-  tail -3 "$out/cuda-check-router-digits.txt"
+  # the prefill's other MoE router (f32 chains; the default is the integer products since
+  # session 22: docs/CUDA.md "Session 21"), for the check's prefiller and the engine's
+  step "cuda-check with PDL, --prefill-router f32"
+  $to $b/calla cuda-check --model "$work/L4-q4" --pdl --prefill-router f32 > "$out/cuda-check-router-f32.txt" 2>&1 || status=1
+  tail -3 "$out/cuda-check-router-f32.txt"
   # the attention decode kernels' other trigger placements (the same bits)
   for w in split combine; do
     step "cuda-check with PDL, --attn-trigger-flip $w"

@@ -16,6 +16,9 @@
 //! from each replay's last launch's per-block timer stamps (medians over the replays), each
 //! part's span (first block start to last block done), its GB/s over that span, a block's mean
 //! duration and rate, and when the second part's first block started after the first part's.
+//! The `spread:` cases read the same bytes per block from a 16 GiB source, one 4 MiB region per
+//! block, as the decode step's experts lie across their ~15 GB of tensors: if address
+//! translation (TLB misses) slows the step's streams, these cases are slower than their twins.
 //! No correctness check: a measurement only, run when named (`--only stream`).
 
 use cuda::cudarc::driver::CudaSlice;
@@ -33,6 +36,10 @@ const GEMV_BYTES: u32 = 8 * (16 * 2048 / 2 + 16 * 32 * 4);
 const STRIDE: usize = 256 * 1024;
 /// The source: 4,096 block regions, ~18 times the L2.
 const SOURCE: usize = 1 << 30;
+/// The spread cases' source: 16 GiB (the 4-bit experts' tensors are ~15 GB), one block region
+/// per 4 MiB, so every block of a launch reads its own 2 MiB pages far from the others'.
+const SPREAD_SOURCE: usize = 16 << 30;
+const SPREAD_STRIDE: usize = 4 << 20;
 const LAUNCHES: usize = 8;
 
 /// One part of a case: how, blocks, bytes per block, bulk-copy chunk.
@@ -55,25 +62,43 @@ pub fn run(s: &mut Suite) {
     let moe_cl: Part = (StreamProbe::BulkClusters, 72, MOE_BYTES, MOE_BYTES / 16);
     let moe_flat: Part = (StreamProbe::Bulk, 72, MOE_BYTES, MOE_BYTES / 16);
     let free = sms.saturating_sub(72).max(1);
-    let cases: Vec<(String, Vec<Part>)> = vec![
-        ("bulk, 9 clusters of 8, 216 KB (the MoE)".into(), vec![moe_cl]),
-        ("bulk, 72 blocks, 216 KB".into(), vec![moe_flat]),
-        (format!("bulk, {sms} blocks, 216 KB"), vec![(StreamProbe::Bulk, sms, MOE_BYTES, MOE_BYTES / 16)]),
-        (format!("bulk, {sms} blocks, 216 KB in 2.25 KB copies"), vec![(StreamProbe::Bulk, sms, MOE_BYTES, 2304)]),
-        ("threads, 97 blocks, 147 KB (the input projection)".into(), vec![(StreamProbe::Threads, 97, GEMV_BYTES, 0)]),
-        (format!("threads, {free} blocks, 147 KB"), vec![(StreamProbe::Threads, free, GEMV_BYTES, 0)]),
-        (format!("threads, {sms} blocks, 147 KB"), vec![(StreamProbe::Threads, sms, GEMV_BYTES, 0)]),
-        (format!("bulk, {sms} blocks, 147 KB"), vec![(StreamProbe::Bulk, sms, GEMV_BYTES, GEMV_BYTES / 16)]),
-        (format!("the MoE + threads, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Threads, free, GEMV_BYTES, 0)]),
-        (format!("the MoE + bulk, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Bulk, free, GEMV_BYTES, GEMV_BYTES / 16)]),
-        (format!("bulk 72 blocks + threads, {free} blocks beside"), vec![moe_flat, (StreamProbe::Threads, free, GEMV_BYTES, 0)]),
+    let cases: Vec<(String, Vec<Part>, bool)> = vec![
+        ("bulk, 9 clusters of 8, 216 KB (the MoE)".into(), vec![moe_cl], false),
+        ("bulk, 72 blocks, 216 KB".into(), vec![moe_flat], false),
+        (format!("bulk, {sms} blocks, 216 KB"), vec![(StreamProbe::Bulk, sms, MOE_BYTES, MOE_BYTES / 16)], false),
+        (format!("bulk, {sms} blocks, 216 KB in 2.25 KB copies"), vec![(StreamProbe::Bulk, sms, MOE_BYTES, 2304)], false),
+        ("threads, 97 blocks, 147 KB (the input projection)".into(), vec![(StreamProbe::Threads, 97, GEMV_BYTES, 0)], false),
+        (format!("threads, {free} blocks, 147 KB"), vec![(StreamProbe::Threads, free, GEMV_BYTES, 0)], false),
+        (format!("threads, {sms} blocks, 147 KB"), vec![(StreamProbe::Threads, sms, GEMV_BYTES, 0)], false),
+        (format!("bulk, {sms} blocks, 147 KB"), vec![(StreamProbe::Bulk, sms, GEMV_BYTES, GEMV_BYTES / 16)], false),
+        (format!("the MoE + threads, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Threads, free, GEMV_BYTES, 0)], false),
+        (format!("the MoE + bulk, {free} blocks, 147 KB beside"), vec![moe_cl, (StreamProbe::Bulk, free, GEMV_BYTES, GEMV_BYTES / 16)], false),
+        (format!("bulk 72 blocks + threads, {free} blocks beside"), vec![moe_flat, (StreamProbe::Threads, free, GEMV_BYTES, 0)], false),
+        // the same reads spread over a source the size of the experts' tensors (one 4 MiB
+        // region per block): a translation (TLB) miss per block shows here and not above
+        ("spread: bulk, 9 clusters of 8, 216 KB".into(), vec![moe_cl], true),
+        ("spread: threads, 97 blocks, 147 KB".into(), vec![(StreamProbe::Threads, 97, GEMV_BYTES, 0)], true),
+        (format!("spread: the MoE + threads, {free} blocks beside"), vec![moe_cl, (StreamProbe::Threads, free, GEMV_BYTES, 0)], true),
     ];
-    let max_blocks = cases.iter().flat_map(|(_, parts)| parts.iter().map(|p| p.1 as usize)).max().unwrap_or(1);
+    let max_blocks = cases.iter().flat_map(|(_, parts, _)| parts.iter().map(|p| p.1 as usize)).max().unwrap_or(1);
     let mut times: Vec<CudaSlice<u64>> = (0..2).map(|_| cx.stream().alloc_zeros::<u64>(2 * max_blocks).expect("alloc times")).collect();
-    let regions = (SOURCE / STRIDE) as u32;
-    let mut next = 0u32; // the next unread block region
+    // the spread cases' source (skipped when the GPU has no room for it)
+    let big = match cx.stream().alloc_zeros::<u8>(SPREAD_SOURCE) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("{SEC:<10} no {SPREAD_SOURCE}-byte source for the spread cases: {e}");
+            None
+        }
+    };
+    let mut next = [0u32; 2]; // the next unread block region of each source
     println!("{SEC:<10} {:<52} {:>8} {:>9} | per part: span us, GB/s, block us, GB/s per block", "case", "us/launch", "GB/s");
-    for (name, parts) in &cases {
+    for (name, parts, spread) in &cases {
+        let (src, stride, which) = match (spread, &big) {
+            (false, _) => (&src, STRIDE, 0),
+            (true, Some(b)) => (b, SPREAD_STRIDE, 1),
+            (true, None) => continue,
+        };
+        let regions = (src.len() / stride) as u32;
         let total: u64 = parts.iter().map(|&(_, b, n, _)| b as u64 * n as u64).sum();
         // LAUNCHES launches, each on the next unread regions, captured in one graph
         let stream = cx.stream();
@@ -85,12 +110,12 @@ pub fn run(s: &mut Suite) {
                     side.stream().wait(&forked).unwrap();
                 }
                 for (i, &(how, blocks, bytes, chunk)) in parts.iter().enumerate() {
-                    if next + blocks > regions {
-                        next = 0;
+                    if next[which] + blocks > regions {
+                        next[which] = 0;
                     }
                     let on = if i == 0 { cx } else { &side };
-                    on.stream_probe(how, &src, STRIDE, next, blocks, bytes, chunk, &mut times[i]).expect("stream_probe");
-                    next += blocks;
+                    on.stream_probe(how, src, stride, next[which], blocks, bytes, chunk, &mut times[i]).expect("stream_probe");
+                    next[which] += blocks;
                 }
                 if parts.len() == 2 {
                     joined.record(side.stream()).unwrap();
