@@ -185,8 +185,9 @@ pub struct CudaBenchArgs {
     #[arg(long)]
     prefill_profile: bool,
     /// Also time the batched prefill of each prompt length as configured, with the shared
-    /// expert on the main stream instead of its own, and with the other router (f32 chains or
-    /// integer products), alternating, in this process (median of 5 each).
+    /// expert on the main stream instead of its own, with the other router (f32 chains or
+    /// integer products) and with the GEMMs reading the other layout of the scales and biases
+    /// (group-major or MLX), alternating, in this process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
     /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
@@ -624,13 +625,22 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let router_f32 = pf.router_f32;
+            let group_major = cx.gemm_group_major();
             for round in 0..6 {
-                // as configured; the shared expert on the main stream; the other router
-                for (j, (overlap, f32_router)) in [(true, router_f32), (false, router_f32), (true, !router_f32)].into_iter().enumerate() {
+                // as configured; the shared expert on the main stream; the other router; the
+                // GEMMs' scales from the other layout
+                let cases = [
+                    (true, router_f32, group_major),
+                    (false, router_f32, group_major),
+                    (true, !router_f32, group_major),
+                    (true, router_f32, !group_major),
+                ];
+                for (j, (overlap, f32_router, gm_scales)) in cases.into_iter().enumerate() {
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
+                    pf.set_group_major_scales(&cx, gm_scales);
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
@@ -642,15 +652,19 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             }
             pf.overlap_shared_expert = true;
             pf.router_f32 = router_f32;
-            let [on, off, other] = ms.each_mut().map(|v| median(v));
+            pf.set_group_major_scales(&cx, group_major);
+            let [on, off, other, layout] = ms.each_mut().map(|v| median(v));
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
+            let layout_name = if group_major { "MLX-layout scales" } else { "group-major scales" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
-                100.0 * (other / on - 1.0)
+                100.0 * (other / on - 1.0),
+                100.0 * (layout / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
+            row[if group_major { "mlx_scales_ms" } else { "group_major_scales_ms" }] = serde_json::json!(layout);
             prefill_compare.push(row);
         }
     }

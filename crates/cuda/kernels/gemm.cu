@@ -6,6 +6,10 @@
 // W layout (crates/quant/README.md): packed u32 [N, K*BITS/32], element 0 in the low bits;
 // scales/biases bf16 [N, K/64] (raw u16 bits). One K tile of the kernels is one quantization
 // group (64 columns), so a tile has exactly one scale and one bias per row.
+// Optionally (sbt != nullptr) the GEMMs read the scales and biases from a group-major copy
+// instead (qmat_group_major): one u32 per (group, row), sbt[g * N + n] = scale | bias << 16, so
+// a tile's rows are contiguous and a warp's 32 four-byte copies coalesce into one 128-byte
+// request (in the MLX layout a tile's rows are K/32 bytes apart). The same bits either way.
 //
 // Roles: W is the MMA's A operand (M = output features), X the B operand (N = tokens), so the
 // accumulator holds Y^T tiles and the packed weights never go through a bf16 copy in shared
@@ -225,7 +229,8 @@ struct Cfg {
 
 template <int BITS, int MS, int BN, bool WG>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
-                                           const u16* __restrict__ biases, const u16* __restrict__ xb, float* y,
+                                           const u16* __restrict__ biases, const u32* __restrict__ sbt,
+                                           int sbt_rows, const u16* __restrict__ xb, float* y,
                                            const float* res, u16* act, const int* __restrict__ sorted,
                                            const int* __restrict__ offsets, const int* __restrict__ tile_offs,
                                            int n_rows, int K, int T, int mode, int ldy, int topk) {
@@ -314,14 +319,26 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         woff[v] = s_wrow[row] * wpr + pc * 4;
         wdst[v] = C::XB + row * C::RB + pc * 16;
     }
+    // Scales and biases. MLX layout: even threads copy the aligned scale pair holding group t
+    // of row id/2 into the scale area, odd threads the bias pair into the bias area (C::SB
+    // later). Group-major (sbt, uniform): threads id < BM copy row id's (scale, bias) word of
+    // group t into the scale area; the bias area stays unused.
+    const bool gm = sbt != nullptr;
     int soff[C::SPT];
     u32 sdst[C::SPT];
     const u16* const sb_src = (tid & 1) ? biases : scales;
 #pragma unroll
     for (int v = 0; v < C::SPT; ++v) {
-        const int id = tid + v * THREADS, row = id >> 1;
-        soff[v] = s_wrow[row] * gpr;
-        sdst[v] = C::XB + C::WB + (id & 1) * C::SB + row * 4;
+        const int id = tid + v * THREADS;
+        if (gm) {
+            const int row = min(id, C::BM - 1);
+            soff[v] = s_wrow[row];  // word of group 0; group t at + t * sbt_rows
+            sdst[v] = C::XB + C::WB + row * 4;
+        } else {
+            const int row = id >> 1;
+            soff[v] = s_wrow[row] * gpr;
+            sdst[v] = C::XB + C::WB + (id & 1) * C::SB + row * 4;
+        }
     }
     auto load_tile = [&](int t, int stage) {
         const u32 st = sbase + stage * C::STAGE;
@@ -329,9 +346,15 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         for (int v = 0; v < C::XPT; ++v) cp_async16(st + xdst[v], xb + xoff[v] + t * KTILE, xsz[v]);
 #pragma unroll
         for (int v = 0; v < C::WPT; ++v) cp_async16(st + wdst[v], packed + woff[v] + t * (2 * BITS), 16);
-        // the aligned bf16 pair holding group t (K/64 is even)
+        if (gm) {  // one (scale, bias) word per row of group t
+            const u32* const src = sbt + (size_t)t * sbt_rows;
 #pragma unroll
-        for (int v = 0; v < C::SPT; ++v) cp_async4(st + sdst[v], sb_src + soff[v] + (t & ~1));
+            for (int v = 0; v < C::SPT; ++v)
+                if (tid + v * THREADS < C::BM) cp_async4(st + sdst[v], src + soff[v]);
+        } else {  // the aligned bf16 pair holding group t (K/64 is even)
+#pragma unroll
+            for (int v = 0; v < C::SPT; ++v) cp_async4(st + sdst[v], sb_src + soff[v] + (t & ~1));
+        }
     };
 
     const int warp = tid >> 5, lane = tid & 31;
@@ -343,14 +366,45 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     auto dequant = [&](int stage, int t, int m, u32 (&A)[4][4]) {
         const unsigned char* st = sptr + stage * C::STAGE;
         const int r0 = rbase + m * 64, r1 = r0 + 8;
-        const u32 sp0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r0 * 4);
-        const u32 bp0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + C::SB + r0 * 4);
-        const u32 sp1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r1 * 4);
-        const u32 bp1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + C::SB + r1 * 4);
+        // Group t's scale and bias of rows r0 and r1 (4 bits: the bf16 splatted to both halves;
+        // 8 bits: as f32 bits). MLX layout: the aligned pairs of groups t&~1 and t|1 (scales;
+        // biases C::SB later), group t's value in half t&1. Group-major: one word per row,
+        // scale in the low half, bias in the high half.
+        u32 s0, b0, s1, b1;
+        if (gm) {
+            const u32 p0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r0 * 4);
+            const u32 p1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r1 * 4);
+            if constexpr (BITS == 4) {
+                s0 = __byte_perm(p0, 0, 0x1010u);
+                b0 = __byte_perm(p0, 0, 0x3232u);
+                s1 = __byte_perm(p1, 0, 0x1010u);
+                b1 = __byte_perm(p1, 0, 0x3232u);
+            } else {
+                s0 = p0 << 16;
+                b0 = p0 & 0xFFFF0000u;
+                s1 = p1 << 16;
+                b1 = p1 & 0xFFFF0000u;
+            }
+        } else {
+            const u32 sp0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r0 * 4);
+            const u32 bp0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + C::SB + r0 * 4);
+            const u32 sp1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r1 * 4);
+            const u32 bp1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + C::SB + r1 * 4);
+            if constexpr (BITS == 4) {
+                const u32 sel = (t & 1) ? 0x3232u : 0x1010u;  // splat the bf16 of group t
+                s0 = __byte_perm(sp0, 0, sel);
+                b0 = __byte_perm(bp0, 0, sel);
+                s1 = __byte_perm(sp1, 0, sel);
+                b1 = __byte_perm(bp1, 0, sel);
+            } else {
+                const bool hi = t & 1;
+                s0 = hi ? (sp0 & 0xFFFF0000u) : (sp0 << 16);
+                b0 = hi ? (bp0 & 0xFFFF0000u) : (bp0 << 16);
+                s1 = hi ? (sp1 & 0xFFFF0000u) : (sp1 << 16);
+                b1 = hi ? (bp1 & 0xFFFF0000u) : (bp1 << 16);
+            }
+        }
         if constexpr (BITS == 4) {
-            const u32 sel = (t & 1) ? 0x3232u : 0x1010u;  // splat the bf16 of group t
-            const u32 s0 = __byte_perm(sp0, 0, sel), b0 = __byte_perm(bp0, 0, sel);
-            const u32 s1 = __byte_perm(sp1, 0, sel), b1 = __byte_perm(bp1, 0, sel);
             const uint2 w0 = *reinterpret_cast<const uint2*>(st + C::XB + r0 * C::RB + c * 8);
             const uint2 w1 = *reinterpret_cast<const uint2*>(st + C::XB + r1 * C::RB + c * 8);
 #pragma unroll
@@ -361,11 +415,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                 A[s][3] = deq4(w1.y >> (4 * s), s1, b1);
             }
         } else {
-            const bool hi = t & 1;
-            const float fs0 = __uint_as_float(hi ? (sp0 & 0xFFFF0000u) : (sp0 << 16));
-            const float fb0 = __uint_as_float(hi ? (bp0 & 0xFFFF0000u) : (bp0 << 16));
-            const float fs1 = __uint_as_float(hi ? (sp1 & 0xFFFF0000u) : (sp1 << 16));
-            const float fb1 = __uint_as_float(hi ? (bp1 & 0xFFFF0000u) : (bp1 << 16));
+            const float fs0 = __uint_as_float(s0), fb0 = __uint_as_float(b0);
+            const float fs1 = __uint_as_float(s1), fb1 = __uint_as_float(b1);
             const float bq0 = fmaf(-32768.0f, fs0, fb0), bq1 = fmaf(-32768.0f, fs1, fb1);
             const uint4 w0 = *reinterpret_cast<const uint4*>(st + C::XB + r0 * C::RB + c * 16);
             const uint4 w1 = *reinterpret_cast<const uint4*>(st + C::XB + r1 * C::RB + c * 16);
@@ -554,11 +605,11 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, MINB)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                  \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
-             const unsigned short* xb, float* y, const float* res, unsigned short* act, const int* sorted,   \
-             const int* offsets, const int* tile_offs, int n_rows, int k, int t, int mode, int ldy,          \
-             int topk) {                                                                                     \
-        calla_qgemm::qgemm_body<BITS, MS, BN, WG>(packed, scales, biases, xb, y, res, act, sorted, offsets,  \
-                                                  tile_offs, n_rows, k, t, mode, ldy, topk);                 \
+             const unsigned* sbt, int sbt_rows, const unsigned short* xb, float* y, const float* res,        \
+             unsigned short* act, const int* sorted, const int* offsets, const int* tile_offs, int n_rows,   \
+             int k, int t, int mode, int ldy, int topk) {                                                    \
+        calla_qgemm::qgemm_body<BITS, MS, BN, WG>(packed, scales, biases, sbt, sbt_rows, xb, y, res, act,    \
+                                                  sorted, offsets, tile_offs, n_rows, k, t, mode, ldy, topk); \
     }
 
 CALLA_QGEMM_ENTRY(qgemm_q4_big_wg, 4, 2, 128, true, 1)
@@ -577,6 +628,21 @@ CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, 2)
+
+// The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
+// [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.
+extern "C" __global__ void qmat_group_major(const unsigned short* __restrict__ scales,
+                                            const unsigned short* __restrict__ biases, unsigned* __restrict__ out,
+                                            int rows, int groups) {
+    calla_pdl_wait();
+    const long long total = (long long)rows * groups;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long g = i / rows, r = i - g * rows;
+        const long long src = r * groups + g;
+        out[i] = (unsigned)scales[src] | ((unsigned)biases[src] << 16);
+    }
+}
 
 // X f32 [rows, k] -> bf16 [rows, k] in the permuted tile order (header comment): word m of a
 // 64-column tile holds columns (16c + 8h + s, +4) with s = m >> 3, h = (m >> 2) & 1, c = m & 3.

@@ -270,6 +270,25 @@ fn check_k(k: usize) -> Result<(), CudaError> {
 }
 
 impl CudaContext {
+    /// Lets the GEMMs of this file read a matrix's group-major scales and biases
+    /// ([`DeviceQMat::group_major`], [`CudaContext::add_group_major`]) when it has them (`true`,
+    /// the default) or always the MLX layout (`false`). The same bits either way: for measuring
+    /// both in one process (`cuda_selftest --only gemm`, `calla cuda-bench --prefill-compare`
+    /// through [`crate::prefill::Prefiller::set_group_major_scales`]). A
+    /// [`CudaContext::sibling`] copies the setting when it is made and has its own afterwards.
+    /// It applies to GEMMs launched afterwards; a graph captured earlier keeps what it captured
+    /// (the decode step's graphs hold no GEMM of this file, so they are not captured again).
+    #[doc(hidden)]
+    pub fn set_gemm_group_major(&self, on: bool) {
+        self.gemm_group_major.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_group_major`].
+    #[doc(hidden)]
+    pub fn gemm_group_major(&self) -> bool {
+        self.gemm_group_major.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Sets the dynamic shared-memory limit of every GEMM entry point (done by the scratch
     /// constructors).
     fn prepare_gemm(&self) -> Result<(), CudaError> {
@@ -502,6 +521,15 @@ impl CudaContext {
         let (pp, _g1) = w.packed.device_ptr(stream);
         let (ps, _g2) = w.scales.device_ptr(stream);
         let (pb, _g3) = w.biases.device_ptr(stream);
+        // the group-major scales and biases, or 0 (a null pointer: the kernel reads the MLX layout)
+        let (psbt, _g4) = match (&w.group_major, self.gemm_group_major()) {
+            (Some(gm), true) => {
+                let (ptr, g) = gm.device_ptr(stream);
+                (ptr, Some(g))
+            }
+            _ => (0u64, None),
+        };
+        let sbt_rows = check_i32("w.rows", w.rows)?;
         let n_rows = check_i32("n_rows", a.n_rows)?;
         let k = check_i32("k", a.k)?;
         let t = check_i32("t", a.t)?;
@@ -511,6 +539,8 @@ impl CudaContext {
         b.arg(&pp)
             .arg(&ps)
             .arg(&pb)
+            .arg(&psbt)
+            .arg(&sbt_rows)
             .arg(&a.xb)
             .arg(&a.y)
             .arg(&a.res)
@@ -529,7 +559,8 @@ impl CudaContext {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem_bytes(w.bits, v.tile) as u32,
         };
-        // SAFETY: the callers checked every buffer against the shapes the kernel reads/writes.
+        // SAFETY: the callers checked every buffer against the shapes the kernel reads/writes; a
+        // group-major copy holds w.rows * w.cols/64 words (add_group_major), all the kernel reads.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

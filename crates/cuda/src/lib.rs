@@ -167,6 +167,7 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q4_narrow_mma",
             "qgemm_q8_narrow_mma",
             "qgemm_x_to_bf16",
+            "qmat_group_major",
             "qgemm_moe_route",
             "qgemm_moe_hist",
             "qgemm_moe_scan",
@@ -353,6 +354,11 @@ pub struct DeviceQMat {
     /// The same weights in the staged layout of the decode GEMVs' bulk copies
     /// ([`CudaContext::stage_qmat`]), or `None`.
     pub staged: Option<CudaSlice<u32>>,
+    /// The scales and biases again, group-major for the prefill GEMMs (`kernels/gemm.cu`):
+    /// `[rows * cols/64]` u32, word `g * rows + r` = scale `[r, g]` (low half) | bias `[r, g]`
+    /// (high half), so one group's rows are contiguous. `None` until
+    /// [`CudaContext::add_group_major`]; the GEMMs read the MLX layout without it.
+    pub group_major: Option<CudaSlice<u32>>,
 }
 
 impl DeviceQMat {
@@ -465,6 +471,9 @@ pub struct CudaContext {
     /// The GDN decode step triggers its dependent launch at entry; set by
     /// [`CudaContext::set_gdn_step_early_trigger`].
     pub(crate) gdn_step_early_trigger: std::sync::atomic::AtomicBool,
+    /// The prefill GEMMs read a matrix's group-major scales and biases when it has them
+    /// ([`CudaContext::set_gemm_group_major`]).
+    pub(crate) gemm_group_major: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -589,6 +598,7 @@ impl CudaContext {
             out_proj_variant: std::sync::atomic::AtomicU8::new(OUT_PROJ_VARIANT as u8),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
             gdn_step_early_trigger: std::sync::atomic::AtomicBool::new(false),
+            gemm_group_major: std::sync::atomic::AtomicBool::new(true),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -638,6 +648,7 @@ impl CudaContext {
             out_proj_variant: std::sync::atomic::AtomicU8::new(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_early_trigger: copy(&self.gdn_step_early_trigger),
+            gemm_group_major: copy(&self.gemm_group_major),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),
@@ -724,6 +735,7 @@ impl CudaContext {
             scales: self.stream.clone_htod(scales)?,
             biases: self.stream.clone_htod(biases)?,
             staged: None,
+            group_major: None,
         })
     }
 
@@ -1260,6 +1272,50 @@ impl CudaContext {
         }
         let host = stage_rows(parts, mat.cols);
         mat.staged = Some(self.stream.clone_htod(&host)?);
+        Ok(())
+    }
+
+    /// Adds the group-major copy of `w`'s scales and biases ([`DeviceQMat::group_major`]) that
+    /// the prefill GEMMs ([`Self::qgemm`] and the grouped expert GEMMs) read instead of the MLX
+    /// layout when [`Self::gemm_group_major`] is on: `[rows * cols/64]` u32, word `g * rows + r`
+    /// = scale `[r, g]` | bias `[r, g]` << 16, so the rows of one K tile (one group) are
+    /// contiguous and a warp's scale/bias copies coalesce. Costs one more u32 per 64 weights,
+    /// the size of the scales and biases again (1/8 of a 4-bit matrix's codes, 1/16 of an 8-bit
+    /// one's). Built on the device from the uploaded scales and biases (one launch on
+    /// [`Self::stream`], asynchronous). The same results either way; the GEMVs never read it.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `w` already has a group-major copy (replacing it would
+    /// free a buffer that queued launches may still read) or is too large for the kernel's i32
+    /// arguments; [`CudaError::Driver`] on allocation or launch.
+    pub fn add_group_major(&self, w: &mut DeviceQMat) -> Result<(), CudaError> {
+        if w.group_major.is_some() {
+            return Err(CudaError::Unsupported("add_group_major: the matrix already has a group-major copy".into()));
+        }
+        let groups = w.cols / QUANT_GROUP;
+        let n = w.rows * groups;
+        debug_assert_eq!(w.scales.len(), n);
+        let (rows, gi) = match (i32::try_from(w.rows), i32::try_from(groups), i32::try_from(n)) {
+            (Ok(r), Ok(g), Ok(_)) => (r, g),
+            _ => {
+                return Err(CudaError::Unsupported(format!(
+                    "add_group_major: a [{}, {}] matrix is too large for i32 sizes",
+                    w.rows, w.cols
+                )))
+            }
+        };
+        if n == 0 {
+            return Ok(()); // an empty matrix: nothing to read either way
+        }
+        let mut out = self.stream.alloc_zeros::<u32>(n)?;
+        let blocks = n.div_ceil(256).min(65_535) as u32;
+        let mut b = self.stream.launch_builder(self.func("qmat_group_major")?);
+        b.arg(&w.scales).arg(&w.biases).arg(&mut out).arg(&rows).arg(&gi);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: scales and biases hold rows * cols/64 bf16 each (upload_qmat validated the
+        // shapes), `out` rows * cols/64 u32; the kernel's grid-stride loop stays below that.
+        unsafe { b.launch(cfg) }?;
+        w.group_major = Some(out);
         Ok(())
     }
 

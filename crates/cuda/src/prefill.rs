@@ -21,6 +21,8 @@
 //! The grouped expert GEMMs read the experts in the [`DeviceQMat`] layout, while the decode
 //! kernels read them in [`crate::moe::DeviceMoe`]'s own layout, so today the routed experts are
 //! held twice on the device (about 2 × 17 GB at 4 bits for the full model; the H200 has 141 GB).
+//! The prefill's copy also has its scales and biases a second time, group-major
+//! ([`CudaContext::add_group_major`]; ~1/8 of the 4-bit codes' bytes again, about 2 GB).
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use model::load::Weights;
@@ -35,7 +37,11 @@ use crate::gemm::{GemmScratch, MoeRouting};
 use crate::attention::ATTN_PROJ;
 use crate::{CudaContext, CudaError, DeviceQMat};
 
-/// One layer's MoE weights in the layout of the grouped GEMMs.
+/// One layer's MoE weights in the layout of the grouped GEMMs. The expert and shared-expert
+/// matrices carry a group-major copy of their scales and biases ([`DeviceQMat::group_major`],
+/// [`CudaContext::add_group_major`]), which the GEMMs read when
+/// [`CudaContext::set_gemm_group_major`] is on: one more u32 per 64 weights, ~1/8 of the 4-bit
+/// codes' bytes again. The router has none (the router kernels read the MLX layout).
 pub struct PrefillMoe {
     /// `[N_EXPERTS + 1, D_MODEL]`: router rows, then the shared-expert gate row.
     pub router: DeviceQMat,
@@ -71,7 +77,7 @@ impl PrefillMoe {
             gu.push(qref(name(&format!("experts.{e}.up_proj")), &x.up)?);
             dn.push(qref(name(&format!("experts.{e}.down_proj")), &x.down)?);
         }
-        Ok(PrefillMoe {
+        let mut pm = PrefillMoe {
             router,
             gate_up: cx.upload_qmat_rows(&gu)?,
             down: cx.upload_qmat_rows(&dn)?,
@@ -80,7 +86,12 @@ impl PrefillMoe {
                 qref(name("shared_expert.up_proj"), &m.shared.up)?,
             ])?,
             shared_down: cx.upload_qmat(qref(name("shared_expert.down_proj"), &m.shared.down)?)?,
-        })
+        };
+        // the GEMMs' coalesced scale/bias copies (not the router's: its kernels read the MLX layout)
+        for w in [&mut pm.gate_up, &mut pm.down, &mut pm.shared_gate_up, &mut pm.shared_down] {
+            cx.add_group_major(w)?;
+        }
+        Ok(pm)
     }
 }
 
@@ -194,6 +205,16 @@ impl Prefiller {
             trace: None,
             profile: None,
         })
+    }
+
+    /// Lets the prefill's GEMMs, on `cx` and on the shared expert's stream, read the
+    /// group-major scales and biases where a matrix has them (`true`, the default) or the MLX
+    /// layout (`false`): the same bits; for measurement (`calla cuda-bench --prefill-compare`).
+    /// `cx` must be the context the prefill runs on.
+    #[doc(hidden)]
+    pub fn set_group_major_scales(&self, cx: &CudaContext, on: bool) {
+        cx.set_gemm_group_major(on);
+        self.side.cx.set_gemm_group_major(on);
     }
 
     /// Largest chunk in tokens.

@@ -36,12 +36,20 @@
 //!   1e-2·rms).
 //! * SwiGLU outputs (shared gate|up) against the f32 reference: max < 6e-2·rms instead of 3e-2
 //!   (a product of two outputs with ≈ 2.4e-3 relative error each; heavy-tailed, max|v| ≈ 15·rms).
+//! * Scale/bias layouts: every matrix carries its group-major scales and biases
+//!   (`CudaContext::add_group_major`), which the GEMMs read by default; the probe (every
+//!   variant), the dense products at T = 7 and 300 and the 4-bit grouped experts at T = 300
+//!   (automatic variant) run again on the MLX layout (`set_gemm_group_major(false)`, labels
+//!   ending in `row-major sb`) with the same checks; the dense products' outputs must also equal
+//!   the group-major run's bit for bit.
 //!
 //! Timing (CUDA graph replay, CUDA events, median): TFLOP/s = 2·T·N·K / time for N×K =
 //! 12352×2048, 9216×2048, 2048×4096 at T = 512, 2048, 8192 (4-bit, automatic variant), every
 //! variant for 12352×2048, the activation conversion, and the MoE block at T = 8192 (routing,
 //! grouped gate/up, grouped down + combine, and the whole layer with the router and the shared
-//! expert), with effective TFLOP/s of the grouped products (2·T·k·N·K).
+//! expert), with effective TFLOP/s of the grouped products (2·T·k·N·K). The automatic variant of
+//! the 4-bit 12352×2048 product and of the grouped products is also timed on the MLX layout's
+//! scales and biases (`row-major sb`).
 
 use cuda::cudarc::driver::{CudaSlice, CudaView};
 use cuda::gemm::{
@@ -99,6 +107,16 @@ fn vname(v: Option<GemmVariant>) -> String {
                 GemmTile::Narrow => "narrow",
             }
         ),
+    }
+}
+
+/// Label suffix of a GEMM run with the group-major scales and biases off
+/// (`CudaContext::set_gemm_group_major`): the MLX layout's row-major scales and biases.
+fn sb_suffix(cx: &CudaContext) -> &'static str {
+    if cx.gemm_group_major() {
+        ""
+    } else {
+        " row-major sb"
     }
 }
 
@@ -334,17 +352,21 @@ fn probe(s: &mut Suite) {
         let scales = vec![bf16::ONE; g];
         let biases = vec![bf16::ZERO; g];
         let m = QMatRef::new(n, k, spec, &packed, &scales, &biases).unwrap();
-        let dm = cx.upload_qmat(m).unwrap();
+        let mut dm = cx.upload_qmat(m).unwrap();
+        cx.add_group_major(&mut dm).unwrap();
         for t in [7usize, 130] {
             let x: Vec<f32> = (0..t * k).map(|i| xval(i / k, i % k)).collect();
             let xd = cx.upload_f32(&x).unwrap();
-            // mma.sync first: should a wgmma variant fault, the fallback's result is printed
-            for v in ALL_VARIANTS.iter().rev().copied() {
+            // mma.sync first: should a wgmma variant fault, the fallback's result is printed;
+            // the group-major scales and biases, then the MLX layout (row-major sb)
+            let runs = [true, false].into_iter().flat_map(|gm| ALL_VARIANTS.iter().rev().map(move |&v| (v, gm)));
+            for (v, gm) in runs {
+                cx.set_gemm_group_major(gm);
                 scratch.force = Some(v);
                 let mut yd = guarded(cx, t * n);
                 run_dense(cx, &mut scratch, &mut yd, t * n, &dm, &xd.slice(..), None, Epi::Store, t);
                 let got = cx.download_f32(&yd).unwrap();
-                let label = format!("probe one-hot q{bits} [{n}x{k}] T={t} {}", vname(Some(v)));
+                let label = format!("probe one-hot q{bits} [{n}x{k}] T={t} {}{}", vname(Some(v)), sb_suffix(cx));
                 let c = match guards_and_finite(&got, t * n) {
                     Err(e) => failed(e),
                     Ok(()) => {
@@ -373,6 +395,7 @@ fn probe(s: &mut Suite) {
                 };
                 s.record(SEC, &label, &c, "");
             }
+            cx.set_gemm_group_major(true);
         }
     }
 }
@@ -419,7 +442,8 @@ fn dense(s: &mut Suite) {
         let (n, k) = (case.n, case.k);
         let hq = random_qmat(n, k, case.bits, seed);
         let m = hq.r();
-        let dm = cx.upload_qmat(m).unwrap();
+        let mut dm = cx.upload_qmat(m).unwrap();
+        cx.add_group_major(&mut dm).unwrap();
         let emw = emul_weights(m);
         let out_cols = if case.epi == Epi::SwiGlu { n / 2 } else { n };
         for &t in case.ts {
@@ -443,17 +467,21 @@ fn dense(s: &mut Suite) {
             let (ex, em) = (finish(&ex), finish(&em));
             let xd = cx.upload_f32(&x).unwrap();
             let rd = cx.upload_f32(&res).unwrap();
-            let mut variants = vec![None];
+            // (variant, group-major scales and biases)
+            let mut variants = vec![(None, true)];
             if t == 7 || t == 300 {
-                variants.extend(ALL_VARIANTS.iter().copied().map(Some));
+                variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), true)));
+                variants.push((None, false));
             }
-            for v in variants {
+            let mut default_out: Option<Vec<f32>> = None; // (None, true)'s output
+            for (v, gm) in variants {
+                cx.set_gemm_group_major(gm);
                 scratch.force = v;
                 let mut yd = guarded(cx, t * out_cols);
                 let rv = rd.slice(..);
                 run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dm, &xd.slice(..), Some(&rv), case.epi, t);
                 let got = cx.download_f32(&yd).unwrap();
-                let label = format!("q{} {} [{n}x{k}] T={t} {}", case.bits, case.label, vname(v));
+                let label = format!("q{} {} [{n}x{k}] T={t} {}{}", case.bits, case.label, vname(v), sb_suffix(cx));
                 let (c1, c2) = match guards_and_finite(&got, t * out_cols) {
                     Err(e) => (failed(e.clone()), failed(e)),
                     Ok(()) => {
@@ -467,7 +495,17 @@ fn dense(s: &mut Suite) {
                 };
                 s.record(SEC, &format!("{label} vs f32"), &c1, "");
                 s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
+                // the two scale/bias layouts dequantize to the same values: the same bits
+                match (v, gm, &default_out) {
+                    (None, true, _) => default_out = Some(got),
+                    (None, false, Some(want)) => {
+                        let c = check_bits(&got[GUARD..GUARD + t * out_cols], &want[GUARD..GUARD + t * out_cols], "outputs");
+                        s.record(SEC, &format!("{label} = group-major, bit for bit"), &c, "");
+                    }
+                    _ => {}
+                }
             }
+            cx.set_gemm_group_major(true);
         }
     }
 }
@@ -602,8 +640,10 @@ struct MoeWeights {
 fn moe_weights(cx: &CudaContext, bits: u32, seed: u64) -> MoeWeights {
     let gu = random_qmat(p::N_EXPERTS * 2 * p::D_EXPERT, p::D_MODEL, bits, seed);
     let dn = random_qmat(p::N_EXPERTS * p::D_MODEL, p::D_EXPERT, bits, seed ^ 0xD0);
-    let dgu = cx.upload_qmat(gu.r()).unwrap();
-    let ddn = cx.upload_qmat(dn.r()).unwrap();
+    let mut dgu = cx.upload_qmat(gu.r()).unwrap();
+    let mut ddn = cx.upload_qmat(dn.r()).unwrap();
+    cx.add_group_major(&mut dgu).unwrap();
+    cx.add_group_major(&mut ddn).unwrap();
     MoeWeights { gu, dn, dgu, ddn }
 }
 
@@ -710,7 +750,7 @@ fn moe_case(
         ra_ex.extend_from_slice(&refs[ji].0);
         ra_em.extend(refs[ji].1.iter().map(|&v| f64::from(v)));
     }
-    let label = format!("moe q{bits} T={t} {}", vname(force));
+    let label = format!("moe q{bits} T={t} {}{}", vname(force), sb_suffix(cx));
     let finite_act = act.iter().all(|&b| f32::from_bits(u32::from(b) << 16).is_finite());
     let c = if finite_act { check(&ga, &ra_ex, TOL_ACT_EXACT, String::new()) } else { failed("non-finite act".into()) };
     s.record(SEC, &format!("{label} act vs f32"), &c, "");
@@ -756,6 +796,9 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
             for v in ALL_VARIANTS {
                 moe_case(s, &w4, 4, t, Some(v), &mut scratch, &mut routing, &inp);
             }
+            cx.set_gemm_group_major(false);
+            moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+            cx.set_gemm_group_major(true);
         }
     }
     let w8 = moe_weights(cx, 8, 0x3E8);
@@ -780,23 +823,25 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 continue;
             }
             let hq = random_qmat(n, k, bits, 0x7100 + si as u64);
-            let dm = cx.upload_qmat(hq.r()).unwrap();
+            let mut dm = cx.upload_qmat(hq.r()).unwrap();
+            cx.add_group_major(&mut dm).unwrap();
             let x = rand_x(tmax * k, 0x7200 + si as u64);
             let xd = cx.upload_f32(&x).unwrap();
             let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
             for t in [512usize, 2048, 8192] {
                 cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
-                // (variant, main loop only)
-                let mut variants = vec![(None, false)];
+                // (variant, main loop only, group-major scales and biases)
+                let mut variants = vec![(None, false, true)];
                 if si == 0 && bits == 4 {
-                    variants.push((None, true));
+                    variants.extend([(None, false, false), (None, true, true), (None, true, false)]);
                     if t != 2048 {
-                        variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false)));
+                        variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false, true)));
                     }
                 } else if bits == 4 && t == 512 {
-                    variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false)));
+                    variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false, true)));
                 }
-                for (v, no_store) in variants {
+                for (v, no_store, gm) in variants {
+                    cx.set_gemm_group_major(gm);
                     scratch.force = v;
                     scratch.bench_no_store = no_store;
                     let per = 8usize;
@@ -808,6 +853,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     }) / per as f64;
                     let tf = gemm_flops(t, n, k) / sec / 1e12;
                     let vn = if no_store { format!("{} (no store)", vname(v)) } else { vname(v) };
+                    let vn = format!("{vn}{}", sb_suffix(cx));
                     println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
                     table.push((bits, n, k, t, vn.clone(), sec, tf));
                     s.json.push((
@@ -820,6 +866,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 }
                 scratch.force = None;
                 scratch.bench_no_store = false;
+                cx.set_gemm_group_major(true);
             }
             if si == 0 && bits == 4 {
                 for t in [512usize, 2048, 8192] {
@@ -842,8 +889,12 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
     let router = random_qmat(ne + 1, d, 8, 0x7301);
     let sgu = random_qmat(2 * p::D_SHARED_EXPERT, d, 4, 0x7302);
     let sdn = random_qmat(d, p::D_SHARED_EXPERT, 4, 0x7303);
-    let (drouter, dsgu, dsdn) =
+    let (mut drouter, mut dsgu, mut dsdn) =
         (cx.upload_qmat(router.r()).unwrap(), cx.upload_qmat(sgu.r()).unwrap(), cx.upload_qmat(sdn.r()).unwrap());
+    // (the router runs as a GEMM here, so it gets the group-major copy too)
+    for w in [&mut drouter, &mut dsgu, &mut dsdn] {
+        cx.add_group_major(w).unwrap();
+    }
     let inp = moe_inputs(t, 0x7304);
     let xd = cx.upload_f32(&inp.x).unwrap();
     let hd = cx.upload_f32(&inp.resid).unwrap();
@@ -870,7 +921,15 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
         let f_dn = gemm_flops(t * k, d, p::D_EXPERT);
         println!("{SEC:<10} MoE T={t} {scen} routing (entries per expert {mn}..{mx}): route {:.1} us", t_route * 1e6);
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
-        for v in [None, Some(ALL_VARIANTS[0]), Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[3])] {
+        // (variant, group-major scales and biases)
+        for (v, gm) in [
+            (None, true),
+            (None, false),
+            (Some(ALL_VARIANTS[0]), true),
+            (Some(ALL_VARIANTS[1]), true),
+            (Some(ALL_VARIANTS[3]), true),
+        ] {
+            cx.set_gemm_group_major(gm);
             routing.force = v;
             let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4.dgu, &scratch, &mut routing, t).unwrap());
             let b = s.time_graph(reps, || {
@@ -879,16 +938,17 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             });
             println!(
                 "{SEC:<10}   {:<12} gate_up grouped {:>7.1} us ({:>5.1} TFLOP/s eff.), down grouped + combine {:>7.1} us ({:>5.1} TFLOP/s eff.)",
-                vname(v),
+                format!("{}{}", vname(v), sb_suffix(cx)),
                 a * 1e6,
                 f_gu / a / 1e12,
                 b * 1e6,
                 f_dn / b / 1e12
             );
-            if v.is_none() {
+            if v.is_none() && gm {
                 (t_gu, t_dn) = (a, b);
             }
         }
+        cx.set_gemm_group_major(true);
         routing.force = None;
         // the whole MoE block of one layer
         let t_layer = s.time_graph(reps, || {
