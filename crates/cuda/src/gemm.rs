@@ -684,15 +684,17 @@ impl CudaContext {
 
     /// Grouped GEMMs by the entries an expert averages: big tiles from 128 (at T = 8192 on the
     /// H200 big and tall tie with uniform routing and big is 11% faster with skewed routing),
-    /// tall (64-entry tiles, less padding per expert) from 20, narrow (32-entry tiles) below:
-    /// at T = 512 (16 per expert) narrow takes gate/up 182 µs and down + combine 107 µs
-    /// against tall's 217 and 122; at T = 1024 (32) tall is faster, 216 and 140 against
-    /// 263 and 158 (`cuda_selftest --only gemm`, uniform routing, docs/CUDA.md).
+    /// tall (64-entry tiles, less padding per expert) from 28, narrow (32-entry tiles) below.
+    /// With the group-major scales (session 22; `cuda_selftest --only gemm`, uniform routing,
+    /// docs/CUDA.md): at T = 512 (16 per expert) narrow takes gate/up 163 µs and down + combine
+    /// 106 against tall's 195 and 119; at T = 768 (24) 181 and 120 against 194 and 128; at
+    /// T = 1024 (32) tall is faster, 195 and 139 against 236 and 159. The threshold lies
+    /// between the last two.
     fn choose_grouped(&self, t: usize) -> GemmVariant {
         let per_expert = t * p::TOP_K / p::N_EXPERTS;
         let tile = match per_expert {
             128.. => GemmTile::Big,
-            20.. => GemmTile::Tall,
+            28.. => GemmTile::Tall,
             _ => GemmTile::Narrow,
         };
         GemmVariant { engine: GemmEngine::Wgmma, tile }
