@@ -186,8 +186,9 @@ pub struct CudaBenchArgs {
     prefill_profile: bool,
     /// Also time the batched prefill of each prompt length as configured, with the shared
     /// expert on the main stream instead of its own, with the other router (f32 chains or
-    /// integer products) and with the GEMMs reading the other layout of the scales and biases
-    /// (group-major or MLX), alternating, in this process (median of 5 each).
+    /// integer products) and with the dense projections' GEMMs reading the other layout of
+    /// their codes, scales and biases (group-major or MLX; the experts' prefill copies are
+    /// group-major in place either way), alternating, in this process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
     /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
@@ -655,7 +656,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.set_group_major_scales(&cx, group_major);
             let [on, off, other, layout] = ms.each_mut().map(|v| median(v));
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
-            let layout_name = if group_major { "MLX-layout scales" } else { "group-major scales" };
+            let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
                 "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),

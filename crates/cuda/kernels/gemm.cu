@@ -10,6 +10,9 @@
 // instead (qmat_group_major): one u32 per (group, row), sbt[g * N + n] = scale | bias << 16, so
 // a tile's rows are contiguous and a warp's 32 four-byte copies coalesce into one 128-byte
 // request (in the MLX layout a tile's rows are K/32 bytes apart). The same bits either way.
+// With pk_gm (which needs sbt) `packed` is the codes' group-major copy too
+// (qmat_pack_group_major): tile t's 2·BITS words of row n at (t * N + n) * 2·BITS, so a tile's
+// rows are one contiguous run as well.
 //
 // Roles: W is the MMA's A operand (M = output features), X the B operand (N = tokens), so the
 // accumulator holds Y^T tiles and the packed weights never go through a bf16 copy in shared
@@ -230,7 +233,7 @@ struct Cfg {
 template <int BITS, int MS, int BN, bool WG>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
                                            const u16* __restrict__ biases, const u32* __restrict__ sbt,
-                                           int sbt_rows, const u16* __restrict__ xb, float* y,
+                                           int sbt_rows, int pk_gm, const u16* __restrict__ xb, float* y,
                                            const float* res, u16* act, const int* __restrict__ sorted,
                                            const int* __restrict__ offsets, const int* __restrict__ tile_offs,
                                            int n_rows, int K, int T, int mode, int ldy, int topk) {
@@ -316,9 +319,13 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
     for (int v = 0; v < C::WPT; ++v) {
         const int id = tid + v * THREADS, row = id / PIECES, pc = id % PIECES;
-        woff[v] = s_wrow[row] * wpr + pc * 4;
+        // MLX layout: row r's words of tile t at r * wpr + t * 2·BITS; group-major codes
+        // (pk_gm): at (t * sbt_rows + r) * 2·BITS, a tile's rows contiguous
+        woff[v] = s_wrow[row] * (pk_gm ? 2 * BITS : wpr) + pc * 4;
         wdst[v] = C::XB + row * C::RB + pc * 16;
     }
+    // words from one tile to the next (fits int: a matrix's codes are < 2^31 words, as woff)
+    const int wstep = pk_gm ? sbt_rows * (2 * BITS) : 2 * BITS;
     // Scales and biases. MLX layout: even threads copy the aligned scale pair holding group t
     // of row id/2 into the scale area, odd threads the bias pair into the bias area (C::SB
     // later). Group-major (sbt, uniform): threads id < BM copy row id's (scale, bias) word of
@@ -345,7 +352,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
         for (int v = 0; v < C::XPT; ++v) cp_async16(st + xdst[v], xb + xoff[v] + t * KTILE, xsz[v]);
 #pragma unroll
-        for (int v = 0; v < C::WPT; ++v) cp_async16(st + wdst[v], packed + woff[v] + t * (2 * BITS), 16);
+        for (int v = 0; v < C::WPT; ++v) cp_async16(st + wdst[v], packed + woff[v] + t * wstep, 16);
         if (gm) {  // one (scale, bias) word per row of group t
             const u32* const src = sbt + (size_t)t * sbt_rows;
 #pragma unroll
@@ -605,11 +612,12 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, MINB)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                  \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
-             const unsigned* sbt, int sbt_rows, const unsigned short* xb, float* y, const float* res,        \
-             unsigned short* act, const int* sorted, const int* offsets, const int* tile_offs, int n_rows,   \
-             int k, int t, int mode, int ldy, int topk) {                                                    \
-        calla_qgemm::qgemm_body<BITS, MS, BN, WG>(packed, scales, biases, sbt, sbt_rows, xb, y, res, act,    \
-                                                  sorted, offsets, tile_offs, n_rows, k, t, mode, ldy, topk); \
+             const unsigned* sbt, int sbt_rows, int pk_gm, const unsigned short* xb, float* y,                \
+             const float* res, unsigned short* act, const int* sorted, const int* offsets,                   \
+             const int* tile_offs, int n_rows, int k, int t, int mode, int ldy, int topk) {                  \
+        calla_qgemm::qgemm_body<BITS, MS, BN, WG>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res,  \
+                                                  act, sorted, offsets, tile_offs, n_rows, k, t, mode, ldy,  \
+                                                  topk);                                                     \
     }
 
 CALLA_QGEMM_ENTRY(qgemm_q4_big_wg, 4, 2, 128, true, 1)
@@ -641,6 +649,21 @@ extern "C" __global__ void qmat_group_major(const unsigned short* __restrict__ s
         const long long g = i / rows, r = i - g * rows;
         const long long src = r * groups + g;
         out[i] = (unsigned)scales[src] | ((unsigned)biases[src] << 16);
+    }
+}
+
+// The group-major copy of a matrix's codes (header comment): packed u32 [rows, groups * wpg]
+// (MLX layout, wpg = 2 * BITS words per 64-column group) -> out [groups, rows, wpg],
+// out[(g * rows + r) * wpg + w] = packed[(r * groups + g) * wpg + w].
+extern "C" __global__ void qmat_pack_group_major(const unsigned* __restrict__ packed, unsigned* __restrict__ out,
+                                                 int rows, int groups, int wpg) {
+    calla_pdl_wait();
+    const long long total = (long long)rows * groups * wpg;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long w = i % wpg, gr = i / wpg;
+        const long long g = gr / rows, r = gr - g * rows;
+        out[i] = packed[(r * groups + g) * wpg + w];
     }
 }
 

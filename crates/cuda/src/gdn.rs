@@ -401,7 +401,7 @@ impl CudaContext {
             .arg(in_norm_w)
             .arg(&eps)
             .arg(&w.tiles)
-            .arg(&stacked.packed)
+            .arg(stacked.mlx_codes()?)
             .arg(&stacked.scales)
             .arg(&stacked.biases)
             .arg(conv_w)

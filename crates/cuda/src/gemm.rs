@@ -271,8 +271,10 @@ fn check_k(k: usize) -> Result<(), CudaError> {
 
 impl CudaContext {
     /// Lets the GEMMs of this file read a matrix's group-major scales and biases
-    /// ([`DeviceQMat::group_major`], [`CudaContext::add_group_major`]) when it has them (`true`,
-    /// the default) or always the MLX layout (`false`). The same bits either way: for measuring
+    /// ([`DeviceQMat::group_major`], [`CudaContext::add_group_major`]) and codes
+    /// ([`DeviceQMat::group_major_codes`]) when it has them (`true`, the default) or the MLX
+    /// layout (`false`; a matrix whose codes are group-major in place,
+    /// [`DeviceQMat::codes_group_major`], reads group-major either way). The same bits: for measuring
     /// both in one process (`cuda_selftest --only gemm`, `calla cuda-bench --prefill-compare`
     /// through [`crate::prefill::Prefiller::set_group_major_scales`]). A
     /// [`CudaContext::sibling`] copies the setting when it is made and has its own afterwards.
@@ -518,17 +520,28 @@ impl CudaContext {
         }
         let f = self.func(&entry_name(w.bits, v))?;
         let stream = self.stream();
-        let (pp, _g1) = w.packed.device_ptr(stream);
         let (ps, _g2) = w.scales.device_ptr(stream);
         let (pb, _g3) = w.biases.device_ptr(stream);
-        // the group-major scales and biases, or 0 (a null pointer: the kernel reads the MLX layout)
-        let (psbt, _g4) = match (&w.group_major, self.gemm_group_major()) {
+        // the group-major scales and biases, or 0 (a null pointer: the kernel reads the MLX
+        // layout); a matrix whose codes are group-major in place always reads them group-major
+        let (psbt, _g4) = match (&w.group_major, self.gemm_group_major() || w.codes_group_major) {
             (Some(gm), true) => {
                 let (ptr, g) = gm.device_ptr(stream);
                 (ptr, Some(g))
             }
             _ => (0u64, None),
         };
+        // the codes: group-major (in place, or their copy when the scales are group-major too)
+        // or the MLX layout
+        let (codes, pk_gm) = match (w.codes_group_major, &w.group_major_codes, psbt != 0) {
+            (true, _, true) => (&w.packed, 1i32),
+            (true, _, false) => {
+                return Err(unsupported(format!("a [{}, {}] matrix with group-major codes but no group-major scales", w.rows, w.cols)))
+            }
+            (false, Some(c), true) => (c, 1i32),
+            (false, _, _) => (&w.packed, 0i32),
+        };
+        let (pp, _g1) = codes.device_ptr(stream);
         let sbt_rows = check_i32("w.rows", w.rows)?;
         let n_rows = check_i32("n_rows", a.n_rows)?;
         let k = check_i32("k", a.k)?;
@@ -541,6 +554,7 @@ impl CudaContext {
             .arg(&pb)
             .arg(&psbt)
             .arg(&sbt_rows)
+            .arg(&pk_gm)
             .arg(&a.xb)
             .arg(&a.y)
             .arg(&a.res)
@@ -560,7 +574,8 @@ impl CudaContext {
             shared_mem_bytes: smem_bytes(w.bits, v.tile) as u32,
         };
         // SAFETY: the callers checked every buffer against the shapes the kernel reads/writes; a
-        // group-major copy holds w.rows * w.cols/64 words (add_group_major), all the kernel reads.
+        // group-major copy holds w.rows * w.cols/64 words (add_group_major), all the kernel reads;
+        // the codes' group-major copy as many words as `packed` (add_group_major_codes).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -168,6 +168,7 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_narrow_mma",
             "qgemm_x_to_bf16",
             "qmat_group_major",
+            "qmat_pack_group_major",
             "qgemm_moe_route",
             "qgemm_moe_hist",
             "qgemm_moe_scan",
@@ -359,9 +360,35 @@ pub struct DeviceQMat {
     /// (high half), so one group's rows are contiguous. `None` until
     /// [`CudaContext::add_group_major`]; the GEMMs read the MLX layout without it.
     pub group_major: Option<CudaSlice<u32>>,
+    /// The packed codes again, group-major for the prefill GEMMs: `[cols/64, rows, 2·bits]`
+    /// u32, row `r`'s words of group `g` at `(g · rows + r) · 2·bits`, so one K tile's rows are
+    /// contiguous. `None` until [`CudaContext::add_group_major_codes`]; the GEMMs read them only
+    /// together with [`Self::group_major`].
+    pub group_major_codes: Option<CudaSlice<u32>>,
+    /// `true` when `packed` itself holds the codes group-major (the layout of
+    /// [`Self::group_major_codes`]; [`CudaContext::regroup_codes`]): only the prefill GEMMs read
+    /// such a matrix (with [`Self::group_major`]); the GEMVs, the routers and the embedding
+    /// gathers refuse it ([`Self::mlx_codes`]). For the prefill's own copies of the experts, so
+    /// that the faster layout costs no memory.
+    pub codes_group_major: bool,
 }
 
 impl DeviceQMat {
+    /// The packed codes in the MLX layout, for the kernels that read that layout.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `packed` holds the codes group-major
+    /// ([`Self::codes_group_major`]).
+    pub fn mlx_codes(&self) -> Result<&CudaSlice<u32>, CudaError> {
+        if self.codes_group_major {
+            return Err(CudaError::Unsupported(format!(
+                "a [{}, {}] matrix whose codes are group-major (a prefill GEMM copy) given to a kernel that reads the MLX layout",
+                self.rows, self.cols
+            )));
+        }
+        Ok(&self.packed)
+    }
+
     /// Bytes the GEMV must read from memory: packed codes, scales and biases.
     pub fn stored_bytes(&self) -> usize {
         self.packed.len() * 4 + (self.scales.len() + self.biases.len()) * 2
@@ -411,7 +438,7 @@ impl L2Prefetch {
     /// Adds a quantized matrix (codes, scales, biases: three regions); `false` when they do
     /// not all fit (then none is added).
     pub fn push_qmat(&mut self, cx: &CudaContext, m: &DeviceQMat) -> bool {
-        if 4 - self.len() < 3 {
+        if 4 - self.len() < 3 || m.codes_group_major {
             return false;
         }
         let st = cx.stream();
@@ -736,6 +763,8 @@ impl CudaContext {
             biases: self.stream.clone_htod(biases)?,
             staged: None,
             group_major: None,
+            group_major_codes: None,
+            codes_group_major: false,
         })
     }
 
@@ -883,7 +912,7 @@ impl CudaContext {
         let mut b = self.stream.launch_builder(f);
         match staged {
             Some(st) => b.arg(out).arg(st),
-            None => b.arg(out).arg(&mat.packed),
+            None => b.arg(out).arg(mat.mlx_codes()?),
         };
         b
             .arg(&mat.scales)
@@ -921,7 +950,7 @@ impl CudaContext {
         }
         let mut b = self.stream.launch_builder(f);
         b.arg(out)
-            .arg(&mat.packed)
+            .arg(mat.mlx_codes()?)
             .arg(&mat.scales)
             .arg(&mat.biases)
             .arg(x);
@@ -1077,10 +1106,10 @@ impl CudaContext {
         let mut b = self.stream.launch_builder(f);
         b.arg(xa)
             .arg(xb)
-            .arg(&wa.packed)
+            .arg(wa.mlx_codes()?)
             .arg(&wa.scales)
             .arg(&wa.biases)
-            .arg(&wb.packed)
+            .arg(wb.mlx_codes()?)
             .arg(&wb.scales)
             .arg(&wb.biases)
             .arg(&copies_i)
@@ -1105,6 +1134,7 @@ impl CudaContext {
         x: &CudaView<'_, f32>,
         resid_len: Option<usize>,
     ) -> Result<(&CudaFunction, LaunchConfig, i32, i32), CudaError> {
+        mat.mlx_codes()?;
         if out_len != mat.rows
             || x.len() != mat.cols
             || resid_len.is_some_and(|n| n != mat.rows)
@@ -1316,6 +1346,66 @@ impl CudaContext {
         // shapes), `out` rows * cols/64 u32; the kernel's grid-stride loop stays below that.
         unsafe { b.launch(cfg) }?;
         w.group_major = Some(out);
+        Ok(())
+    }
+
+    /// Adds the group-major copy of `w`'s packed codes ([`DeviceQMat::group_major_codes`]),
+    /// which the prefill GEMMs read together with the group-major scales
+    /// ([`Self::add_group_major`]) when [`Self::gemm_group_major`] is on: `[cols/64, rows,
+    /// 2·bits]` u32, so a K tile's rows are one contiguous run. Costs the codes' size again
+    /// (for measurement: `cuda_selftest --only gemm`). One launch on [`Self::stream`],
+    /// asynchronous; the same results.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `w` already has the copy or is too large for the
+    /// kernel's i32 arguments; [`CudaError::Driver`] on allocation or launch.
+    #[doc(hidden)]
+    pub fn add_group_major_codes(&self, w: &mut DeviceQMat) -> Result<(), CudaError> {
+        if w.group_major_codes.is_some() || w.codes_group_major {
+            return Err(CudaError::Unsupported("add_group_major_codes: the matrix's codes are group-major already".into()));
+        }
+        let groups = w.cols / QUANT_GROUP;
+        let wpg = 2 * w.bits.bits() as usize;
+        let n = w.packed.len();
+        debug_assert_eq!(n, w.rows * groups * wpg);
+        let (rows, gi, wi) = match (i32::try_from(w.rows), i32::try_from(groups), i32::try_from(wpg)) {
+            (Ok(r), Ok(g), Ok(x)) => (r, g, x),
+            _ => return Err(CudaError::Unsupported(format!("add_group_major_codes: a [{}, {}] matrix is too large for i32 sizes", w.rows, w.cols))),
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let mut out = self.stream.alloc_zeros::<u32>(n)?;
+        let blocks = n.div_ceil(256).min(65_535) as u32;
+        let mut b = self.stream.launch_builder(self.func("qmat_pack_group_major")?);
+        b.arg(&w.packed).arg(&mut out).arg(&rows).arg(&gi).arg(&wi);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: packed holds rows · groups · wpg words (upload_qmat validated the shape), `out`
+        // as many; the kernel's grid-stride loop stays below that.
+        unsafe { b.launch(cfg) }?;
+        w.group_major_codes = Some(out);
+        Ok(())
+    }
+
+    /// Rewrites `w`'s codes group-major in place ([`DeviceQMat::codes_group_major`]): the
+    /// layout of [`Self::add_group_major_codes`] without keeping the MLX copy, so only the
+    /// prefill GEMMs can read `w` afterwards (they then read it group-major whatever
+    /// [`Self::set_gemm_group_major`] says). `w` must have its group-major scales
+    /// ([`Self::add_group_major`]). Peak memory: the codes twice, briefly (the old buffer is
+    /// freed once the copy is queued; the stream orders its reuse).
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] without the group-major scales, when the codes are
+    /// group-major already, or as [`Self::add_group_major_codes`]; driver errors.
+    pub fn regroup_codes(&self, w: &mut DeviceQMat) -> Result<(), CudaError> {
+        if w.group_major.is_none() {
+            return Err(CudaError::Unsupported("regroup_codes: the matrix has no group-major scales (add_group_major first)".into()));
+        }
+        self.add_group_major_codes(w)?;
+        if let Some(codes) = w.group_major_codes.take() {
+            w.packed = codes;
+        }
+        w.codes_group_major = true;
         Ok(())
     }
 

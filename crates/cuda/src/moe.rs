@@ -984,7 +984,7 @@ impl CudaContext {
         let mut b = self.stream().launch_builder(self.func(&name)?);
         match staged {
             Some(st) => b.arg(out).arg(st),
-            None => b.arg(out).arg(&mat.packed),
+            None => b.arg(out).arg(mat.mlx_codes()?),
         };
         b.arg(&mat.scales)
             .arg(&mat.biases)

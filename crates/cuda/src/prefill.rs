@@ -87,9 +87,11 @@ impl PrefillMoe {
             ])?,
             shared_down: cx.upload_qmat(qref(name("shared_expert.down_proj"), &m.shared.down)?)?,
         };
-        // the GEMMs' coalesced scale/bias copies (not the router's: its kernels read the MLX layout)
+        // the GEMMs' coalesced scale/bias copies and their codes group-major in place (these
+        // copies serve the prefill GEMMs only); not the router's: its kernels read the MLX layout
         for w in [&mut pm.gate_up, &mut pm.down, &mut pm.shared_gate_up, &mut pm.shared_down] {
             cx.add_group_major(w)?;
+            cx.regroup_codes(w)?;
         }
         Ok(pm)
     }
@@ -208,9 +210,11 @@ impl Prefiller {
     }
 
     /// Lets the prefill's GEMMs, on `cx` and on the shared expert's stream, read the
-    /// group-major scales and biases where a matrix has them (`true`, the default) or the MLX
-    /// layout (`false`): the same bits; for measurement (`calla cuda-bench --prefill-compare`).
-    /// `cx` must be the context the prefill runs on.
+    /// group-major codes, scales and biases where a matrix has copies of them (`true`, the
+    /// default: the dense projections) or the MLX layout (`false`): the same bits; for
+    /// measurement (`calla cuda-bench --prefill-compare`). The experts' prefill copies hold
+    /// their codes group-major in place and read that layout either way. `cx` must be the
+    /// context the prefill runs on.
     #[doc(hidden)]
     pub fn set_group_major_scales(&self, cx: &CudaContext, on: bool) {
         cx.set_gemm_group_major(on);
@@ -493,7 +497,7 @@ impl CudaContext {
     unsafe fn launch_router(&self, f: &CudaFunction, cfg: LaunchConfig, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
         let st = self.stream();
         let (py, _g0) = y.device_ptr_mut(st);
-        let (pp, _g1) = w.packed.device_ptr(st);
+        let (pp, _g1) = w.mlx_codes()?.device_ptr(st);
         let (ps, _g2) = w.scales.device_ptr(st);
         let (pb, _g3) = w.biases.device_ptr(st);
         let (pu, _g4) = u.device_ptr(st);
@@ -607,7 +611,7 @@ fn embed_rows(cx: &CudaContext, x: &mut CudaSlice<f32>, embed: &DeviceQMat, ids:
     })?;
     let st = cx.stream();
     let (px, _gx) = x.device_ptr_mut(st);
-    let (pp, _g1) = embed.packed.device_ptr(st);
+    let (pp, _g1) = embed.mlx_codes()?.device_ptr(st);
     let (ps, _g2) = embed.scales.device_ptr(st);
     let (pb, _g3) = embed.biases.device_ptr(st);
     let (pi, _g4) = ids.device_ptr(st);

@@ -73,7 +73,7 @@ impl CudaContext {
         };
         let mut b = self.stream().launch_builder(f);
         b.arg(x)
-            .arg(&embed.packed)
+            .arg(embed.mlx_codes()?)
             .arg(&embed.scales)
             .arg(&embed.biases)
             .arg(ids)

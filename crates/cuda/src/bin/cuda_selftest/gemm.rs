@@ -444,6 +444,10 @@ fn dense(s: &mut Suite) {
         let m = hq.r();
         let mut dm = cx.upload_qmat(m).unwrap();
         cx.add_group_major(&mut dm).unwrap();
+        // the same matrix with its codes group-major too
+        let mut dmc = cx.upload_qmat(m).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
         let emw = emul_weights(m);
         let out_cols = if case.epi == Epi::SwiGlu { n / 2 } else { n };
         for &t in case.ts {
@@ -467,21 +471,31 @@ fn dense(s: &mut Suite) {
             let (ex, em) = (finish(&ex), finish(&em));
             let xd = cx.upload_f32(&x).unwrap();
             let rd = cx.upload_f32(&res).unwrap();
-            // (variant, group-major scales and biases)
-            let mut variants = vec![(None, true)];
+            // (variant, group-major scales and biases, group-major codes)
+            let mut variants = vec![(None, true, false)];
             if t == 7 || t == 300 {
-                variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), true)));
-                variants.push((None, false));
+                variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), true, false)));
+                variants.push((None, false, false));
+                variants.push((None, true, true));
+                variants.push((Some(ALL_VARIANTS[0]), true, true));
             }
-            let mut default_out: Option<Vec<f32>> = None; // (None, true)'s output
-            for (v, gm) in variants {
+            let mut default_out: Option<Vec<f32>> = None; // (None, true, false)'s output
+            for (v, gm, codes) in variants {
                 cx.set_gemm_group_major(gm);
                 scratch.force = v;
                 let mut yd = guarded(cx, t * out_cols);
                 let rv = rd.slice(..);
-                run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dm, &xd.slice(..), Some(&rv), case.epi, t);
+                let w = if codes { &dmc } else { &dm };
+                run_dense(cx, &mut scratch, &mut yd, t * out_cols, w, &xd.slice(..), Some(&rv), case.epi, t);
                 let got = cx.download_f32(&yd).unwrap();
-                let label = format!("q{} {} [{n}x{k}] T={t} {}{}", case.bits, case.label, vname(v), sb_suffix(cx));
+                let label = format!(
+                    "q{} {} [{n}x{k}] T={t} {}{}{}",
+                    case.bits,
+                    case.label,
+                    vname(v),
+                    sb_suffix(cx),
+                    if codes { " gm codes" } else { "" }
+                );
                 let (c1, c2) = match guards_and_finite(&got, t * out_cols) {
                     Err(e) => (failed(e.clone()), failed(e)),
                     Ok(()) => {
@@ -496,7 +510,7 @@ fn dense(s: &mut Suite) {
                 s.record(SEC, &format!("{label} vs f32"), &c1, "");
                 s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
                 // the two scale/bias layouts dequantize to the same values: the same bits
-                match (v, gm, &default_out) {
+                match (v, gm && !codes, &default_out) {
                     (None, true, _) => default_out = Some(got),
                     (None, false, Some(want)) => {
                         let c = check_bits(&got[GUARD..GUARD + t * out_cols], &want[GUARD..GUARD + t * out_cols], "outputs");
@@ -750,7 +764,8 @@ fn moe_case(
         ra_ex.extend_from_slice(&refs[ji].0);
         ra_em.extend(refs[ji].1.iter().map(|&v| f64::from(v)));
     }
-    let label = format!("moe q{bits} T={t} {}{}", vname(force), sb_suffix(cx));
+    let codes = if w.dgu.group_major_codes.is_some() || w.dgu.codes_group_major { " gm codes" } else { "" };
+    let label = format!("moe q{bits} T={t} {}{}{codes}", vname(force), sb_suffix(cx));
     let finite_act = act.iter().all(|&b| f32::from_bits(u32::from(b) << 16).is_finite());
     let c = if finite_act { check(&ga, &ra_ex, TOL_ACT_EXACT, String::new()) } else { failed("non-finite act".into()) };
     s.record(SEC, &format!("{label} act vs f32"), &c, "");
@@ -801,6 +816,23 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
             cx.set_gemm_group_major(true);
         }
     }
+    {
+        // the same experts with their codes group-major in place (as the prefill holds them):
+        // every variant at T = 300; the MLX-layout kernels refuse such a matrix
+        let mut w4c = moe_weights(cx, 4, 0x3E4);
+        cx.regroup_codes(&mut w4c.dgu).unwrap();
+        cx.regroup_codes(&mut w4c.ddn).unwrap();
+        let x1 = cx.upload_f32(&rand_f32s(p::D_MODEL, 0x3E5, 1.0)).unwrap();
+        let mut o1 = cx.stream().alloc_zeros::<f32>(w4c.dgu.rows).unwrap();
+        let refused = cx.gemv(&mut o1.slice_mut(..), &w4c.dgu, &x1.slice(..)).is_err();
+        let c = Cmp { rel: 0.0, max_over_rms: 0.0, ok: refused, msg: if refused { String::new() } else { "accepted".into() } };
+        s.record(SEC, "gemv refuses a matrix whose codes are group-major", &c, "");
+        let inp = moe_inputs(300, 0x77 ^ 300);
+        moe_case(s, &w4c, 4, 300, None, &mut scratch, &mut routing, &inp);
+        for v in ALL_VARIANTS {
+            moe_case(s, &w4c, 4, 300, Some(v), &mut scratch, &mut routing, &inp);
+        }
+    }
     let w8 = moe_weights(cx, 8, 0x3E8);
     let inp = moe_inputs(300, 0x88);
     moe_case(s, &w8, 8, 300, None, &mut scratch, &mut routing, &inp);
@@ -825,35 +857,47 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             let hq = random_qmat(n, k, bits, 0x7100 + si as u64);
             let mut dm = cx.upload_qmat(hq.r()).unwrap();
             cx.add_group_major(&mut dm).unwrap();
+            // the same matrix with its codes group-major too (timed for the 4-bit in_proj)
+            let dmc = (si == 0 && bits == 4).then(|| {
+                let mut m = cx.upload_qmat(hq.r()).unwrap();
+                cx.add_group_major(&mut m).unwrap();
+                cx.add_group_major_codes(&mut m).unwrap();
+                m
+            });
             let x = rand_x(tmax * k, 0x7200 + si as u64);
             let xd = cx.upload_f32(&x).unwrap();
             let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
             for t in [512usize, 2048, 8192] {
                 cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
-                // (variant, main loop only, group-major scales and biases)
-                let mut variants = vec![(None, false, true)];
+                // (variant, main loop only, group-major scales and biases, group-major codes)
+                let mut variants = vec![(None, false, true, false)];
                 if si == 0 && bits == 4 {
-                    variants.extend([(None, false, false), (None, true, true), (None, true, false)]);
+                    variants.extend([(None, false, false, false), (None, true, true, false), (None, true, false, false)]);
+                    variants.extend([(None, false, true, true), (None, true, true, true)]);
                     if t != 2048 {
-                        variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false, true)));
+                        variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false, true, false)));
                     }
                 } else if bits == 4 && t == 512 {
-                    variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false, true)));
+                    variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false, true, false)));
                 }
-                for (v, no_store, gm) in variants {
+                for (v, no_store, gm, codes) in variants {
                     cx.set_gemm_group_major(gm);
                     scratch.force = v;
                     scratch.bench_no_store = no_store;
+                    let w = match (&dmc, codes) {
+                        (Some(m), true) => m,
+                        _ => &dm,
+                    };
                     let per = 8usize;
                     let sec = s.time_graph(reps, || {
                         for _ in 0..per {
                             let mut yv = yd.slice_mut(..t * n);
-                            cx.qgemm_converted(&mut yv, &dm, &scratch, t, Epilogue::Store).unwrap();
+                            cx.qgemm_converted(&mut yv, w, &scratch, t, Epilogue::Store).unwrap();
                         }
                     }) / per as f64;
                     let tf = gemm_flops(t, n, k) / sec / 1e12;
                     let vn = if no_store { format!("{} (no store)", vname(v)) } else { vname(v) };
-                    let vn = format!("{vn}{}", sb_suffix(cx));
+                    let vn = format!("{vn}{}{}", sb_suffix(cx), if codes { " gm codes" } else { "" });
                     println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
                     table.push((bits, n, k, t, vn.clone(), sec, tf));
                     s.json.push((
@@ -883,6 +927,14 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
     }
 
     // ---- MoE at T = 8192
+    // the experts again with their codes group-major too (timed beside the default)
+    let codes_copy = |h: &HostQ| {
+        let mut m = cx.upload_qmat(h.r()).unwrap();
+        cx.add_group_major(&mut m).unwrap();
+        cx.add_group_major_codes(&mut m).unwrap();
+        m
+    };
+    let (gu_codes, dn_codes) = (codes_copy(&w4.gu), codes_copy(&w4.dn));
     let t = tmax;
     let (d, k, ne) = (p::D_MODEL, p::TOP_K, p::N_EXPERTS);
     let mut routing = cx.moe_routing(t).unwrap();
@@ -921,30 +973,33 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
         let f_dn = gemm_flops(t * k, d, p::D_EXPERT);
         println!("{SEC:<10} MoE T={t} {scen} routing (entries per expert {mn}..{mx}): route {:.1} us", t_route * 1e6);
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
-        // (variant, group-major scales and biases)
-        for (v, gm) in [
-            (None, true),
-            (None, false),
-            (Some(ALL_VARIANTS[0]), true),
-            (Some(ALL_VARIANTS[1]), true),
-            (Some(ALL_VARIANTS[3]), true),
+        // (variant, group-major scales and biases, group-major codes)
+        for (v, gm, codes) in [
+            (None, true, false),
+            (None, false, false),
+            (None, true, true),
+            (Some(ALL_VARIANTS[0]), true, false),
+            (Some(ALL_VARIANTS[1]), true, false),
+            (Some(ALL_VARIANTS[3]), true, false),
+            (Some(ALL_VARIANTS[3]), true, true),
         ] {
             cx.set_gemm_group_major(gm);
             routing.force = v;
-            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4.dgu, &scratch, &mut routing, t).unwrap());
+            let (gu, dn) = if codes { (&gu_codes, &dn_codes) } else { (&w4.dgu, &w4.ddn) };
+            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(gu, &scratch, &mut routing, t).unwrap());
             let b = s.time_graph(reps, || {
                 let mut ov = out.slice_mut(..t * d);
-                cx.moe_down_grouped(&mut ov, &w4.ddn, &mut routing, &hd.slice(..t * d), &s_out.slice(..t * d), t).unwrap()
+                cx.moe_down_grouped(&mut ov, dn, &mut routing, &hd.slice(..t * d), &s_out.slice(..t * d), t).unwrap()
             });
             println!(
                 "{SEC:<10}   {:<12} gate_up grouped {:>7.1} us ({:>5.1} TFLOP/s eff.), down grouped + combine {:>7.1} us ({:>5.1} TFLOP/s eff.)",
-                format!("{}{}", vname(v), sb_suffix(cx)),
+                format!("{}{}{}", vname(v), sb_suffix(cx), if codes { " gm codes" } else { "" }),
                 a * 1e6,
                 f_gu / a / 1e12,
                 b * 1e6,
                 f_dn / b / 1e12
             );
-            if v.is_none() && gm {
+            if v.is_none() && gm && !codes {
                 (t_gu, t_dn) = (a, b);
             }
         }
