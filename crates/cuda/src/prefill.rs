@@ -21,8 +21,10 @@
 //! The grouped expert GEMMs read the experts in the [`DeviceQMat`] layout, while the decode
 //! kernels read them in [`crate::moe::DeviceMoe`]'s own layout, so today the routed experts are
 //! held twice on the device (about 2 × 17 GB at 4 bits for the full model; the H200 has 141 GB).
-//! The prefill's copy also has its scales and biases a second time, group-major
-//! ([`CudaContext::add_group_major`]; ~1/8 of the 4-bit codes' bytes again, about 2 GB).
+//! The prefill's copy holds its codes group-major in place ([`CudaContext::regroup_codes`]: a
+//! K tile's rows contiguous, so only the GEMMs can read it) and its scales and biases a second
+//! time, group-major ([`CudaContext::add_group_major`]; ~1/8 of the 4-bit codes' bytes again,
+//! about 2 GB).
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use model::load::Weights;
@@ -38,10 +40,11 @@ use crate::attention::ATTN_PROJ;
 use crate::{CudaContext, CudaError, DeviceQMat};
 
 /// One layer's MoE weights in the layout of the grouped GEMMs. The expert and shared-expert
-/// matrices carry a group-major copy of their scales and biases ([`DeviceQMat::group_major`],
-/// [`CudaContext::add_group_major`]), which the GEMMs read when
-/// [`CudaContext::set_gemm_group_major`] is on: one more u32 per 64 weights, ~1/8 of the 4-bit
-/// codes' bytes again. The router has none (the router kernels read the MLX layout).
+/// matrices hold their codes group-major in place ([`DeviceQMat::codes_group_major`],
+/// [`CudaContext::regroup_codes`]: readable by the GEMMs only) and a group-major copy of their
+/// scales and biases ([`DeviceQMat::group_major`], [`CudaContext::add_group_major`]: one more
+/// u32 per 64 weights, ~1/8 of the 4-bit codes' bytes again). The router keeps the MLX layout
+/// (the router kernels read it).
 pub struct PrefillMoe {
     /// `[N_EXPERTS + 1, D_MODEL]`: router rows, then the shared-expert gate row.
     pub router: DeviceQMat,
