@@ -641,7 +641,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 for (j, (overlap, f32_router, gm_scales)) in cases.into_iter().enumerate() {
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
-                    pf.set_group_major_scales(&cx, gm_scales);
+                    pf.set_group_major_copies(&cx, gm_scales);
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
@@ -653,7 +653,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             }
             pf.overlap_shared_expert = true;
             pf.router_f32 = router_f32;
-            pf.set_group_major_scales(&cx, group_major);
+            pf.set_group_major_copies(&cx, group_major);
             let [on, off, other, layout] = ms.each_mut().map(|v| median(v));
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
@@ -665,7 +665,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
-            row[if group_major { "mlx_scales_ms" } else { "group_major_scales_ms" }] = serde_json::json!(layout);
+            row[if group_major { "dense_mlx_layout_ms" } else { "dense_group_major_ms" }] = serde_json::json!(layout);
             prefill_compare.push(row);
         }
     }

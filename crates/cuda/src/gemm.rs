@@ -4,7 +4,10 @@
 //! section "Prefill GEMM").
 //!
 //! All products are `Y[t, n] = Σ_k X[t, k]·W[n, k]` with `W` a [`DeviceQMat`] (`[N, K]`, MLX
-//! layout as uploaded by [`CudaContext::upload_qmat`]), `X` `[T, K]` f32 row-major and `Y`
+//! layout as uploaded by [`CudaContext::upload_qmat`], read through its group-major copies of
+//! the scales, biases and codes where it has them: [`CudaContext::add_group_major`],
+//! [`CudaContext::add_group_major_codes`], [`CudaContext::regroup_codes`]), `X` `[T, K]` f32
+//! row-major and `Y`
 //! `[T, N]` f32 row-major (`Lin(W, u) = u·Wᵀ`, MODEL.md §3.1). Inside, the activations are
 //! rounded to bf16 once per GEMM ([`CudaContext::convert_acts`]), the weights are dequantized to
 //! bf16 (`scale·q + bias`, one rounding) and the products accumulate in f32 on the tensor
@@ -276,7 +279,7 @@ impl CudaContext {
     /// layout (`false`; a matrix whose codes are group-major in place,
     /// [`DeviceQMat::codes_group_major`], reads group-major either way). The same bits: for measuring
     /// both in one process (`cuda_selftest --only gemm`, `calla cuda-bench --prefill-compare`
-    /// through [`crate::prefill::Prefiller::set_group_major_scales`]). A
+    /// through [`crate::prefill::Prefiller::set_group_major_copies`]). A
     /// [`CudaContext::sibling`] copies the setting when it is made and has its own afterwards.
     /// It applies to GEMMs launched afterwards; a graph captured earlier keeps what it captured
     /// (the decode step's graphs hold no GEMM of this file, so they are not captured again).
@@ -541,6 +544,7 @@ impl CudaContext {
             (false, Some(c), true) => (c, 1i32),
             (false, _, _) => (&w.packed, 0i32),
         };
+        check_i32("codes words", codes.len())?; // the kernel indexes them with int offsets
         let (pp, _g1) = codes.device_ptr(stream);
         let sbt_rows = check_i32("w.rows", w.rows)?;
         let n_rows = check_i32("n_rows", a.n_rows)?;
@@ -697,9 +701,13 @@ impl CudaContext {
         Ok(())
     }
 
-    /// Grouped GEMMs by the entries an expert averages: big tiles from 128 (at T = 8192 on the
-    /// H200 big and tall tie with uniform routing and big is 11% faster with skewed routing),
-    /// tall (64-entry tiles, less padding per expert) from 28, narrow (32-entry tiles) below.
+    /// Grouped GEMMs by the entries an expert averages: big tiles from 512 (not reached by
+    /// chunks of up to 8,192 tokens), tall (64-entry tiles, less padding per expert) from 28,
+    /// narrow (32-entry tiles) below. At T = 8192 (256 per expert) on the H200 with the
+    /// group-major scales and codes (session 22, `cuda_selftest --only gemm`), gate/up + down
+    /// take 1,362 µs on tall against 1,447 on big with uniform routing and 1,273 against 1,280
+    /// with skewed routing, so tall serves there too (big was chosen from 128 before, when
+    /// it tied on uniform routing and was 11% faster skewed).
     /// With the group-major scales (session 22; `cuda_selftest --only gemm`, uniform routing,
     /// docs/CUDA.md): at T = 512 (16 per expert) narrow takes gate/up 163 µs and down + combine
     /// 106 against tall's 195 and 119; at T = 768 (24) 181 and 120 against 194 and 128; at
@@ -708,7 +716,7 @@ impl CudaContext {
     fn choose_grouped(&self, t: usize) -> GemmVariant {
         let per_expert = t * p::TOP_K / p::N_EXPERTS;
         let tile = match per_expert {
-            128.. => GemmTile::Big,
+            512.. => GemmTile::Big,
             28.. => GemmTile::Tall,
             _ => GemmTile::Narrow,
         };

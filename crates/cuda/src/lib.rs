@@ -337,7 +337,8 @@ pub enum CudaError {
     Unsupported(String),
 }
 
-/// A quantized matrix `[rows, cols]` in device memory, MLX layout (see `quant::QMatRef`).
+/// A quantized matrix `[rows, cols]` in device memory, MLX layout (see `quant::QMatRef`)
+/// unless [`Self::codes_group_major`] says the codes were regrouped for the prefill GEMMs.
 /// Scales and biases are kept as raw bf16 bits.
 pub struct DeviceQMat {
     /// Output features.
@@ -436,7 +437,8 @@ impl L2Prefetch {
     }
 
     /// Adds a quantized matrix (codes, scales, biases: three regions); `false` when they do
-    /// not all fit (then none is added).
+    /// not all fit or the codes are group-major ([`DeviceQMat::codes_group_major`]; then none
+    /// is added).
     pub fn push_qmat(&mut self, cx: &CudaContext, m: &DeviceQMat) -> bool {
         if 4 - self.len() < 3 || m.codes_group_major {
             return false;
@@ -1352,14 +1354,15 @@ impl CudaContext {
     /// Adds the group-major copy of `w`'s packed codes ([`DeviceQMat::group_major_codes`]),
     /// which the prefill GEMMs read together with the group-major scales
     /// ([`Self::add_group_major`]) when [`Self::gemm_group_major`] is on: `[cols/64, rows,
-    /// 2·bits]` u32, so a K tile's rows are one contiguous run. Costs the codes' size again
-    /// (for measurement: `cuda_selftest --only gemm`). One launch on [`Self::stream`],
-    /// asynchronous; the same results.
+    /// 2·bits]` u32, so a K tile's rows' codes are contiguous. Costs the codes' size again
+    /// (`CudaModel::upload` gives the dense projections, which the decode GEMVs read in the MLX
+    /// layout, this copy: ~0.7 GB for the full model with their scales). One launch on
+    /// [`Self::stream`], asynchronous; the same results.
     ///
     /// # Errors
-    /// [`CudaError::Unsupported`] when `w` already has the copy or is too large for the
-    /// kernel's i32 arguments; [`CudaError::Driver`] on allocation or launch.
-    #[doc(hidden)]
+    /// [`CudaError::Unsupported`] when `w`'s codes are group-major already (a copy or in
+    /// place) or `w` is too large for the kernel's i32 arguments; [`CudaError::Driver`] on
+    /// allocation or launch.
     pub fn add_group_major_codes(&self, w: &mut DeviceQMat) -> Result<(), CudaError> {
         if w.group_major_codes.is_some() || w.codes_group_major {
             return Err(CudaError::Unsupported("add_group_major_codes: the matrix's codes are group-major already".into()));
@@ -1392,7 +1395,8 @@ impl CudaContext {
     /// prefill GEMMs can read `w` afterwards (they then read it group-major whatever
     /// [`Self::set_gemm_group_major`] says). `w` must have its group-major scales
     /// ([`Self::add_group_major`]). Peak memory: the codes twice, briefly (the old buffer is
-    /// freed once the copy is queued; the stream orders its reuse).
+    /// freed once the copy is queued: its free is ordered after the copy on [`Self::stream`];
+    /// should `w`'s buffer belong to another stream, this waits for the copy first).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] without the group-major scales, when the codes are
@@ -1403,6 +1407,11 @@ impl CudaContext {
         }
         self.add_group_major_codes(w)?;
         if let Some(codes) = w.group_major_codes.take() {
+            // the old buffer is freed on its own stream, without waiting for the copy queued
+            // on this one: the same stream orders them, another one must wait
+            if !Arc::ptr_eq(w.packed.stream(), &self.stream) {
+                self.stream.synchronize()?;
+            }
             w.packed = codes;
         }
         w.codes_group_major = true;

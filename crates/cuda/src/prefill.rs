@@ -219,7 +219,7 @@ impl Prefiller {
     /// their codes group-major in place and read that layout either way. `cx` must be the
     /// context the prefill runs on.
     #[doc(hidden)]
-    pub fn set_group_major_scales(&self, cx: &CudaContext, on: bool) {
+    pub fn set_group_major_copies(&self, cx: &CudaContext, on: bool) {
         cx.set_gemm_group_major(on);
         self.side.cx.set_gemm_group_major(on);
     }
