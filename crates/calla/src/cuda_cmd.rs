@@ -631,17 +631,18 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let group_major = cx.gemm_group_major();
             for round in 0..6 {
                 // as configured; the shared expert on the main stream; the other router; the
-                // GEMMs' scales from the other layout
+                // dense projections' GEMMs on the other layout (their group-major copies used
+                // or not)
                 let cases = [
                     (true, router_f32, group_major),
                     (false, router_f32, group_major),
                     (true, !router_f32, group_major),
                     (true, router_f32, !group_major),
                 ];
-                for (j, (overlap, f32_router, gm_scales)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies)) in cases.into_iter().enumerate() {
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
-                    pf.set_group_major_copies(&cx, gm_scales);
+                    pf.set_group_major_copies(&cx, gm_copies);
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
