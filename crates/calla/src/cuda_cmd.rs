@@ -88,6 +88,20 @@ impl PrefillRouter {
     const DEFAULT: PrefillRouter = if cuda::prefill::ROUTER_F32_DEFAULT { PrefillRouter::F32 } else { PrefillRouter::Digits };
 }
 
+/// The prefill GEMMs' main loop (`--gemm-main-loop`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum GemmMainLoop {
+    /// A block barrier per K tile (`cuda::gemm::GemmEngine::Wgmma`).
+    Barrier,
+    /// mbarriers per ring stage (`cuda::gemm::GemmEngine::WgmmaMbar`).
+    Mbarrier,
+}
+
+impl GemmMainLoop {
+    /// The library's default (`cuda::gemm::GEMM_MBARRIER_DEFAULT`).
+    const DEFAULT: GemmMainLoop = if cuda::gemm::GEMM_MBARRIER_DEFAULT { GemmMainLoop::Mbarrier } else { GemmMainLoop::Barrier };
+}
+
 /// Arguments of `calla cuda-bench`.
 #[derive(Args)]
 pub struct CudaBenchArgs {
@@ -195,6 +209,10 @@ pub struct CudaBenchArgs {
     /// the tensor cores); the default is `cuda::prefill::ROUTER_F32_DEFAULT`'s.
     #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
     prefill_router: PrefillRouter,
+    /// The prefill GEMMs' main loop: a block barrier per K tile or mbarriers per ring stage (the
+    /// same bits); the default is `cuda::gemm::GEMM_MBARRIER_DEFAULT`'s.
+    #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
+    gemm_main_loop: GemmMainLoop,
     /// Also time decode (first decode context) with the input projections launched as
     /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
     /// each entry in turn, between two rows as configured, in this process.
@@ -300,6 +318,10 @@ pub struct CudaCheckArgs {
     /// `cuda-bench --prefill-router`).
     #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
     prefill_router: PrefillRouter,
+    /// The prefill GEMMs' main loop: a block barrier per K tile or mbarriers per ring stage (the
+    /// same bits); the default is `cuda::gemm::GEMM_MBARRIER_DEFAULT`'s.
+    #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
+    gemm_main_loop: GemmMainLoop,
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
@@ -601,6 +623,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
     cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
+    cuda::gemm::set_default_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
+    cx.set_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -626,23 +650,26 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let router_f32 = pf.router_f32;
             let group_major = cx.gemm_group_major();
+            let mbarrier = cx.gemm_mbarrier();
             for round in 0..6 {
                 // as configured; the shared expert on the main stream; the other router; the
                 // dense projections' GEMMs on the other layout (their group-major copies used
-                // or not)
+                // or not); the GEMMs on the other main loop
                 let cases = [
-                    (true, router_f32, group_major),
-                    (false, router_f32, group_major),
-                    (true, !router_f32, group_major),
-                    (true, router_f32, !group_major),
+                    (true, router_f32, group_major, mbarrier),
+                    (false, router_f32, group_major, mbarrier),
+                    (true, !router_f32, group_major, mbarrier),
+                    (true, router_f32, !group_major, mbarrier),
+                    (true, router_f32, group_major, !mbarrier),
                 ];
-                for (j, (overlap, f32_router, gm_copies)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, mbar)) in cases.into_iter().enumerate() {
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
                     pf.set_group_major_copies(&cx, gm_copies);
+                    pf.set_gemm_mbarrier(&cx, mbar);
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
@@ -655,18 +682,22 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.overlap_shared_expert = true;
             pf.router_f32 = router_f32;
             pf.set_group_major_copies(&cx, group_major);
-            let [on, off, other, layout] = ms.each_mut().map(|v| median(v));
+            pf.set_gemm_mbarrier(&cx, mbarrier);
+            let [on, off, other, layout, main_loop] = ms.each_mut().map(|v| median(v));
+            let loop_name = if mbarrier { "GEMMs with a block barrier per K tile" } else { "GEMMs with mbarriers" };
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
                 100.0 * (other / on - 1.0),
-                100.0 * (layout / on - 1.0)
+                100.0 * (layout / on - 1.0),
+                100.0 * (main_loop / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
             row[if group_major { "dense_mlx_layout_ms" } else { "dense_group_major_ms" }] = serde_json::json!(layout);
+            row[if mbarrier { "gemm_barrier_ms" } else { "gemm_mbarrier_ms" }] = serde_json::json!(main_loop);
             prefill_compare.push(row);
         }
     }
@@ -1063,6 +1094,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
     out["prefill_router"] = serde_json::json!(format!("{:?}", a.prefill_router));
+    out["gemm_main_loop"] = serde_json::json!(format!("{:?}", a.gemm_main_loop));
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1163,6 +1195,8 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     sess.set_gdn_in_step(a.gdn_in_step);
     // the engine's accelerator below creates its own prefiller: the same router for both
     cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
+    cuda::gemm::set_default_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
+    cx.set_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

@@ -89,6 +89,15 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// One arrival on mbarrier m once every cp.async this thread issued so far has landed (counts as
+// one of the phase's expected arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* m) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(calla_smem_u32(m)) : "memory");
+}
+// One arrival on mbarrier m (release, CTA scope).
+__device__ __forceinline__ void mbar_arrive(unsigned long long* m) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(calla_smem_u32(m)) : "memory");
+}
 // Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to
 // the async proxy (wgmma operand reads).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -230,7 +239,7 @@ struct Cfg {
     static_assert(BN * (BM / 2) * 2 <= STAGES * STAGE, "MoE epilogue staging must fit the ring");
 };
 
-template <int BITS, int MS, int BN, bool WG>
+template <int BITS, int MS, int BN, bool WG, bool WS>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
                                            const u16* __restrict__ biases, const u32* __restrict__ sbt,
                                            int sbt_rows, int pk_gm, const u16* __restrict__ xb, float* y,
@@ -242,6 +251,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ int s_wrow[C::BM];
     __shared__ int s_xrow[BN];
     __shared__ int s_orow[BN];
+    // WS: tile t is in stage t % STAGES once bar_full's phase t / STAGES completes (every thread
+    // arrives when its copies have landed); the stage is free again once bar_empty's phase
+    // completes (one arrival per warp after its MMAs on it have finished)
+    __shared__ alignas(8) unsigned long long bar_full[WS ? C::STAGES : 1], bar_empty[WS ? C::STAGES : 1];
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
@@ -290,6 +303,14 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         }
         s_xrow[i] = xr;
         s_orow[i] = orow;
+    }
+    if constexpr (WS) {
+        if (tid == 0) {
+            for (int i = 0; i < C::STAGES; ++i) {
+                calla_mbar_init(&bar_full[i], THREADS);
+                calla_mbar_init(&bar_empty[i], THREADS / 32);
+            }
+        }
     }
     __syncthreads();
 
@@ -451,24 +472,20 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
         for (int i = 0; i < 4; ++i) A0[s][i] = A1[s][i] = 0u;
 
-    // Ring: tile t lives in stage t % C::STAGES; tiles t+1 .. t+C::STAGES-3 are in flight while t is
-    // consumed. The stage refilled at tile t held tile t-2, whose MMAs every thread has waited
-    // for (wgmma.wait_group 1 at the end of tile t-1) before the barrier of tile t.
+    if constexpr (WS) {
+        // Main loop without a block barrier per K tile (the "mb" entry points): every thread
+        // still makes its copies of the ring, then arrives on bar_full of the stage once they
+        // land (cp.async.mbarrier.arrive); a warp waits there for its tile and arrives on
+        // bar_empty of a stage once its MMAs on it are done; a stage is refilled only once all
+        // 8 warps are done with it. So the warps of a block drift up to about a tile and a half
+        // apart instead of meeting at every tile, and no thread waits for its own in-flight
+        // copies of later tiles. (As CUTLASS's cp.async warp-specialized mainloops, no proxy
+        // fence between the cp.async writes, completed through the mbarrier, and the MMAs.)
 #pragma unroll
-    for (int p = 0; p < C::STAGES - 2; ++p) {
-        if (p < KT) load_tile(p, p);
-        cp_async_commit();
-    }
-    auto begin_tile = [&](int t) {
-        cp_async_wait<C::STAGES - 3>();
-        fence_proxy_async();
-        __syncthreads();
-        const int tn = t + C::STAGES - 2;
-        if (tn < KT) load_tile(tn, tn % C::STAGES);
-        cp_async_commit();
-    };
-
-    if constexpr (WG) {
+        for (int p = 0; p < C::STAGES - 2; ++p) {
+            if (p < KT) load_tile(p, p);
+            cp_async_mbar_arrive(&bar_full[p]);
+        }
         auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
             const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
             wgmma_fence();
@@ -476,61 +493,116 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
             wgmma_commit();
         };
-        if constexpr (MS == 2) {
-            for (int t = 0; t < KT; ++t) {
-                begin_tile(t);
-                const int st = t % C::STAGES;
-                dequant(st, t, 0, A0);
-                issue(st, 0, A0);
-                wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
-                keep_alive(A1);
-                dequant(st, t, 1, A1);
-                issue(st, 1, A1);
-                wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
-                keep_alive(A0);
+        for (int t = 0; t < KT; ++t) {
+            // refill: tile t + STAGES - 2 into the stage of tile t - 2, once every warp is done with it
+            const int tn = t + C::STAGES - 2;
+            if (tn < KT) {
+                const int sn = tn % C::STAGES;
+                if (t >= 2) calla_mbar_wait_parity(&bar_empty[sn], (unsigned)((t - 2) / C::STAGES) & 1u);
+                load_tile(tn, sn);
+                cp_async_mbar_arrive(&bar_full[sn]);
             }
-        } else {
-            for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
-                begin_tile(t);
-                dequant(t % C::STAGES, t, 0, A0);
-                issue(t % C::STAGES, 0, A0);
-                wgmma_wait<1>();
-                keep_alive(A1);
-                begin_tile(t + 1);
-                dequant((t + 1) % C::STAGES, t + 1, 0, A1);
-                issue((t + 1) % C::STAGES, 0, A1);
-                wgmma_wait<1>();
-                keep_alive(A0);
+            const int st = t % C::STAGES;
+            calla_mbar_wait_parity(&bar_full[st], (unsigned)(t / C::STAGES) & 1u);
+            dequant(st, t, 0, A0);
+            issue(st, 0, A0);
+            wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 and the stage of tile t-1 are free
+            keep_alive(A1);
+            if (t > 0) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&bar_empty[(t - 1) % C::STAGES]);
             }
+            dequant(st, t, 1, A1);
+            issue(st, 1, A1);
+            wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
+            keep_alive(A0);
         }
         wgmma_wait<0>();
         keep_alive(A0);
         keep_alive(A1);
+        __syncthreads();  // the ring is reused below (every copy has landed: all tiles waited for)
     } else {
-        const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: matrix and row this lane addresses
-        for (int t = 0; t < KT; ++t) {
-            begin_tile(t);
-            const int st = t % C::STAGES;
-            dequant(st, t, 0, A0);
-            if constexpr (MS == 2) dequant(st, t, 1, A1);
-            const u32 xs = sbase + st * C::STAGE;
+        // Ring: tile t lives in stage t % C::STAGES; tiles t+1 .. t+C::STAGES-3 are in flight while t is
+        // consumed. The stage refilled at tile t held tile t-2, whose MMAs every thread has waited
+        // for (wgmma.wait_group 1 at the end of tile t-1) before the barrier of tile t.
 #pragma unroll
-            for (int j = 0; j < C::NJ; ++j) {
-                const u32 ra = xs + (j * 8 + rr) * 128;
-                u32 b[2][4];
-                ldmatrix_x4(b[0], ra + ((mi ^ rr) << 4));        // chunks 0-3: k-steps 0, 1
-                ldmatrix_x4(b[1], ra + (((4 + mi) ^ rr) << 4));  // chunks 4-7: k-steps 2, 3
+        for (int p = 0; p < C::STAGES - 2; ++p) {
+            if (p < KT) load_tile(p, p);
+            cp_async_commit();
+        }
+        auto begin_tile = [&](int t) {
+            cp_async_wait<C::STAGES - 3>();
+            fence_proxy_async();
+            __syncthreads();
+            const int tn = t + C::STAGES - 2;
+            if (tn < KT) load_tile(tn, tn % C::STAGES);
+            cp_async_commit();
+        };
+
+        if constexpr (WG) {
+            auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
+                const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
+                wgmma_fence();
 #pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    const u32 b0 = b[s >> 1][(s & 1) * 2], b1 = b[s >> 1][(s & 1) * 2 + 1];
-                    mma_bf16(&acc[0][4 * j], A0[s], b0, b1);
-                    if constexpr (MS == 2) mma_bf16(&acc[1][4 * j], A1[s], b0, b1);
+                for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
+                wgmma_commit();
+            };
+            if constexpr (MS == 2) {
+                for (int t = 0; t < KT; ++t) {
+                    begin_tile(t);
+                    const int st = t % C::STAGES;
+                    dequant(st, t, 0, A0);
+                    issue(st, 0, A0);
+                    wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
+                    keep_alive(A1);
+                    dequant(st, t, 1, A1);
+                    issue(st, 1, A1);
+                    wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
+                    keep_alive(A0);
+                }
+            } else {
+                for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
+                    begin_tile(t);
+                    dequant(t % C::STAGES, t, 0, A0);
+                    issue(t % C::STAGES, 0, A0);
+                    wgmma_wait<1>();
+                    keep_alive(A1);
+                    begin_tile(t + 1);
+                    dequant((t + 1) % C::STAGES, t + 1, 0, A1);
+                    issue((t + 1) % C::STAGES, 0, A1);
+                    wgmma_wait<1>();
+                    keep_alive(A0);
+                }
+            }
+            wgmma_wait<0>();
+            keep_alive(A0);
+            keep_alive(A1);
+        } else {
+            const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: matrix and row this lane addresses
+            for (int t = 0; t < KT; ++t) {
+                begin_tile(t);
+                const int st = t % C::STAGES;
+                dequant(st, t, 0, A0);
+                if constexpr (MS == 2) dequant(st, t, 1, A1);
+                const u32 xs = sbase + st * C::STAGE;
+#pragma unroll
+                for (int j = 0; j < C::NJ; ++j) {
+                    const u32 ra = xs + (j * 8 + rr) * 128;
+                    u32 b[2][4];
+                    ldmatrix_x4(b[0], ra + ((mi ^ rr) << 4));        // chunks 0-3: k-steps 0, 1
+                    ldmatrix_x4(b[1], ra + (((4 + mi) ^ rr) << 4));  // chunks 4-7: k-steps 2, 3
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) {
+                        const u32 b0 = b[s >> 1][(s & 1) * 2], b1 = b[s >> 1][(s & 1) * 2 + 1];
+                        mma_bf16(&acc[0][4 * j], A0[s], b0, b1);
+                        if constexpr (MS == 2) mma_bf16(&acc[1][4 * j], A1[s], b0, b1);
+                    }
                 }
             }
         }
+        cp_async_wait<0>();  // only empty groups remain; the ring is reused below
+        __syncthreads();
     }
-    cp_async_wait<0>();  // only empty groups remain; the ring is reused below
-    __syncthreads();
 
     // ---- epilogues
     if (mode == MODE_MOE_GATE_UP) {
@@ -609,33 +681,40 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
 // products that average few entries per expert) x (engine)
-#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, MINB)                                                      \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                  \
+#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, WS, MINB)                                                  \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
              const unsigned* sbt, int sbt_rows, int pk_gm, const unsigned short* xb, float* y,                \
              const float* res, unsigned short* act, const int* sorted, const int* offsets,                   \
              const int* tile_offs, int n_rows, int k, int t, int mode, int ldy, int topk) {                  \
-        calla_qgemm::qgemm_body<BITS, MS, BN, WG>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res,  \
-                                                  act, sorted, offsets, tile_offs, n_rows, k, t, mode, ldy,  \
-                                                  topk);                                                     \
+        calla_qgemm::qgemm_body<BITS, MS, BN, WG, WS>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res, \
+                                                      act, sorted, offsets, tile_offs, n_rows, k, t, mode, ldy, \
+                                                      topk);                                                 \
     }
 
-CALLA_QGEMM_ENTRY(qgemm_q4_big_wg, 4, 2, 128, true, 1)
-CALLA_QGEMM_ENTRY(qgemm_q4_tall_wg, 4, 2, 64, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q4_small_wg, 4, 1, 64, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_big_wg, 8, 2, 128, true, 1)
-CALLA_QGEMM_ENTRY(qgemm_q8_tall_wg, 8, 2, 64, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_small_wg, 8, 1, 64, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q4_big_mma, 4, 2, 128, false, 1)
-CALLA_QGEMM_ENTRY(qgemm_q4_tall_mma, 4, 2, 64, false, 2)
-CALLA_QGEMM_ENTRY(qgemm_q4_small_mma, 4, 1, 64, false, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_big_mma, 8, 2, 128, false, 1)
-CALLA_QGEMM_ENTRY(qgemm_q8_tall_mma, 8, 2, 64, false, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_small_mma, 8, 1, 64, false, 2)
-CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_big_wg, 4, 2, 128, true, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_tall_wg, 4, 2, 64, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_small_wg, 4, 1, 64, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_big_wg, 8, 2, 128, true, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_tall_wg, 8, 2, 64, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_small_wg, 8, 1, 64, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_big_mma, 4, 2, 128, false, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_tall_mma, 4, 2, 64, false, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_small_mma, 4, 1, 64, false, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_big_mma, 8, 2, 128, false, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_tall_mma, 8, 2, 64, false, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_small_mma, 8, 1, 64, false, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, false, 2)
+// mbarriers instead of a block barrier per K tile (the two-slice tiles only)
+CALLA_QGEMM_ENTRY(qgemm_q4_big_mb, 4, 2, 128, true, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_tall_mb, 4, 2, 64, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mb, 4, 2, 32, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_big_mb, 8, 2, 128, true, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_tall_mb, 8, 2, 64, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mb, 8, 2, 32, true, true, 2)
 
 // The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
 // [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.

@@ -47,6 +47,26 @@ pub const MAX_K: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
 /// Entries per chunk of the expert sort (`SORT_CHUNK` in `gemm.cu`).
 const SORT_CHUNK: usize = 256;
+/// Whether automatically chosen GEMM variants take the mbarrier main loop
+/// ([`GemmEngine::WgmmaMbar`]) in contexts created from now on, unless
+/// [`set_default_gemm_mbarrier`] says otherwise.
+pub const GEMM_MBARRIER_DEFAULT: bool = false;
+
+static DEFAULT_GEMM_MBARRIER: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(GEMM_MBARRIER_DEFAULT);
+
+/// The GEMM main loop every [`CudaContext`] created afterwards starts with
+/// ([`CudaContext::set_gemm_mbarrier`]). Process-wide, so that the engine's accelerator and a
+/// tool's own context agree (`calla cuda-check --gemm-main-loop`).
+pub fn set_default_gemm_mbarrier(on: bool) {
+    DEFAULT_GEMM_MBARRIER.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// See [`set_default_gemm_mbarrier`].
+pub fn default_gemm_mbarrier() -> bool {
+    DEFAULT_GEMM_MBARRIER.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Threads per GEMM block.
 const THREADS: u32 = 256;
 
@@ -57,6 +77,11 @@ pub enum GemmEngine {
     Wgmma,
     /// `mma.sync.m16n8k16` (warp MMA, B through `ldmatrix`): the fallback.
     MmaSync,
+    /// `wgmma` as [`GemmEngine::Wgmma`], with mbarriers in place of the block barrier per K tile
+    /// (`gemm.cu`, the `_mb` entry points): the warps of a block wait only for their tile's
+    /// copies and free a ring stage once their MMAs on it are done. The two-slice tiles only
+    /// (big, tall, narrow; not [`GemmTile::Small`]).
+    WgmmaMbar,
 }
 
 /// Block tile of a GEMM launch.
@@ -222,8 +247,14 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
         match v.engine {
             GemmEngine::Wgmma => "wg",
             GemmEngine::MmaSync => "mma",
+            GemmEngine::WgmmaMbar => "mb",
         }
     )
+}
+
+/// Whether `gemm.cu` has an entry point for `v` (the mbarrier engine has no small tile).
+fn has_entry(v: GemmVariant) -> bool {
+    !(v.engine == GemmEngine::WgmmaMbar && v.tile == GemmTile::Small)
 }
 
 /// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
@@ -294,13 +325,43 @@ impl CudaContext {
         self.gemm_group_major.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the automatic choice of a GEMM's variant ([`GemmScratch::force`] /
+    /// [`MoeRouting::force`] `None`) take the mbarrier main loop ([`GemmEngine::WgmmaMbar`],
+    /// `true`) or the block barrier per K tile ([`GemmEngine::Wgmma`], `false`) for the tiles
+    /// that have both; the same bits either way (the same products in the same order). For
+    /// measuring both in one process (`cuda_selftest --only gemm`, `calla cuda-bench
+    /// --prefill-compare`). A [`CudaContext::sibling`] copies the setting when it is made.
+    #[doc(hidden)]
+    pub fn set_gemm_mbarrier(&self, on: bool) {
+        self.gemm_mbarrier.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_mbarrier`].
+    #[doc(hidden)]
+    pub fn gemm_mbarrier(&self) -> bool {
+        self.gemm_mbarrier.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The engine for an automatically chosen `tile` ([`Self::set_gemm_mbarrier`]).
+    fn auto_engine(&self, tile: GemmTile) -> GemmEngine {
+        let v = GemmVariant { engine: GemmEngine::WgmmaMbar, tile };
+        if self.gemm_mbarrier() && has_entry(v) {
+            GemmEngine::WgmmaMbar
+        } else {
+            GemmEngine::Wgmma
+        }
+    }
+
     /// Sets the dynamic shared-memory limit of every GEMM entry point (done by the scratch
     /// constructors).
     fn prepare_gemm(&self) -> Result<(), CudaError> {
         self.raw().bind_to_thread()?;
         for bits in [Bits::B4, Bits::B8] {
             for tile in GemmTile::ALL {
-                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync] {
+                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaMbar] {
+                    if !has_entry(GemmVariant { engine, tile }) {
+                        continue;
+                    }
                     let f = self.func(&entry_name(bits, GemmVariant { engine, tile }))?;
                     f.set_attribute(
                         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -514,10 +575,13 @@ impl CudaContext {
             (GemmTile::Small, cost(GemmTile::Small, 2, 0.76)),
         ];
         let tile = options.iter().min_by(|a, b| a.1.total_cmp(&b.1)).map(|o| o.0).unwrap_or(GemmTile::Big);
-        GemmVariant { engine: GemmEngine::Wgmma, tile }
+        GemmVariant { engine: self.auto_engine(tile), tile }
     }
 
     fn launch_gemm(&self, w: &DeviceQMat, v: GemmVariant, a: &GemmArgs) -> Result<(), CudaError> {
+        if !has_entry(v) {
+            return Err(unsupported(format!("GEMM variant {v:?}: the mbarrier engine has no small tile")));
+        }
         if a.grid.1 > 65_535 {
             return Err(unsupported(format!("GEMM grid of {} token tiles (at most 65535)", a.grid.1)));
         }
@@ -720,7 +784,7 @@ impl CudaContext {
             28.. => GemmTile::Tall,
             _ => GemmTile::Narrow,
         };
-        GemmVariant { engine: GemmEngine::Wgmma, tile }
+        GemmVariant { engine: self.auto_engine(tile), tile }
     }
 
     /// Grouped expert gate/up GEMM with SwiGLU: for every expert `e` and every entry

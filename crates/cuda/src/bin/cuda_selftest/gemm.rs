@@ -80,7 +80,9 @@ const GDN_PROJ: usize = 2 * p::N_K_HEADS * p::D_K + 2 * p::N_V_HEADS * p::D_V + 
 const ATTN_PROJ: usize = 2 * p::N_Q_HEADS * p::HEAD_DIM + 2 * p::N_KV_HEADS * p::HEAD_DIM;
 const ATTN_OUT: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
-const ALL_VARIANTS: [GemmVariant; 8] = [
+/// Every variant: [0..8] the block-barrier wgmma and the mma.sync engines, [8..11] the mbarrier
+/// main loop (`GemmEngine::WgmmaMbar`: big, tall, narrow).
+const ALL_VARIANTS: [GemmVariant; 11] = [
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Big },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Small },
@@ -89,7 +91,12 @@ const ALL_VARIANTS: [GemmVariant; 8] = [
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Small },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Narrow },
+    GemmVariant { engine: GemmEngine::WgmmaMbar, tile: GemmTile::Big },
+    GemmVariant { engine: GemmEngine::WgmmaMbar, tile: GemmTile::Tall },
+    GemmVariant { engine: GemmEngine::WgmmaMbar, tile: GemmTile::Narrow },
 ];
+/// The mbarrier variants.
+const MBAR_VARIANTS: [GemmVariant; 3] = [ALL_VARIANTS[8], ALL_VARIANTS[9], ALL_VARIANTS[10]];
 
 fn vname(v: Option<GemmVariant>) -> String {
     match v {
@@ -99,6 +106,7 @@ fn vname(v: Option<GemmVariant>) -> String {
             match v.engine {
                 GemmEngine::Wgmma => "wgmma",
                 GemmEngine::MmaSync => "mma",
+                GemmEngine::WgmmaMbar => "wgmma-mb",
             },
             match v.tile {
                 GemmTile::Big => "big",
@@ -480,6 +488,8 @@ fn dense(s: &mut Suite) {
                 variants.push((Some(ALL_VARIANTS[0]), true, true));
             }
             let mut default_out: Option<Vec<f32>> = None; // (None, true, false)'s output
+            // the block-barrier wgmma outputs by tile, which the mbarrier main loop must equal
+            let mut wg_out: Vec<(GemmTile, Vec<f32>)> = Vec::new();
             for (v, gm, codes) in variants {
                 cx.set_gemm_group_major(gm);
                 scratch.force = v;
@@ -509,6 +519,22 @@ fn dense(s: &mut Suite) {
                 };
                 s.record(SEC, &format!("{label} vs f32"), &c1, "");
                 s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
+                // the mbarrier main loop computes the same products in the same order: the same bits
+                if let (Some(v), true, false) = (v, gm, codes) {
+                    match v.engine {
+                        GemmEngine::Wgmma => wg_out.push((v.tile, got.clone())),
+                        GemmEngine::WgmmaMbar => {
+                            let c = match wg_out.iter().find(|(tile, _)| *tile == v.tile) {
+                                Some((_, want)) => {
+                                    check_bits(&got[GUARD..GUARD + t * out_cols], &want[GUARD..GUARD + t * out_cols], "outputs")
+                                }
+                                None => failed("no block-barrier output of this tile to compare with".into()),
+                            };
+                            s.record(SEC, &format!("{label} = block-barrier wgmma, bit for bit"), &c, "");
+                        }
+                        GemmEngine::MmaSync => {}
+                    }
+                }
                 // the two scale/bias layouts dequantize to the same values: the same bits
                 match (v, gm && !codes, &default_out) {
                     (None, true, _) => default_out = Some(got),
@@ -837,11 +863,11 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
     let mut w8 = moe_weights(cx, 8, 0x3E8);
     let inp = moe_inputs(300, 0x88);
     moe_case(s, &w8, 8, 300, None, &mut scratch, &mut routing, &inp);
-    // the 8-bit experts regrouped in place, as the prefill holds them: both engines, the
-    // tall tiles (which spill a little at 8 bits) and mma narrow
+    // the 8-bit experts regrouped in place, as the prefill holds them: every engine's tall tile
+    // (which spills a little at 8 bits) and mma narrow
     cx.regroup_codes(&mut w8.dgu).unwrap();
     cx.regroup_codes(&mut w8.ddn).unwrap();
-    for v in [None, Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[5]), Some(ALL_VARIANTS[7])] {
+    for v in [None, Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[5]), Some(ALL_VARIANTS[7]), Some(ALL_VARIANTS[9])] {
         moe_case(s, &w8, 8, 300, v, &mut scratch, &mut routing, &inp);
     }
     drop(w8);
@@ -884,6 +910,10 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     variants.extend([(None, false, true, true), (None, true, true, true)]);
                     if t != 2048 {
                         variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false, true, false)));
+                    }
+                    // both main loops on the group-major codes the prefill reads
+                    for v in [ALL_VARIANTS[0], ALL_VARIANTS[1], MBAR_VARIANTS[0], MBAR_VARIANTS[1]] {
+                        variants.push((Some(v), false, true, true));
                     }
                 } else if bits == 4 && t == 512 {
                     variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false, true, false)));
@@ -992,6 +1022,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             (Some(ALL_VARIANTS[0]), true, true),
             (Some(ALL_VARIANTS[1]), true, true),
             (Some(ALL_VARIANTS[3]), true, true),
+            (Some(MBAR_VARIANTS[0]), true, true),
+            (Some(MBAR_VARIANTS[1]), true, true),
+            (Some(MBAR_VARIANTS[2]), true, true),
         ] {
             cx.set_gemm_group_major(gm);
             routing.force = v;
