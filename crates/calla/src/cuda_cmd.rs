@@ -91,15 +91,15 @@ impl PrefillRouter {
 /// The prefill GEMMs' main loop (`--gemm-main-loop`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum GemmMainLoop {
-    /// A block barrier per K tile (`cuda::gemm::GemmEngine::Wgmma`).
-    Barrier,
-    /// mbarriers per ring stage (`cuda::gemm::GemmEngine::WgmmaMbar`).
-    Mbarrier,
+    /// The plain wgmma loop (`cuda::gemm::GemmEngine::Wgmma`).
+    Plain,
+    /// The same in fewer instructions per K tile (`cuda::gemm::GemmEngine::WgmmaLean`).
+    Lean,
 }
 
 impl GemmMainLoop {
-    /// The library's default (`cuda::gemm::GEMM_MBARRIER_DEFAULT`).
-    const DEFAULT: GemmMainLoop = if cuda::gemm::GEMM_MBARRIER_DEFAULT { GemmMainLoop::Mbarrier } else { GemmMainLoop::Barrier };
+    /// The library's default (`cuda::gemm::GEMM_LEAN_DEFAULT`).
+    const DEFAULT: GemmMainLoop = if cuda::gemm::GEMM_LEAN_DEFAULT { GemmMainLoop::Lean } else { GemmMainLoop::Plain };
 }
 
 /// Arguments of `calla cuda-bench`.
@@ -209,8 +209,7 @@ pub struct CudaBenchArgs {
     /// the tensor cores); the default is `cuda::prefill::ROUTER_F32_DEFAULT`'s.
     #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
     prefill_router: PrefillRouter,
-    /// The prefill GEMMs' main loop: a block barrier per K tile or mbarriers per ring stage (the
-    /// same bits); the default is `cuda::gemm::GEMM_MBARRIER_DEFAULT`'s.
+    /// The prefill GEMMs' main loop: plain or lean (the same bits); the default is `cuda::gemm::GEMM_LEAN_DEFAULT`'s.
     #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
     gemm_main_loop: GemmMainLoop,
     /// Also time decode (first decode context) with the input projections launched as
@@ -318,8 +317,7 @@ pub struct CudaCheckArgs {
     /// `cuda-bench --prefill-router`).
     #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
     prefill_router: PrefillRouter,
-    /// The prefill GEMMs' main loop: a block barrier per K tile or mbarriers per ring stage (the
-    /// same bits); the default is `cuda::gemm::GEMM_MBARRIER_DEFAULT`'s.
+    /// The prefill GEMMs' main loop: plain or lean (the same bits); the default is `cuda::gemm::GEMM_LEAN_DEFAULT`'s.
     #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
     gemm_main_loop: GemmMainLoop,
     /// Capture the decode step with programmatic dependent launch.
@@ -623,8 +621,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
     cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
-    cuda::gemm::set_default_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
-    cx.set_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
+    cuda::gemm::set_default_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
+    cx.set_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -653,23 +651,23 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let router_f32 = pf.router_f32;
             let group_major = cx.gemm_group_major();
-            let mbarrier = cx.gemm_mbarrier();
+            let lean = cx.gemm_lean();
             for round in 0..6 {
                 // as configured; the shared expert on the main stream; the other router; the
                 // dense projections' GEMMs on the other layout (their group-major copies used
                 // or not); the GEMMs on the other main loop
                 let cases = [
-                    (true, router_f32, group_major, mbarrier),
-                    (false, router_f32, group_major, mbarrier),
-                    (true, !router_f32, group_major, mbarrier),
-                    (true, router_f32, !group_major, mbarrier),
-                    (true, router_f32, group_major, !mbarrier),
+                    (true, router_f32, group_major, lean),
+                    (false, router_f32, group_major, lean),
+                    (true, !router_f32, group_major, lean),
+                    (true, router_f32, !group_major, lean),
+                    (true, router_f32, group_major, !lean),
                 ];
-                for (j, (overlap, f32_router, gm_copies, mbar)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, lean_loop)) in cases.into_iter().enumerate() {
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
                     pf.set_group_major_copies(&cx, gm_copies);
-                    pf.set_gemm_mbarrier(&cx, mbar);
+                    pf.set_gemm_lean(&cx, lean_loop);
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
@@ -682,9 +680,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.overlap_shared_expert = true;
             pf.router_f32 = router_f32;
             pf.set_group_major_copies(&cx, group_major);
-            pf.set_gemm_mbarrier(&cx, mbarrier);
+            pf.set_gemm_lean(&cx, lean);
             let [on, off, other, layout, main_loop] = ms.each_mut().map(|v| median(v));
-            let loop_name = if mbarrier { "GEMMs with a block barrier per K tile" } else { "GEMMs with mbarriers" };
+            let loop_name = if lean { "GEMMs on the plain loop" } else { "GEMMs on the lean loop" };
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
@@ -697,7 +695,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
             row[if group_major { "dense_mlx_layout_ms" } else { "dense_group_major_ms" }] = serde_json::json!(layout);
-            row[if mbarrier { "gemm_barrier_ms" } else { "gemm_mbarrier_ms" }] = serde_json::json!(main_loop);
+            row[if lean { "gemm_plain_ms" } else { "gemm_lean_ms" }] = serde_json::json!(main_loop);
             prefill_compare.push(row);
         }
     }
@@ -1195,8 +1193,8 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     sess.set_gdn_in_step(a.gdn_in_step);
     // the engine's accelerator below creates its own prefiller: the same router for both
     cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
-    cuda::gemm::set_default_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
-    cx.set_gemm_mbarrier(a.gemm_main_loop == GemmMainLoop::Mbarrier);
+    cuda::gemm::set_default_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
+    cx.set_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

@@ -89,15 +89,6 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// One arrival on mbarrier m once every cp.async this thread issued so far has landed (counts as
-// one of the phase's expected arrivals).
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* m) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(calla_smem_u32(m)) : "memory");
-}
-// One arrival on mbarrier m (release, CTA scope).
-__device__ __forceinline__ void mbar_arrive(unsigned long long* m) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(calla_smem_u32(m)) : "memory");
-}
 // Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to
 // the async proxy (wgmma operand reads).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -131,6 +122,13 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ u32 deq4(u32 v, u32 s2, u32 b2) {
     const u32 t = (v & 0x000F000Fu) | 0x43004300u;            // bf16 (128 + q) in both halves
     const u32 q = fma_bf16x2(t, 0x3F803F80u, 0xC300C300u);    // (128 + q) * 1 - 128 = q, exact
+    return fma_bf16x2(q, s2, b2);
+}
+// The same with the mask and the exponent bits in one LOP3 ((v & 0x000F000F) | 0x43004300).
+__device__ __forceinline__ u32 deq4_lop3(u32 v, u32 s2, u32 b2) {
+    u32 t;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
+    const u32 q = fma_bf16x2(t, 0x3F803F80u, 0xC300C300u);
     return fma_bf16x2(q, s2, b2);
 }
 // 8-bit: byte S of word -> f32 scale*q + bias; bq = bias - 32768*scale.
@@ -239,7 +237,7 @@ struct Cfg {
     static_assert(BN * (BM / 2) * 2 <= STAGES * STAGE, "MoE epilogue staging must fit the ring");
 };
 
-template <int BITS, int MS, int BN, bool WG, bool WS>
+template <int BITS, int MS, int BN, bool WG, bool LEAN>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
                                            const u16* __restrict__ biases, const u32* __restrict__ sbt,
                                            int sbt_rows, int pk_gm, const u16* __restrict__ xb, float* y,
@@ -251,10 +249,6 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ int s_wrow[C::BM];
     __shared__ int s_xrow[BN];
     __shared__ int s_orow[BN];
-    // WS: tile t is in stage t % STAGES once bar_full's phase t / STAGES completes (every thread
-    // arrives when its copies have landed); the stage is free again once bar_empty's phase
-    // completes (one arrival per warp after its MMAs on it have finished)
-    __shared__ alignas(8) unsigned long long bar_full[WS ? C::STAGES : 1], bar_empty[WS ? C::STAGES : 1];
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
@@ -303,14 +297,6 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         }
         s_xrow[i] = xr;
         s_orow[i] = orow;
-    }
-    if constexpr (WS) {
-        if (tid == 0) {
-            for (int i = 0; i < C::STAGES; ++i) {
-                calla_mbar_init(&bar_full[i], THREADS);
-                calla_mbar_init(&bar_empty[i], THREADS / 32);
-            }
-        }
     }
     __syncthreads();
 
@@ -399,7 +385,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         // biases C::SB later), group t's value in half t&1. Group-major: one word per row,
         // scale in the low half, bias in the high half.
         u32 s0, b0, s1, b1;
-        if (gm) {
+        if (LEAN || gm) {
             const u32 p0 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r0 * 4);
             const u32 p1 = *reinterpret_cast<const u32*>(st + C::XB + C::WB + r1 * 4);
             if constexpr (BITS == 4) {
@@ -437,10 +423,17 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             const uint2 w1 = *reinterpret_cast<const uint2*>(st + C::XB + r1 * C::RB + c * 8);
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
-                A[s][0] = deq4(w0.x >> (4 * s), s0, b0);
-                A[s][1] = deq4(w1.x >> (4 * s), s1, b1);
-                A[s][2] = deq4(w0.y >> (4 * s), s0, b0);
-                A[s][3] = deq4(w1.y >> (4 * s), s1, b1);
+                if constexpr (LEAN) {
+                    A[s][0] = deq4_lop3(w0.x >> (4 * s), s0, b0);
+                    A[s][1] = deq4_lop3(w1.x >> (4 * s), s1, b1);
+                    A[s][2] = deq4_lop3(w0.y >> (4 * s), s0, b0);
+                    A[s][3] = deq4_lop3(w1.y >> (4 * s), s1, b1);
+                } else {
+                    A[s][0] = deq4(w0.x >> (4 * s), s0, b0);
+                    A[s][1] = deq4(w1.x >> (4 * s), s1, b1);
+                    A[s][2] = deq4(w0.y >> (4 * s), s0, b0);
+                    A[s][3] = deq4(w1.y >> (4 * s), s1, b1);
+                }
             }
         } else {
             const float fs0 = __uint_as_float(s0), fb0 = __uint_as_float(b0);
@@ -472,55 +465,98 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
         for (int i = 0; i < 4; ++i) A0[s][i] = A1[s][i] = 0u;
 
-    if constexpr (WS) {
-        // Main loop without a block barrier per K tile (the "mb" entry points): every thread
-        // still makes its copies of the ring, then arrives on bar_full of the stage once they
-        // land (cp.async.mbarrier.arrive); a warp waits there for its tile and arrives on
-        // bar_empty of a stage once its MMAs on it are done; a stage is refilled only once all
-        // 8 warps are done with it. So the warps of a block drift up to about a tile and a half
-        // apart instead of meeting at every tile, and no thread waits for its own in-flight
-        // copies of later tiles. (As CUTLASS's cp.async warp-specialized mainloops, no proxy
-        // fence between the cp.async writes, completed through the mbarrier, and the MMAs.)
+    if constexpr (LEAN) {
+        // The same ring, barriers and MMAs as the loop below, in fewer instructions per K tile
+        // (the "lean" entry points; group-major scales only): every copy's source is a 32-bit
+        // element offset fixed per thread plus a per-tile step that is the same for the whole
+        // block (one IMAD.WIDE.U32 per address instead of a sign-extended 64-bit sum), the
+        // destinations of a thread's copies are one register plus constants, the ring stages
+        // advance by increments instead of t % STAGES, and the dequantization masks and biases
+        // each nibble pair in one LOP3 (deq4_lop3).
+        static_assert(THREADS % PIECES == 0 && C::BM <= THREADS, "lean copy layout");
+        u32 xo[C::XPT], xs[C::XPT], wo[C::WPT];
+        // thread tid's copy v: X row tid/8 + 32v (its 16-byte chunk and swizzle do not depend
+        // on v), W row tid/PIECES + v·THREADS/PIECES (the same piece)
+        const u32 xd = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
+        const u32 wd = C::XB + (tid / PIECES) * C::RB + (tid % PIECES) * 16;
+#pragma unroll
+        for (int v = 0; v < C::XPT; ++v) {
+            const int xr = s_xrow[(tid >> 3) + 32 * v];
+            xo[v] = (u32)max(xr, 0) * (u32)K + (u32)((tid & 7) * 8);
+            xs[v] = xr >= 0 ? 16u : 0u;  // zero-fill the rows past the end
+        }
+#pragma unroll
+        for (int v = 0; v < C::WPT; ++v)
+            wo[v] = (u32)s_wrow[tid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((tid % PIECES) * 4);
+        // one (scale, bias) word per row of the tile: threads tid < BM, one copy each
+        const bool has_s = C::BM >= THREADS || tid < C::BM;
+        const u32 so = has_s ? (u32)s_wrow[tid] : 0u;
+        const u32 sd = C::XB + C::WB + tid * 4;
+        const u32 wstep_u = (u32)wstep, sstep = (u32)sbt_rows;
+        auto load = [&](int t, u32 st) {
+            const u32 tx = (u32)t * KTILE, tw = (u32)t * wstep_u, ts = (u32)t * sstep;
+#pragma unroll
+            for (int v = 0; v < C::XPT; ++v) cp_async16(st + xd + v * 32 * 128, xb + (xo[v] + tx), (int)xs[v]);
+#pragma unroll
+            for (int v = 0; v < C::WPT; ++v) cp_async16(st + wd + v * (THREADS / PIECES) * C::RB, packed + (wo[v] + tw), 16);
+            if (has_s) cp_async4(st + sd, sbt + (so + ts));
+        };
 #pragma unroll
         for (int p = 0; p < C::STAGES - 2; ++p) {
-            if (p < KT) load_tile(p, p);
-            cp_async_mbar_arrive(&bar_full[p]);
+            if (p < KT) load(p, sbase + p * C::STAGE);
+            cp_async_commit();
         }
-        auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
-            const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
+        auto issue = [&](u32 st, int m, const u32 (&A)[4][4]) {
+            const u64 desc = DESC_SW128 | (u64)((st >> 4) & 0x3FFFu);
             wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
             wgmma_commit();
         };
-        for (int t = 0; t < KT; ++t) {
-            // refill: tile t + STAGES - 2 into the stage of tile t - 2, once every warp is done with it
-            const int tn = t + C::STAGES - 2;
-            if (tn < KT) {
-                const int sn = tn % C::STAGES;
-                if (t >= 2) calla_mbar_wait_parity(&bar_empty[sn], (unsigned)((t - 2) / C::STAGES) & 1u);
-                load_tile(tn, sn);
-                cp_async_mbar_arrive(&bar_full[sn]);
+        int rs = 0, ls = C::STAGES - 2;  // stages of tile t and of tile t + STAGES - 2
+        auto begin = [&](int t) {
+            cp_async_wait<C::STAGES - 3>();
+            fence_proxy_async();
+            __syncthreads();
+            if (t + C::STAGES - 2 < KT) load(t + C::STAGES - 2, sbase + ls * C::STAGE);
+            cp_async_commit();
+            ls = ls + 1 == C::STAGES ? 0 : ls + 1;
+        };
+        auto next = [&]() { rs = rs + 1 == C::STAGES ? 0 : rs + 1; };
+        if constexpr (MS == 2) {
+            for (int t = 0; t < KT; ++t) {
+                begin(t);
+                dequant(rs, t, 0, A0);
+                issue(sbase + rs * C::STAGE, 0, A0);
+                wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
+                keep_alive(A1);
+                dequant(rs, t, 1, A1);
+                issue(sbase + rs * C::STAGE, 1, A1);
+                wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
+                keep_alive(A0);
+                next();
             }
-            const int st = t % C::STAGES;
-            calla_mbar_wait_parity(&bar_full[st], (unsigned)(t / C::STAGES) & 1u);
-            dequant(st, t, 0, A0);
-            issue(st, 0, A0);
-            wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 and the stage of tile t-1 are free
-            keep_alive(A1);
-            if (t > 0) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&bar_empty[(t - 1) % C::STAGES]);
+        } else {
+            for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
+                begin(t);
+                dequant(rs, t, 0, A0);
+                issue(sbase + rs * C::STAGE, 0, A0);
+                wgmma_wait<1>();  // tile t-1 done: A1 is free
+                keep_alive(A1);
+                next();
+                begin(t + 1);
+                dequant(rs, t + 1, 0, A1);
+                issue(sbase + rs * C::STAGE, 0, A1);
+                wgmma_wait<1>();  // tile t done: A0 is free
+                keep_alive(A0);
+                next();
             }
-            dequant(st, t, 1, A1);
-            issue(st, 1, A1);
-            wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
-            keep_alive(A0);
         }
         wgmma_wait<0>();
         keep_alive(A0);
         keep_alive(A1);
-        __syncthreads();  // the ring is reused below (every copy has landed: all tiles waited for)
+        cp_async_wait<0>();  // only empty groups remain; the ring is reused below
+        __syncthreads();
     } else {
         // Ring: tile t lives in stage t % C::STAGES; tiles t+1 .. t+C::STAGES-3 are in flight while t is
         // consumed. The stage refilled at tile t held tile t-2, whose MMAs every thread has waited
@@ -681,13 +717,13 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
 // products that average few entries per expert) x (engine)
-#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, WS, MINB)                                                  \
+#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, LEAN, MINB)                                                  \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
              const unsigned* sbt, int sbt_rows, int pk_gm, const unsigned short* xb, float* y,                \
              const float* res, unsigned short* act, const int* sorted, const int* offsets,                   \
              const int* tile_offs, int n_rows, int k, int t, int mode, int ldy, int topk) {                  \
-        calla_qgemm::qgemm_body<BITS, MS, BN, WG, WS>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res, \
+        calla_qgemm::qgemm_body<BITS, MS, BN, WG, LEAN>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res, \
                                                       act, sorted, offsets, tile_offs, n_rows, k, t, mode, ldy, \
                                                       topk);                                                 \
     }
@@ -708,13 +744,15 @@ CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, false, 2)
-// mbarriers instead of a block barrier per K tile (the two-slice tiles only)
-CALLA_QGEMM_ENTRY(qgemm_q4_big_mb, 4, 2, 128, true, true, 1)
-CALLA_QGEMM_ENTRY(qgemm_q4_tall_mb, 4, 2, 64, true, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mb, 4, 2, 32, true, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_big_mb, 8, 2, 128, true, true, 1)
-CALLA_QGEMM_ENTRY(qgemm_q8_tall_mb, 8, 2, 64, true, true, 2)
-CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mb, 8, 2, 32, true, true, 2)
+// the lean main loop (group-major scales only)
+CALLA_QGEMM_ENTRY(qgemm_q4_big_ln, 4, 2, 128, true, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_tall_ln, 4, 2, 64, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_small_ln, 4, 1, 64, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_small_ln, 8, 1, 64, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln, 4, 2, 32, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_big_ln, 8, 2, 128, true, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_tall_ln, 8, 2, 64, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_narrow_ln, 8, 2, 32, true, true, 2)
 
 // The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
 // [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.

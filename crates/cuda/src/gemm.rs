@@ -47,24 +47,24 @@ pub const MAX_K: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
 /// Entries per chunk of the expert sort (`SORT_CHUNK` in `gemm.cu`).
 const SORT_CHUNK: usize = 256;
-/// Whether automatically chosen GEMM variants take the mbarrier main loop
-/// ([`GemmEngine::WgmmaMbar`]) in contexts created from now on, unless
-/// [`set_default_gemm_mbarrier`] says otherwise.
-pub const GEMM_MBARRIER_DEFAULT: bool = false;
+/// Whether automatically chosen GEMM variants take the lean main loop
+/// ([`GemmEngine::WgmmaLean`]) in contexts created from now on, unless
+/// [`set_default_gemm_lean`] says otherwise.
+pub const GEMM_LEAN_DEFAULT: bool = true;
 
-static DEFAULT_GEMM_MBARRIER: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(GEMM_MBARRIER_DEFAULT);
+static DEFAULT_GEMM_LEAN: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(GEMM_LEAN_DEFAULT);
 
 /// The GEMM main loop every [`CudaContext`] created afterwards starts with
-/// ([`CudaContext::set_gemm_mbarrier`]). Process-wide, so that the engine's accelerator and a
+/// ([`CudaContext::set_gemm_lean`]). Process-wide, so that the engine's accelerator and a
 /// tool's own context agree (`calla cuda-check --gemm-main-loop`).
-pub fn set_default_gemm_mbarrier(on: bool) {
-    DEFAULT_GEMM_MBARRIER.store(on, std::sync::atomic::Ordering::Relaxed);
+pub fn set_default_gemm_lean(on: bool) {
+    DEFAULT_GEMM_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// See [`set_default_gemm_mbarrier`].
-pub fn default_gemm_mbarrier() -> bool {
-    DEFAULT_GEMM_MBARRIER.load(std::sync::atomic::Ordering::Relaxed)
+/// See [`set_default_gemm_lean`].
+pub fn default_gemm_lean() -> bool {
+    DEFAULT_GEMM_LEAN.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Threads per GEMM block.
@@ -77,11 +77,12 @@ pub enum GemmEngine {
     Wgmma,
     /// `mma.sync.m16n8k16` (warp MMA, B through `ldmatrix`): the fallback.
     MmaSync,
-    /// `wgmma` as [`GemmEngine::Wgmma`], with mbarriers in place of the block barrier per K tile
-    /// (`gemm.cu`, the `_mb` entry points): the warps of a block wait only for their tile's
-    /// copies and free a ring stage once their MMAs on it are done. The two-slice tiles only
-    /// (big, tall, narrow; not [`GemmTile::Small`]).
-    WgmmaMbar,
+    /// `wgmma` as [`GemmEngine::Wgmma`] (the same ring, barriers, MMAs and bits) in fewer
+    /// instructions per K tile (`gemm.cu`, the `_ln` entry points): copy addresses from fixed
+    /// 32-bit offsets, ring stages by increments, one LOP3 per dequantized nibble pair. Only
+    /// for matrices with group-major scales ([`DeviceQMat::group_major`]; otherwise the launch
+    /// runs [`GemmEngine::Wgmma`]).
+    WgmmaLean,
 }
 
 /// Block tile of a GEMM launch.
@@ -247,15 +248,11 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
         match v.engine {
             GemmEngine::Wgmma => "wg",
             GemmEngine::MmaSync => "mma",
-            GemmEngine::WgmmaMbar => "mb",
+            GemmEngine::WgmmaLean => "ln",
         }
     )
 }
 
-/// Whether `gemm.cu` has an entry point for `v` (the mbarrier engine has no small tile).
-fn has_entry(v: GemmVariant) -> bool {
-    !(v.engine == GemmEngine::WgmmaMbar && v.tile == GemmTile::Small)
-}
 
 /// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
 fn smem_bytes(bits: Bits, tile: GemmTile) -> usize {
@@ -326,27 +323,25 @@ impl CudaContext {
     }
 
     /// Lets the automatic choice of a GEMM's variant ([`GemmScratch::force`] /
-    /// [`MoeRouting::force`] `None`) take the mbarrier main loop ([`GemmEngine::WgmmaMbar`],
-    /// `true`) or the block barrier per K tile ([`GemmEngine::Wgmma`], `false`) for the tiles
-    /// that have both; the same bits either way (the same products in the same order). For
+    /// [`MoeRouting::force`] `None`) take the lean main loop ([`GemmEngine::WgmmaLean`],
+    /// `true`) or the plain one ([`GemmEngine::Wgmma`], `false`); the same bits either way (the same products in the same order). For
     /// measuring both in one process (`cuda_selftest --only gemm`, `calla cuda-bench
     /// --prefill-compare`). A [`CudaContext::sibling`] copies the setting when it is made.
     #[doc(hidden)]
-    pub fn set_gemm_mbarrier(&self, on: bool) {
-        self.gemm_mbarrier.store(on, std::sync::atomic::Ordering::Relaxed);
+    pub fn set_gemm_lean(&self, on: bool) {
+        self.gemm_lean.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// See [`Self::set_gemm_mbarrier`].
+    /// See [`Self::set_gemm_lean`].
     #[doc(hidden)]
-    pub fn gemm_mbarrier(&self) -> bool {
-        self.gemm_mbarrier.load(std::sync::atomic::Ordering::Relaxed)
+    pub fn gemm_lean(&self) -> bool {
+        self.gemm_lean.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// The engine for an automatically chosen `tile` ([`Self::set_gemm_mbarrier`]).
-    fn auto_engine(&self, tile: GemmTile) -> GemmEngine {
-        let v = GemmVariant { engine: GemmEngine::WgmmaMbar, tile };
-        if self.gemm_mbarrier() && has_entry(v) {
-            GemmEngine::WgmmaMbar
+    /// The engine of an automatically chosen variant ([`Self::set_gemm_lean`]).
+    fn auto_engine(&self) -> GemmEngine {
+        if self.gemm_lean() {
+            GemmEngine::WgmmaLean
         } else {
             GemmEngine::Wgmma
         }
@@ -358,10 +353,7 @@ impl CudaContext {
         self.raw().bind_to_thread()?;
         for bits in [Bits::B4, Bits::B8] {
             for tile in GemmTile::ALL {
-                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaMbar] {
-                    if !has_entry(GemmVariant { engine, tile }) {
-                        continue;
-                    }
+                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaLean] {
                     let f = self.func(&entry_name(bits, GemmVariant { engine, tile }))?;
                     f.set_attribute(
                         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -575,17 +567,13 @@ impl CudaContext {
             (GemmTile::Small, cost(GemmTile::Small, 2, 0.76)),
         ];
         let tile = options.iter().min_by(|a, b| a.1.total_cmp(&b.1)).map(|o| o.0).unwrap_or(GemmTile::Big);
-        GemmVariant { engine: self.auto_engine(tile), tile }
+        GemmVariant { engine: self.auto_engine(), tile }
     }
 
     fn launch_gemm(&self, w: &DeviceQMat, v: GemmVariant, a: &GemmArgs) -> Result<(), CudaError> {
-        if !has_entry(v) {
-            return Err(unsupported(format!("GEMM variant {v:?}: the mbarrier engine has no small tile")));
-        }
         if a.grid.1 > 65_535 {
             return Err(unsupported(format!("GEMM grid of {} token tiles (at most 65535)", a.grid.1)));
         }
-        let f = self.func(&entry_name(w.bits, v))?;
         let stream = self.stream();
         let (ps, _g2) = w.scales.device_ptr(stream);
         let (pb, _g3) = w.biases.device_ptr(stream);
@@ -598,6 +586,12 @@ impl CudaContext {
             }
             _ => (0u64, None),
         };
+        // the lean loop reads group-major scales only: without them, the plain loop (same bits)
+        let v = match (v.engine, psbt) {
+            (GemmEngine::WgmmaLean, 0) => GemmVariant { engine: GemmEngine::Wgmma, tile: v.tile },
+            _ => v,
+        };
+        let f = self.func(&entry_name(w.bits, v))?;
         // the codes: group-major (in place, or their copy when the scales are group-major too)
         // or the MLX layout
         let (codes, pk_gm) = match (w.codes_group_major, &w.group_major_codes, psbt != 0) {
@@ -784,7 +778,7 @@ impl CudaContext {
             28.. => GemmTile::Tall,
             _ => GemmTile::Narrow,
         };
-        GemmVariant { engine: self.auto_engine(tile), tile }
+        GemmVariant { engine: self.auto_engine(), tile }
     }
 
     /// Grouped expert gate/up GEMM with SwiGLU: for every expert `e` and every entry

@@ -166,12 +166,14 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_narrow_wg",
             "qgemm_q4_narrow_mma",
             "qgemm_q8_narrow_mma",
-            "qgemm_q4_big_mb",
-            "qgemm_q4_tall_mb",
-            "qgemm_q4_narrow_mb",
-            "qgemm_q8_big_mb",
-            "qgemm_q8_tall_mb",
-            "qgemm_q8_narrow_mb",
+            "qgemm_q4_big_ln",
+            "qgemm_q4_tall_ln",
+            "qgemm_q4_narrow_ln",
+            "qgemm_q4_small_ln",
+            "qgemm_q8_small_ln",
+            "qgemm_q8_big_ln",
+            "qgemm_q8_tall_ln",
+            "qgemm_q8_narrow_ln",
             "qgemm_x_to_bf16",
             "qmat_group_major",
             "qmat_pack_group_major",
@@ -509,9 +511,9 @@ pub struct CudaContext {
     /// The prefill GEMMs read a matrix's group-major scales and biases when it has them
     /// ([`CudaContext::set_gemm_group_major`]).
     pub(crate) gemm_group_major: std::sync::atomic::AtomicBool,
-    /// Whether automatically chosen GEMM variants take the mbarrier main loop
-    /// ([`CudaContext::set_gemm_mbarrier`]).
-    pub(crate) gemm_mbarrier: std::sync::atomic::AtomicBool,
+    /// Whether automatically chosen GEMM variants take the lean main loop
+    /// ([`CudaContext::set_gemm_lean`]).
+    pub(crate) gemm_lean: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -637,7 +639,7 @@ impl CudaContext {
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
             gdn_step_early_trigger: std::sync::atomic::AtomicBool::new(false),
             gemm_group_major: std::sync::atomic::AtomicBool::new(true),
-            gemm_mbarrier: std::sync::atomic::AtomicBool::new(gemm::default_gemm_mbarrier()),
+            gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -688,7 +690,7 @@ impl CudaContext {
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_early_trigger: copy(&self.gdn_step_early_trigger),
             gemm_group_major: copy(&self.gemm_group_major),
-            gemm_mbarrier: copy(&self.gemm_mbarrier),
+            gemm_lean: copy(&self.gemm_lean),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),

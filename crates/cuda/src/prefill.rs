@@ -224,14 +224,14 @@ impl Prefiller {
         self.side.cx.set_gemm_group_major(on);
     }
 
-    /// Lets the prefill's GEMMs, on `cx` and on the shared expert's stream, take the mbarrier
-    /// main loop where the automatic choice has one (`CudaContext::set_gemm_mbarrier`): the
+    /// Lets the prefill's GEMMs, on `cx` and on the shared expert's stream, take the lean
+    /// main loop where the automatic choice has one (`CudaContext::set_gemm_lean`): the
     /// same bits; for measurement (`calla cuda-bench --prefill-compare`). `cx` must be the
     /// context the prefill runs on.
     #[doc(hidden)]
-    pub fn set_gemm_mbarrier(&self, cx: &CudaContext, on: bool) {
-        cx.set_gemm_mbarrier(on);
-        self.side.cx.set_gemm_mbarrier(on);
+    pub fn set_gemm_lean(&self, cx: &CudaContext, on: bool) {
+        cx.set_gemm_lean(on);
+        self.side.cx.set_gemm_lean(on);
     }
 
     /// Largest chunk in tokens.

@@ -80,9 +80,9 @@ const GDN_PROJ: usize = 2 * p::N_K_HEADS * p::D_K + 2 * p::N_V_HEADS * p::D_V + 
 const ATTN_PROJ: usize = 2 * p::N_Q_HEADS * p::HEAD_DIM + 2 * p::N_KV_HEADS * p::HEAD_DIM;
 const ATTN_OUT: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
-/// Every variant: [0..8] the block-barrier wgmma and the mma.sync engines, [8..11] the mbarrier
-/// main loop (`GemmEngine::WgmmaMbar`: big, tall, narrow).
-const ALL_VARIANTS: [GemmVariant; 11] = [
+/// Every variant: [0..8] the plain wgmma and the mma.sync engines, [8..12] the lean wgmma
+/// main loop (`GemmEngine::WgmmaLean`: big, tall, narrow, small).
+const ALL_VARIANTS: [GemmVariant; 12] = [
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Big },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Small },
@@ -91,12 +91,13 @@ const ALL_VARIANTS: [GemmVariant; 11] = [
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Small },
     GemmVariant { engine: GemmEngine::MmaSync, tile: GemmTile::Narrow },
-    GemmVariant { engine: GemmEngine::WgmmaMbar, tile: GemmTile::Big },
-    GemmVariant { engine: GemmEngine::WgmmaMbar, tile: GemmTile::Tall },
-    GemmVariant { engine: GemmEngine::WgmmaMbar, tile: GemmTile::Narrow },
+    GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Big },
+    GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Tall },
+    GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Narrow },
+    GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Small },
 ];
-/// The mbarrier variants.
-const MBAR_VARIANTS: [GemmVariant; 3] = [ALL_VARIANTS[8], ALL_VARIANTS[9], ALL_VARIANTS[10]];
+/// The lean variants.
+const LEAN_VARIANTS: [GemmVariant; 4] = [ALL_VARIANTS[8], ALL_VARIANTS[9], ALL_VARIANTS[10], ALL_VARIANTS[11]];
 
 fn vname(v: Option<GemmVariant>) -> String {
     match v {
@@ -106,7 +107,7 @@ fn vname(v: Option<GemmVariant>) -> String {
             match v.engine {
                 GemmEngine::Wgmma => "wgmma",
                 GemmEngine::MmaSync => "mma",
-                GemmEngine::WgmmaMbar => "wgmma-mb",
+                GemmEngine::WgmmaLean => "wgmma-lean",
             },
             match v.tile {
                 GemmTile::Big => "big",
@@ -488,7 +489,7 @@ fn dense(s: &mut Suite) {
                 variants.push((Some(ALL_VARIANTS[0]), true, true));
             }
             let mut default_out: Option<Vec<f32>> = None; // (None, true, false)'s output
-            // the block-barrier wgmma outputs by tile, which the mbarrier main loop must equal
+            // the plain wgmma outputs by tile, which the lean main loop must equal
             let mut wg_out: Vec<(GemmTile, Vec<f32>)> = Vec::new();
             for (v, gm, codes) in variants {
                 cx.set_gemm_group_major(gm);
@@ -519,18 +520,18 @@ fn dense(s: &mut Suite) {
                 };
                 s.record(SEC, &format!("{label} vs f32"), &c1, "");
                 s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
-                // the mbarrier main loop computes the same products in the same order: the same bits
+                // the lean main loop computes the same products in the same order: the same bits
                 if let (Some(v), true, false) = (v, gm, codes) {
                     match v.engine {
                         GemmEngine::Wgmma => wg_out.push((v.tile, got.clone())),
-                        GemmEngine::WgmmaMbar => {
+                        GemmEngine::WgmmaLean => {
                             let c = match wg_out.iter().find(|(tile, _)| *tile == v.tile) {
                                 Some((_, want)) => {
                                     check_bits(&got[GUARD..GUARD + t * out_cols], &want[GUARD..GUARD + t * out_cols], "outputs")
                                 }
-                                None => failed("no block-barrier output of this tile to compare with".into()),
+                                None => failed("no plain wgmma output of this tile to compare with".into()),
                             };
-                            s.record(SEC, &format!("{label} = block-barrier wgmma, bit for bit"), &c, "");
+                            s.record(SEC, &format!("{label} = plain wgmma, bit for bit"), &c, "");
                         }
                         GemmEngine::MmaSync => {}
                     }
@@ -912,7 +913,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                         variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false, true, false)));
                     }
                     // both main loops on the group-major codes the prefill reads
-                    for v in [ALL_VARIANTS[0], ALL_VARIANTS[1], MBAR_VARIANTS[0], MBAR_VARIANTS[1]] {
+                    for v in [ALL_VARIANTS[0], ALL_VARIANTS[1], LEAN_VARIANTS[0], LEAN_VARIANTS[1]] {
                         variants.push((Some(v), false, true, true));
                     }
                 } else if bits == 4 && t == 512 {
@@ -1022,9 +1023,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             (Some(ALL_VARIANTS[0]), true, true),
             (Some(ALL_VARIANTS[1]), true, true),
             (Some(ALL_VARIANTS[3]), true, true),
-            (Some(MBAR_VARIANTS[0]), true, true),
-            (Some(MBAR_VARIANTS[1]), true, true),
-            (Some(MBAR_VARIANTS[2]), true, true),
+            (Some(LEAN_VARIANTS[0]), true, true),
+            (Some(LEAN_VARIANTS[1]), true, true),
+            (Some(LEAN_VARIANTS[2]), true, true),
         ] {
             cx.set_gemm_group_major(gm);
             routing.force = v;
