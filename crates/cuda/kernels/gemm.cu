@@ -42,6 +42,9 @@
 // * WG = false: mma.sync m16n8k16, B fragments with ldmatrix from the same shared layout.
 // Both leave the accumulators in the same layout (per 8-token chunk j: rows g and g+8, tokens
 // 8j + 2c and 8j + 2c + 1), so the epilogues are shared.
+// Main loops (template LEAN): the plain one and the lean one (wgmma, group-major scales only)
+// run the same ring, barriers and MMAs and so give the same bits; the lean one spends fewer
+// instructions per K tile on copy addresses, ring stages and the 4-bit dequantization.
 //
 // Block: 256 threads = 2 warpgroups; each warpgroup owns MS slices of 64 W rows (BM = 128*MS
 // rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
