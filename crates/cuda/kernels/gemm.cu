@@ -468,6 +468,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
         for (int i = 0; i < 4; ++i) A0[s][i] = A1[s][i] = 0u;
 
+    static_assert(!LEAN || WG, "the lean loop issues wgmma");
     if constexpr (LEAN) {
         // The same ring, barriers and MMAs as the loop below, in fewer instructions per K tile
         // (the "lean" entry points; group-major scales only): every copy's source is a 32-bit

@@ -47,9 +47,8 @@ pub const MAX_K: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
 /// Entries per chunk of the expert sort (`SORT_CHUNK` in `gemm.cu`).
 const SORT_CHUNK: usize = 256;
-/// Whether automatically chosen GEMM variants take the lean main loop
-/// ([`GemmEngine::WgmmaLean`]) in contexts created from now on, unless
-/// [`set_default_gemm_lean`] says otherwise.
+/// Whether automatically chosen GEMM variants of a new [`CudaContext`] take the lean main loop
+/// ([`GemmEngine::WgmmaLean`]), unless [`set_default_gemm_lean`] changed the process default.
 pub const GEMM_LEAN_DEFAULT: bool = true;
 
 static DEFAULT_GEMM_LEAN: std::sync::atomic::AtomicBool =
@@ -253,7 +252,6 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
     )
 }
 
-
 /// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
 fn smem_bytes(bits: Bits, tile: GemmTile) -> usize {
     let (bm, bn) = (tile.rows(), tile.tokens());
@@ -324,8 +322,8 @@ impl CudaContext {
 
     /// Lets the automatic choice of a GEMM's variant ([`GemmScratch::force`] /
     /// [`MoeRouting::force`] `None`) take the lean main loop ([`GemmEngine::WgmmaLean`],
-    /// `true`) or the plain one ([`GemmEngine::Wgmma`], `false`); the same bits either way (the same products in the same order). For
-    /// measuring both in one process (`cuda_selftest --only gemm`, `calla cuda-bench
+    /// `true`) or the plain one ([`GemmEngine::Wgmma`], `false`); the same bits either way (the
+    /// same products in the same order). For measuring both in one process (`calla cuda-bench
     /// --prefill-compare`). A [`CudaContext::sibling`] copies the setting when it is made.
     #[doc(hidden)]
     pub fn set_gemm_lean(&self, on: bool) {

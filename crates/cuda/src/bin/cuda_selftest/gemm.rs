@@ -366,9 +366,20 @@ fn probe(s: &mut Suite) {
         for t in [7usize, 130] {
             let x: Vec<f32> = (0..t * k).map(|i| xval(i / k, i % k)).collect();
             let xd = cx.upload_f32(&x).unwrap();
-            // mma.sync first: should a wgmma variant fault, the fallback's result is printed;
-            // the group-major scales and biases, then the MLX layout (row-major sb)
-            let runs = [true, false].into_iter().flat_map(|gm| ALL_VARIANTS.iter().rev().map(move |&v| (v, gm)));
+            // mma.sync first, then the plain wgmma loop, then the lean one: should a variant
+            // fault, the results before it are printed; the group-major scales and biases, then
+            // the MLX layout (row-major sb), which the lean loop does not read (a lean variant
+            // forced there would run the plain loop, so it is not listed)
+            let order: Vec<GemmVariant> = ALL_VARIANTS[4..8]
+                .iter()
+                .rev()
+                .chain(ALL_VARIANTS[..4].iter().rev())
+                .chain(LEAN_VARIANTS.iter())
+                .copied()
+                .collect();
+            let runs = [true, false].into_iter().flat_map(|gm| {
+                order.clone().into_iter().filter(move |v| gm || v.engine != GemmEngine::WgmmaLean).map(move |v| (v, gm))
+            });
             for (v, gm) in runs {
                 cx.set_gemm_group_major(gm);
                 scratch.force = Some(v);
@@ -486,11 +497,12 @@ fn dense(s: &mut Suite) {
                 variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), true, false)));
                 variants.push((None, false, false));
                 variants.push((None, true, true));
-                variants.push((Some(ALL_VARIANTS[0]), true, true));
+                // both main loops on the group-major codes the prefill reads
+                variants.extend([ALL_VARIANTS[0], ALL_VARIANTS[1], LEAN_VARIANTS[0], LEAN_VARIANTS[1]].map(|v| (Some(v), true, true)));
             }
             let mut default_out: Option<Vec<f32>> = None; // (None, true, false)'s output
-            // the plain wgmma outputs by tile, which the lean main loop must equal
-            let mut wg_out: Vec<(GemmTile, Vec<f32>)> = Vec::new();
+            // the plain wgmma outputs by (tile, codes layout), which the lean main loop must equal
+            let mut wg_out: Vec<((GemmTile, bool), Vec<f32>)> = Vec::new();
             for (v, gm, codes) in variants {
                 cx.set_gemm_group_major(gm);
                 scratch.force = v;
@@ -521,11 +533,11 @@ fn dense(s: &mut Suite) {
                 s.record(SEC, &format!("{label} vs f32"), &c1, "");
                 s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
                 // the lean main loop computes the same products in the same order: the same bits
-                if let (Some(v), true, false) = (v, gm, codes) {
+                if let (Some(v), true) = (v, gm) {
                     match v.engine {
-                        GemmEngine::Wgmma => wg_out.push((v.tile, got.clone())),
+                        GemmEngine::Wgmma => wg_out.push(((v.tile, codes), got.clone())),
                         GemmEngine::WgmmaLean => {
-                            let c = match wg_out.iter().find(|(tile, _)| *tile == v.tile) {
+                            let c = match wg_out.iter().find(|(key, _)| *key == (v.tile, codes)) {
                                 Some((_, want)) => {
                                     check_bits(&got[GUARD..GUARD + t * out_cols], &want[GUARD..GUARD + t * out_cols], "outputs")
                                 }
@@ -747,7 +759,7 @@ fn moe_case(
     scratch: &mut GemmScratch,
     routing: &mut MoeRouting,
     inp: &MoeInputs,
-) {
+) -> MoeOut {
     let cx = s.cx;
     let (d, de, k, ne) = (p::D_MODEL, p::D_EXPERT, p::TOP_K, p::N_EXPERTS);
     let xd = cx.upload_f32(&inp.x).unwrap();
@@ -824,6 +836,27 @@ fn moe_case(
     };
     s.record(SEC, &format!("{label} out-resid vs f32"), &c1, "");
     s.record(SEC, &format!("{label} out-resid vs bf16 emul"), &c2, "");
+    MoeOut { out: got, act }
+}
+
+/// What one [`moe_case`] computed: the guarded output and the `act` rows.
+struct MoeOut {
+    out: Vec<f32>,
+    act: Vec<u16>,
+}
+
+/// Records whether a lean-loop MoE result equals the plain loop's of the same tile bit for bit
+/// (the same products in the same order), among `runs` (variant, result) of one input.
+fn lean_equals_plain(s: &mut Suite, label: &str, runs: &[(GemmVariant, MoeOut)]) {
+    for (v, r) in runs.iter().filter(|(v, _)| v.engine == GemmEngine::WgmmaLean) {
+        let plain = runs.iter().find(|(p, _)| p.engine == GemmEngine::Wgmma && p.tile == v.tile);
+        let c = match plain {
+            Some((_, p)) if p.act == r.act => check_bits(&r.out, &p.out, "outputs"),
+            Some(_) => failed("act differs from the plain loop's".into()),
+            None => failed("no plain wgmma run of this tile to compare with".into()),
+        };
+        s.record(SEC, &format!("{label} {} = plain wgmma, act and out bit for bit", vname(Some(*v))), &c, "");
+    }
 }
 
 fn moe_checks(s: &mut Suite) -> MoeWeights {
@@ -857,9 +890,9 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
         s.record(SEC, "gemv refuses a matrix whose codes are group-major", &c, "");
         let inp = moe_inputs(300, 0x77 ^ 300);
         moe_case(s, &w4c, 4, 300, None, &mut scratch, &mut routing, &inp);
-        for v in ALL_VARIANTS {
-            moe_case(s, &w4c, 4, 300, Some(v), &mut scratch, &mut routing, &inp);
-        }
+        let runs: Vec<(GemmVariant, MoeOut)> =
+            ALL_VARIANTS.iter().map(|&v| (v, moe_case(s, &w4c, 4, 300, Some(v), &mut scratch, &mut routing, &inp))).collect();
+        lean_equals_plain(s, "moe q4 T=300 gm codes", &runs);
     }
     let mut w8 = moe_weights(cx, 8, 0x3E8);
     let inp = moe_inputs(300, 0x88);
@@ -868,9 +901,12 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
     // (which spills a little at 8 bits) and mma narrow
     cx.regroup_codes(&mut w8.dgu).unwrap();
     cx.regroup_codes(&mut w8.ddn).unwrap();
-    for v in [None, Some(ALL_VARIANTS[1]), Some(ALL_VARIANTS[5]), Some(ALL_VARIANTS[7]), Some(ALL_VARIANTS[9])] {
-        moe_case(s, &w8, 8, 300, v, &mut scratch, &mut routing, &inp);
-    }
+    moe_case(s, &w8, 8, 300, None, &mut scratch, &mut routing, &inp);
+    let runs: Vec<(GemmVariant, MoeOut)> = [ALL_VARIANTS[1], ALL_VARIANTS[5], ALL_VARIANTS[7], ALL_VARIANTS[9]]
+        .iter()
+        .map(|&v| (v, moe_case(s, &w8, 8, 300, Some(v), &mut scratch, &mut routing, &inp)))
+        .collect();
+    lean_equals_plain(s, "moe q8 T=300 gm codes", &runs);
     drop(w8);
     w4
 }
@@ -916,8 +952,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     for v in [ALL_VARIANTS[0], ALL_VARIANTS[1], LEAN_VARIANTS[0], LEAN_VARIANTS[1]] {
                         variants.push((Some(v), false, true, true));
                     }
-                } else if bits == 4 && t == 512 {
-                    variants.extend(ALL_VARIANTS[..3].iter().map(|&v| (Some(v), false, true, false)));
+                } else if bits == 4 && t <= 2048 {
+                    // the plain big, tall and small tiles and every lean one (choose_dense's fit)
+                    variants.extend(ALL_VARIANTS[..3].iter().chain(&LEAN_VARIANTS).map(|&v| (Some(v), false, true, false)));
                 }
                 for (v, no_store, gm, codes) in variants {
                     cx.set_gemm_group_major(gm);
