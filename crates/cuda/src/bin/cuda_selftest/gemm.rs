@@ -836,10 +836,10 @@ fn moe_case(
     };
     s.record(SEC, &format!("{label} out-resid vs f32"), &c1, "");
     s.record(SEC, &format!("{label} out-resid vs bf16 emul"), &c2, "");
-    MoeOut { out: got, act }
+    MoeOut { out: got[GUARD..GUARD + t * d].to_vec(), act }
 }
 
-/// What one [`moe_case`] computed: the guarded output and the `act` rows.
+/// What one [`moe_case`] computed: the output (without its guard words) and the `act` rows.
 struct MoeOut {
     out: Vec<f32>,
     act: Vec<u16>,
