@@ -93,7 +93,7 @@ impl PrefillRouter {
 pub enum GemmMainLoop {
     /// The plain wgmma loop (`cuda::gemm::GemmEngine::Wgmma`).
     Plain,
-    /// The same in fewer instructions per K tile (`cuda::gemm::GemmEngine::WgmmaLean`).
+    /// The same with its copies in fewer instructions (`cuda::gemm::GemmEngine::WgmmaLean`).
     Lean,
 }
 

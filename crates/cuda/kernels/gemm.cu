@@ -42,9 +42,9 @@
 // * WG = false: mma.sync m16n8k16, B fragments with ldmatrix from the same shared layout.
 // Both leave the accumulators in the same layout (per 8-token chunk j: rows g and g+8, tokens
 // 8j + 2c and 8j + 2c + 1), so the epilogues are shared.
-// Main loops (template LEAN): the plain one and the lean one (wgmma, group-major scales only)
-// run the same ring, barriers and MMAs and so give the same bits; the lean one spends fewer
-// instructions per K tile on copy addresses, ring stages and the 4-bit dequantization.
+// Copies (template LEAN): the plain ones (load_tile) and the lean ones (wgmma, group-major
+// scales only) fill the same ring stages with the same bytes, so both give the same bits; the
+// lean ones spend fewer instructions per K tile on addresses.
 //
 // Block: 256 threads = 2 warpgroups; each warpgroup owns MS slices of 64 W rows (BM = 128*MS
 // rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
@@ -122,16 +122,12 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 }
 
 // 4-bit: nibbles 0 and 4 of v (bits 0-3 and 16-19) -> bf16x2 (scale*q + bias), one rounding.
+// One LOP3 masks the pair and sets its exponent bits ((v & 0x000F000F) | 0x43004300: bf16 128 + q
+// in both halves).
 __device__ __forceinline__ u32 deq4(u32 v, u32 s2, u32 b2) {
-    const u32 t = (v & 0x000F000Fu) | 0x43004300u;            // bf16 (128 + q) in both halves
-    const u32 q = fma_bf16x2(t, 0x3F803F80u, 0xC300C300u);    // (128 + q) * 1 - 128 = q, exact
-    return fma_bf16x2(q, s2, b2);
-}
-// The same with the mask and the exponent bits in one LOP3 ((v & 0x000F000F) | 0x43004300).
-__device__ __forceinline__ u32 deq4_lop3(u32 v, u32 s2, u32 b2) {
     u32 t;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
-    const u32 q = fma_bf16x2(t, 0x3F803F80u, 0xC300C300u);
+    const u32 q = fma_bf16x2(t, 0x3F803F80u, 0xC300C300u);  // (128 + q) * 1 - 128 = q, exact
     return fma_bf16x2(q, s2, b2);
 }
 // 8-bit: byte S of word -> f32 scale*q + bias; bq = bias - 32768*scale.
@@ -426,17 +422,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             const uint2 w1 = *reinterpret_cast<const uint2*>(st + C::XB + r1 * C::RB + c * 8);
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
-                if constexpr (LEAN) {
-                    A[s][0] = deq4_lop3(w0.x >> (4 * s), s0, b0);
-                    A[s][1] = deq4_lop3(w1.x >> (4 * s), s1, b1);
-                    A[s][2] = deq4_lop3(w0.y >> (4 * s), s0, b0);
-                    A[s][3] = deq4_lop3(w1.y >> (4 * s), s1, b1);
-                } else {
-                    A[s][0] = deq4(w0.x >> (4 * s), s0, b0);
-                    A[s][1] = deq4(w1.x >> (4 * s), s1, b1);
-                    A[s][2] = deq4(w0.y >> (4 * s), s0, b0);
-                    A[s][3] = deq4(w1.y >> (4 * s), s1, b1);
-                }
+                A[s][0] = deq4(w0.x >> (4 * s), s0, b0);
+                A[s][1] = deq4(w1.x >> (4 * s), s1, b1);
+                A[s][2] = deq4(w0.y >> (4 * s), s0, b0);
+                A[s][3] = deq4(w1.y >> (4 * s), s1, b1);
             }
         } else {
             const float fs0 = __uint_as_float(s0), fb0 = __uint_as_float(b0);
@@ -468,21 +457,22 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
         for (int i = 0; i < 4; ++i) A0[s][i] = A1[s][i] = 0u;
 
-    static_assert(!LEAN || WG, "the lean loop issues wgmma");
+    static_assert(!LEAN || WG, "the lean copies serve the wgmma loop");
+    // The lean entry points (group-major scales only) make the same copies into the same places
+    // as load_tile in fewer instructions: every source is a 32-bit element offset fixed per
+    // thread plus a per-tile step that the whole block shares (one IMAD.WIDE.U32 per address
+    // instead of a sign-extended 64-bit sum), and a thread's destinations are one register plus
+    // constants.
+    static_assert(THREADS % PIECES == 0 && C::BM <= THREADS, "lean copy layout");
+    u32 xo[C::XPT], xs[C::XPT], wo[C::WPT];
+    // thread tid's copy v: X row tid/8 + 32v (its 16-byte chunk and swizzle do not depend on v),
+    // W row tid/PIECES + v·THREADS/PIECES (the same piece)
+    const u32 xd = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
+    const u32 wd = C::XB + (tid / PIECES) * C::RB + (tid % PIECES) * 16;
+    // one (scale, bias) word per row of the tile: threads tid < BM, one copy each
+    const bool has_s = C::BM >= THREADS || tid < C::BM;
+    u32 so = 0;
     if constexpr (LEAN) {
-        // The same ring, barriers and MMAs as the loop below, in fewer instructions per K tile
-        // (the "lean" entry points; group-major scales only): every copy's source is a 32-bit
-        // element offset fixed per thread plus a per-tile step that is the same for the whole
-        // block (one IMAD.WIDE.U32 per address instead of a sign-extended 64-bit sum), the
-        // destinations of a thread's copies are one register plus constants, the ring stages
-        // advance by increments instead of t % STAGES, and the dequantization masks and biases
-        // each nibble pair in one LOP3 (deq4_lop3).
-        static_assert(THREADS % PIECES == 0 && C::BM <= THREADS, "lean copy layout");
-        u32 xo[C::XPT], xs[C::XPT], wo[C::WPT];
-        // thread tid's copy v: X row tid/8 + 32v (its 16-byte chunk and swizzle do not depend
-        // on v), W row tid/PIECES + v·THREADS/PIECES (the same piece)
-        const u32 xd = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
-        const u32 wd = C::XB + (tid / PIECES) * C::RB + (tid % PIECES) * 16;
 #pragma unroll
         for (int v = 0; v < C::XPT; ++v) {
             const int xr = s_xrow[(tid >> 3) + 32 * v];
@@ -492,157 +482,108 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
         for (int v = 0; v < C::WPT; ++v)
             wo[v] = (u32)s_wrow[tid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((tid % PIECES) * 4);
-        // one (scale, bias) word per row of the tile: threads tid < BM, one copy each
-        const bool has_s = C::BM >= THREADS || tid < C::BM;
-        const u32 so = has_s ? (u32)s_wrow[tid] : 0u;
-        const u32 sd = C::XB + C::WB + tid * 4;
-        const u32 wstep_u = (u32)wstep, sstep = (u32)sbt_rows;
-        auto load = [&](int t, u32 st) {
-            const u32 tx = (u32)t * KTILE, tw = (u32)t * wstep_u, ts = (u32)t * sstep;
+        so = has_s ? (u32)s_wrow[tid] : 0u;
+    }
+    // tile t into ring stage `stage`
+    auto load = [&](int t, int stage) {
+        if constexpr (LEAN) {
+            const u32 st = sbase + stage * C::STAGE;
+            const u32 tx = (u32)t * KTILE, tw = (u32)t * (u32)wstep, ts = (u32)t * (u32)sbt_rows;
 #pragma unroll
             for (int v = 0; v < C::XPT; ++v) cp_async16(st + xd + v * 32 * 128, xb + (xo[v] + tx), (int)xs[v]);
 #pragma unroll
             for (int v = 0; v < C::WPT; ++v) cp_async16(st + wd + v * (THREADS / PIECES) * C::RB, packed + (wo[v] + tw), 16);
-            if (has_s) cp_async4(st + sd, sbt + (so + ts));
-        };
-#pragma unroll
-        for (int p = 0; p < C::STAGES - 2; ++p) {
-            if (p < KT) load(p, sbase + p * C::STAGE);
-            cp_async_commit();
+            if (has_s) cp_async4(st + C::XB + C::WB + tid * 4, sbt + (so + ts));
+        } else {
+            load_tile(t, stage);
         }
-        auto issue = [&](u32 st, int m, const u32 (&A)[4][4]) {
-            const u64 desc = DESC_SW128 | (u64)((st >> 4) & 0x3FFFu);
+    };
+
+    // Ring: tile t lives in stage t % C::STAGES (rs, advanced by increments); tiles t+1 ..
+    // t+C::STAGES-3 are in flight while t is consumed. The stage refilled at tile t (ls) held
+    // tile t-2, whose MMAs every thread has waited for (wgmma.wait_group 1 at the end of tile
+    // t-1) before the barrier of tile t.
+#pragma unroll
+    for (int p = 0; p < C::STAGES - 2; ++p) {
+        if (p < KT) load(p, p);
+        cp_async_commit();
+    }
+    int rs = 0, ls = C::STAGES - 2;  // stages of tile t and of tile t + STAGES - 2
+    auto begin_tile = [&](int t) {
+        cp_async_wait<C::STAGES - 3>();
+        fence_proxy_async();
+        __syncthreads();
+        if (t + C::STAGES - 2 < KT) load(t + C::STAGES - 2, ls);
+        cp_async_commit();
+        ls = ls + 1 == C::STAGES ? 0 : ls + 1;
+    };
+    auto next_tile = [&]() { rs = rs + 1 == C::STAGES ? 0 : rs + 1; };
+
+    if constexpr (WG) {
+        auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
+            const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
             wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
             wgmma_commit();
         };
-        int rs = 0, ls = C::STAGES - 2;  // stages of tile t and of tile t + STAGES - 2
-        auto begin = [&](int t) {
-            cp_async_wait<C::STAGES - 3>();
-            fence_proxy_async();
-            __syncthreads();
-            if (t + C::STAGES - 2 < KT) load(t + C::STAGES - 2, sbase + ls * C::STAGE);
-            cp_async_commit();
-            ls = ls + 1 == C::STAGES ? 0 : ls + 1;
-        };
-        auto next = [&]() { rs = rs + 1 == C::STAGES ? 0 : rs + 1; };
         if constexpr (MS == 2) {
             for (int t = 0; t < KT; ++t) {
-                begin(t);
+                begin_tile(t);
                 dequant(rs, t, 0, A0);
-                issue(sbase + rs * C::STAGE, 0, A0);
+                issue(rs, 0, A0);
                 wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
                 keep_alive(A1);
                 dequant(rs, t, 1, A1);
-                issue(sbase + rs * C::STAGE, 1, A1);
+                issue(rs, 1, A1);
                 wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
                 keep_alive(A0);
-                next();
+                next_tile();
             }
         } else {
             for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
-                begin(t);
+                begin_tile(t);
                 dequant(rs, t, 0, A0);
-                issue(sbase + rs * C::STAGE, 0, A0);
+                issue(rs, 0, A0);
                 wgmma_wait<1>();  // tile t-1 done: A1 is free
                 keep_alive(A1);
-                next();
-                begin(t + 1);
+                next_tile();
+                begin_tile(t + 1);
                 dequant(rs, t + 1, 0, A1);
-                issue(sbase + rs * C::STAGE, 0, A1);
+                issue(rs, 0, A1);
                 wgmma_wait<1>();  // tile t done: A0 is free
                 keep_alive(A0);
-                next();
+                next_tile();
             }
         }
         wgmma_wait<0>();
         keep_alive(A0);
         keep_alive(A1);
-        cp_async_wait<0>();  // only empty groups remain; the ring is reused below
-        __syncthreads();
     } else {
-        // Ring: tile t lives in stage t % C::STAGES; tiles t+1 .. t+C::STAGES-3 are in flight while t is
-        // consumed. The stage refilled at tile t held tile t-2, whose MMAs every thread has waited
-        // for (wgmma.wait_group 1 at the end of tile t-1) before the barrier of tile t.
+        const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: matrix and row this lane addresses
+        for (int t = 0; t < KT; ++t) {
+            begin_tile(t);
+            dequant(rs, t, 0, A0);
+            if constexpr (MS == 2) dequant(rs, t, 1, A1);
+            const u32 xst = sbase + rs * C::STAGE;
 #pragma unroll
-        for (int p = 0; p < C::STAGES - 2; ++p) {
-            if (p < KT) load_tile(p, p);
-            cp_async_commit();
-        }
-        auto begin_tile = [&](int t) {
-            cp_async_wait<C::STAGES - 3>();
-            fence_proxy_async();
-            __syncthreads();
-            const int tn = t + C::STAGES - 2;
-            if (tn < KT) load_tile(tn, tn % C::STAGES);
-            cp_async_commit();
-        };
-
-        if constexpr (WG) {
-            auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
-                const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
-                wgmma_fence();
+            for (int j = 0; j < C::NJ; ++j) {
+                const u32 ra = xst + (j * 8 + rr) * 128;
+                u32 b[2][4];
+                ldmatrix_x4(b[0], ra + ((mi ^ rr) << 4));        // chunks 0-3: k-steps 0, 1
+                ldmatrix_x4(b[1], ra + (((4 + mi) ^ rr) << 4));  // chunks 4-7: k-steps 2, 3
 #pragma unroll
-                for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
-                wgmma_commit();
-            };
-            if constexpr (MS == 2) {
-                for (int t = 0; t < KT; ++t) {
-                    begin_tile(t);
-                    const int st = t % C::STAGES;
-                    dequant(st, t, 0, A0);
-                    issue(st, 0, A0);
-                    wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
-                    keep_alive(A1);
-                    dequant(st, t, 1, A1);
-                    issue(st, 1, A1);
-                    wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
-                    keep_alive(A0);
-                }
-            } else {
-                for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
-                    begin_tile(t);
-                    dequant(t % C::STAGES, t, 0, A0);
-                    issue(t % C::STAGES, 0, A0);
-                    wgmma_wait<1>();
-                    keep_alive(A1);
-                    begin_tile(t + 1);
-                    dequant((t + 1) % C::STAGES, t + 1, 0, A1);
-                    issue((t + 1) % C::STAGES, 0, A1);
-                    wgmma_wait<1>();
-                    keep_alive(A0);
+                for (int s = 0; s < 4; ++s) {
+                    const u32 b0 = b[s >> 1][(s & 1) * 2], b1 = b[s >> 1][(s & 1) * 2 + 1];
+                    mma_bf16(&acc[0][4 * j], A0[s], b0, b1);
+                    if constexpr (MS == 2) mma_bf16(&acc[1][4 * j], A1[s], b0, b1);
                 }
             }
-            wgmma_wait<0>();
-            keep_alive(A0);
-            keep_alive(A1);
-        } else {
-            const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: matrix and row this lane addresses
-            for (int t = 0; t < KT; ++t) {
-                begin_tile(t);
-                const int st = t % C::STAGES;
-                dequant(st, t, 0, A0);
-                if constexpr (MS == 2) dequant(st, t, 1, A1);
-                const u32 xs = sbase + st * C::STAGE;
-#pragma unroll
-                for (int j = 0; j < C::NJ; ++j) {
-                    const u32 ra = xs + (j * 8 + rr) * 128;
-                    u32 b[2][4];
-                    ldmatrix_x4(b[0], ra + ((mi ^ rr) << 4));        // chunks 0-3: k-steps 0, 1
-                    ldmatrix_x4(b[1], ra + (((4 + mi) ^ rr) << 4));  // chunks 4-7: k-steps 2, 3
-#pragma unroll
-                    for (int s = 0; s < 4; ++s) {
-                        const u32 b0 = b[s >> 1][(s & 1) * 2], b1 = b[s >> 1][(s & 1) * 2 + 1];
-                        mma_bf16(&acc[0][4 * j], A0[s], b0, b1);
-                        if constexpr (MS == 2) mma_bf16(&acc[1][4 * j], A1[s], b0, b1);
-                    }
-                }
-            }
+            next_tile();
         }
-        cp_async_wait<0>();  // only empty groups remain; the ring is reused below
-        __syncthreads();
     }
+    cp_async_wait<0>();  // only empty groups remain; the ring is reused below
+    __syncthreads();
 
     // ---- epilogues
     if (mode == MODE_MOE_GATE_UP) {
@@ -748,7 +689,7 @@ CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, false, 2)
-// the lean main loop (group-major scales only)
+// the lean copies (group-major scales only)
 CALLA_QGEMM_ENTRY(qgemm_q4_big_ln, 4, 2, 128, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q4_tall_ln, 4, 2, 64, true, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_small_ln, 4, 1, 64, true, true, 2)

@@ -76,11 +76,10 @@ pub enum GemmEngine {
     Wgmma,
     /// `mma.sync.m16n8k16` (warp MMA, B through `ldmatrix`): the fallback.
     MmaSync,
-    /// `wgmma` as [`GemmEngine::Wgmma`] (the same ring, barriers, MMAs and bits) in fewer
-    /// instructions per K tile (`gemm.cu`, the `_ln` entry points): copy addresses from fixed
-    /// 32-bit offsets, ring stages by increments, one LOP3 per dequantized nibble pair. Only
-    /// for matrices with group-major scales ([`DeviceQMat::group_major`]; otherwise the launch
-    /// runs [`GemmEngine::Wgmma`]).
+    /// `wgmma` as [`GemmEngine::Wgmma`] (the same ring, barriers, MMAs and bits) with copies
+    /// in fewer instructions per K tile (`gemm.cu`, the `_ln` entry points): every address a
+    /// fixed 32-bit offset plus a step per tile. Only for matrices with group-major scales
+    /// ([`DeviceQMat::group_major`]; otherwise the launch runs [`GemmEngine::Wgmma`]).
     WgmmaLean,
 }
 
