@@ -256,6 +256,12 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_gdn_step_early_trigger`); `--out-proj-compare` also times it.
     #[arg(long)]
     gdn_early_trigger: bool,
+    /// Also time decode (first decode context) with the MoE cluster kernel streaming fixed
+    /// experts' tiles every token instead of the chosen ones (wrong outputs, timing only:
+    /// `CudaContext::set_moe_cluster_pin_experts`), between two rows as configured: what reading
+    /// other experts' pages each token costs.
+    #[arg(long)]
+    moe_pin_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -280,6 +286,8 @@ struct FocusRow {
     /// The MoE cluster kernels (before each input projection) also ask for the largest
     /// carve-out (`false`: as configured).
     moe_carve: bool,
+    /// The MoE cluster kernel streams fixed experts' tiles (`false`: the chosen ones).
+    moe_pin: bool,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
@@ -768,7 +776,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -886,8 +894,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, moe_carve: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, moe_carve: false, moe_pin: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -911,8 +919,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 rows.push(FocusRow { gdn_pad: Some(12 * 1024), ..row("GDN step padded 12 KB".into(), None, false, false) });
                 rows.push(FocusRow { moe_carve: true, ..row("MoE cluster kernel: largest carve-out too".into(), None, false, false) });
             }
+            if a.moe_pin_compare {
+                rows.push(FocusRow { moe_pin: true, ..row("MoE: fixed experts (timing only)".into(), None, false, false) });
+            }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, moe_carve } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, moe_carve, moe_pin } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -930,10 +941,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_gdn_step_smem_pad(gdn_pad);
                 let gdn_early = gdn_early || a.gdn_early_trigger;
                 cx.set_gdn_step_early_trigger(gdn_early);
+                cx.set_moe_cluster_pin_experts(moe_pin);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve,
+                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -943,6 +955,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             set_carveout(&cx, configured_carveout(&a))?;
             cx.set_gdn_step_smem_pad(a.gdn_pad);
             cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
+            cx.set_moe_cluster_pin_experts(false);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;

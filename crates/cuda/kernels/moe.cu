@@ -978,6 +978,10 @@ constexpr int CL_LATE_TRIGGER = 1;
 // ... and (timeline probe only) stamp the block's mark when its copies are issued instead of when
 // its tiles are all here (moe.rs CL_MARK_ISSUE).
 constexpr int CL_MARK_ISSUE = 2;
+// Measurement only: the routed blocks stream the tiles of fixed experts, slot · NE/TOPK + 7,
+// whatever the top-k chose, so every token reads the same pages; the output is wrong (moe.rs
+// CL_PIN_EXPERTS).
+constexpr int CL_PIN_EXPERTS = 4;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -1119,7 +1123,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         const double ss = __ldcg(rt.racc + RF_SS * RF_STRIDE);
         if (warp == 0) fold_topk(rt.racc, rt.eps, s_logits, s_ids, s_w, lane);
         __syncthreads();
-        if (routed && warp == 0) request(s_ids[slot]);
+        if (routed && warp == 0) request((flags & CL_PIN_EXPERTS) ? slot * (NE / TOPK) + 7 : s_ids[slot]);
         mark(2);  // bulk copies issued
         if (flags & CL_MARK_ISSUE) calla_tl_mark();
         const float inv = rsqrtf((float)ss / float(D) + rt.eps);

@@ -203,7 +203,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "gdn_prefill",
         src: include_str!("../kernels/gdn_prefill.cu"),
-        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm"],
+        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_prep_tf32old", "gdnp_state_tf32old"],
     },
     KernelSource {
         name: "attention",
@@ -495,6 +495,9 @@ pub struct CudaContext {
     /// The MoE cluster kernel's timeline mark is when its copies are issued
     /// ([`CudaContext::set_moe_cluster_mark_issue`]).
     pub(crate) moe_cluster_mark_issue: std::sync::atomic::AtomicBool,
+    /// The MoE cluster kernel streams fixed experts' tiles, for measurement
+    /// ([`CudaContext::set_moe_cluster_pin_experts`]).
+    pub(crate) moe_cluster_pin_experts: std::sync::atomic::AtomicBool,
     /// The input projections' launch forced to `(ks_log2, blocks)`, packed as
     /// `ks_log2 << 32 | blocks` (0: the default of `gemv_launch`); set by
     /// [`CudaContext::set_in_proj_grid`].
@@ -634,6 +637,7 @@ impl CudaContext {
             in_proj_late_weights: std::sync::atomic::AtomicBool::new(false),
             moe_cluster_late_trigger: std::sync::atomic::AtomicBool::new(false),
             moe_cluster_mark_issue: std::sync::atomic::AtomicBool::new(false),
+            moe_cluster_pin_experts: std::sync::atomic::AtomicBool::new(false),
             in_proj_grid: std::sync::atomic::AtomicU64::new(0),
             out_proj_variant: std::sync::atomic::AtomicU8::new(OUT_PROJ_VARIANT as u8),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
@@ -685,6 +689,7 @@ impl CudaContext {
             in_proj_late_weights: copy(&self.in_proj_late_weights),
             moe_cluster_late_trigger: copy(&self.moe_cluster_late_trigger),
             moe_cluster_mark_issue: copy(&self.moe_cluster_mark_issue),
+            moe_cluster_pin_experts: copy(&self.moe_cluster_pin_experts),
             in_proj_grid: std::sync::atomic::AtomicU64::new(self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed)),
             out_proj_variant: std::sync::atomic::AtomicU8::new(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
@@ -1520,6 +1525,17 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn set_moe_cluster_mark_issue(&self, on: bool) {
         self.set_launch_option(&self.moe_cluster_mark_issue, on);
+    }
+
+    /// Measurement only, **wrong outputs**: the MoE cluster kernel after the fold
+    /// ([`Self::moe_fold_cluster`]) streams the tiles of fixed experts (routed slot `s` reads
+    /// expert `s · 32 + 7` of every layer) instead of the chosen ones, so that every decode step
+    /// reads the same pages of expert weights; the timing against the routed step says what
+    /// reading other experts each token (address translation, DRAM pages) costs. Graphs
+    /// captured earlier are captured again ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_moe_cluster_pin_experts(&self, on: bool) {
+        self.set_launch_option(&self.moe_cluster_pin_experts, on);
     }
 
     /// Sets one of the context-wide launch options to `on`; a change bumps the launch

@@ -79,6 +79,10 @@ const CL_LATE_TRIGGER: i32 = 1;
 /// issued instead of when the tiles are all here (`CL_MARK_ISSUE` in `moe.cu`;
 /// `CudaContext::set_moe_cluster_mark_issue`).
 const CL_MARK_ISSUE: i32 = 2;
+/// `flags` bit of the expert-per-cluster kernel after the fold: stream fixed experts' tiles
+/// whatever the top-k chose, for measurement (`CL_PIN_EXPERTS` in `moe.cu`;
+/// `CudaContext::set_moe_cluster_pin_experts`).
+const CL_PIN_EXPERTS: i32 = 4;
 /// Blocks of the expert-per-cluster kernel.
 #[doc(hidden)]
 pub const CL_BLOCKS: usize = (p::TOP_K + 1) * CL;
@@ -1153,7 +1157,10 @@ impl CudaContext {
         let func = self.func("moe_cluster_fold_e4")?;
         let late = self.moe_cluster_late_trigger.load(std::sync::atomic::Ordering::Relaxed);
         let issue = self.moe_cluster_mark_issue.load(std::sync::atomic::Ordering::Relaxed);
-        let flags: i32 = (if late { CL_LATE_TRIGGER } else { 0 }) | (if issue { CL_MARK_ISSUE } else { 0 });
+        let pin = self.moe_cluster_pin_experts.load(std::sync::atomic::Ordering::Relaxed);
+        let flags: i32 = (if late { CL_LATE_TRIGGER } else { 0 })
+            | (if issue { CL_MARK_ISSUE } else { 0 })
+            | (if pin { CL_PIN_EXPERTS } else { 0 });
         with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
             let mut b = s.launch_builder(func);
             b.arg(out).arg(h);
