@@ -84,24 +84,38 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1
 // (n < 8·NT). Fragments (PTX ISA, mma.m16n8k8 .tf32), g = lane/4, q = lane%4:
 // a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); b0 (k q, n g), b1 (k q+4, n g);
 // c0, c1 (g, 2q), (g, 2q+1); c2, c3 (g+8, 2q), (g+8, 2q+1).
-// With BR, B already holds TF32-rounded values (no cvt on load).
-template <int NT, int AR, int AK, int BK, int BN, bool BR = false>
+// With BR, B already holds TF32-rounded values (no cvt on load); with ARD, A does. (A cvt.rna
+// is not one instruction on sm_90: ptxas expands it into a compare with infinity, a predicated
+// add and a mask, about four instructions per element.)
+// One k-step of warp_mma.
+template <int NT, int AR, int AK, int BK, int BN, bool BR, bool ARD>
+__device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const float* ak, const float* bk) {
+    const auto ld = [](float x) { return ARD ? __float_as_uint(x) : to_tf32(x); };
+    const unsigned a0 = ld(ak[0]), a1 = ld(ak[8 * AR]);
+    const unsigned a2 = ld(ak[4 * AK]), a3 = ld(ak[8 * AR + 4 * AK]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const float f0 = bk[nt * 8 * BN], f1 = bk[4 * BK + nt * 8 * BN];
+        mma_tf32(acc[nt], a0, a1, a2, a3, BR ? __float_as_uint(f0) : to_tf32(f0), BR ? __float_as_uint(f1) : to_tf32(f1));
+    }
+}
+template <int NT, int AR, int AK, int BK, int BN, bool BR = false, bool ARD = false>
 __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const float* A, const float* B, int ksteps) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const float* a = A + g * AR + q * AK;
     const float* b = B + q * BK + g * BN;
 #pragma unroll 2
-    for (int ks = 0; ks < ksteps; ++ks) {
-        const float* ak = a + ks * 8 * AK;
-        const unsigned a0 = to_tf32(ak[0]), a1 = to_tf32(ak[8 * AR]);
-        const unsigned a2 = to_tf32(ak[4 * AK]), a3 = to_tf32(ak[8 * AR + 4 * AK]);
-        const float* bk = b + ks * 8 * BK;
+    for (int ks = 0; ks < ksteps; ++ks) warp_mma_step<NT, AR, AK, BK, BN, BR, ARD>(acc, a + ks * 8 * AK, b + ks * 8 * BK);
+}
+// warp_mma over a compile-time number of k-steps, fully unrolled (every shared-memory address
+// one base register plus an immediate).
+template <int KSTEPS, int NT, int AR, int AK, int BK, int BN, bool BR = false, bool ARD = false>
+__device__ __forceinline__ void warp_mma_k(float (&acc)[NT][4], const float* A, const float* B) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const float* a = A + g * AR + q * AK;
+    const float* b = B + q * BK + g * BN;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const float f0 = bk[nt * 8 * BN], f1 = bk[4 * BK + nt * 8 * BN];
-            mma_tf32(acc[nt], a0, a1, a2, a3, BR ? __float_as_uint(f0) : to_tf32(f0), BR ? __float_as_uint(f1) : to_tf32(f1));
-        }
-    }
+    for (int ks = 0; ks < KSTEPS; ++ks) warp_mma_step<NT, AR, AK, BK, BN, BR, ARD>(acc, a + ks * 8 * AK, b + ks * 8 * BK);
 }
 
 // ---- cp.async (16-byte global -> shared copies, grouped)
@@ -142,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(128)
 gdnp_conv(float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vb, float* __restrict__ g_out,
           float* __restrict__ beta_out, const float* __restrict__ proj, const float* __restrict__ conv_state,
           const float* __restrict__ conv_w, const float* __restrict__ a_neg_exp,
-          const float* __restrict__ dt_bias, int T, int Tpad) {
+          const float* __restrict__ dt_bias, int T, int Tpad, int round_qk) {
     using namespace calla_gdnp;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hb = blockIdx.y;
@@ -198,6 +212,12 @@ gdnp_conv(float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vb
                     y.y *= qscale;
                     y.z *= qscale;
                     y.w *= qscale;
+                }
+                if (round_qk) {  // TF32 arithmetic: q̂, k̂ are only ever tensor-core operands there
+                    y.x = round_tf32(y.x);
+                    y.y = round_tf32(y.y);
+                    y.z = round_tf32(y.z);
+                    y.w = round_tf32(y.w);
                 }
             }
         }
@@ -255,14 +275,14 @@ __device__ __forceinline__ void gram_pos(int e, int tid, int& r, int& c) {
 }
 
 // acc = Arows · Browsᵀ (64 x 64 over DK), rows of both with stride KSP; 128 threads.
-template <bool TC>
+template <bool TC, bool PRE = true>
 __device__ __forceinline__ void gram(float (&acc)[32], const float* Arows, const float* Brows, int tid) {
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[e] = 0.f;
     if constexpr (TC) {
         float(&a)[8][4] = *reinterpret_cast<float(*)[8][4]>(acc);
         const int wq = tid >> 5;
-        warp_mma<8, KSP, 1, 1, KSP>(a, Arows + 16 * wq * KSP, Brows, DK / 8);
+        warp_mma<8, KSP, 1, 1, KSP, PRE, PRE>(a, Arows + 16 * wq * KSP, Brows, DK / 8);  // q̂, k̂ TF32 already
     } else {
         const int rt = tid >> 3, ct = tid & 7;
 #pragma unroll 2
@@ -353,7 +373,8 @@ __device__ __forceinline__ void scale_rows(float* dst, const float* src, int sst
 
 // out (global, 64 rows of stride DV) = Tm (stride AP, lower triangular) · X (64 x 128, stride
 // XSP); 256 threads. Warps skip the k range above their rows.
-template <bool TC>
+// RND (TC only): store the products TF32-rounded (W, an mma operand of gdnp_state_tf32 only).
+template <bool TC, bool RND = false>
 __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm, const float* X, int t) {
     const int warp = t >> 5;
     if constexpr (TC) {
@@ -370,7 +391,9 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 16 * mt + g + 8 * h, c = 64 * nh + 8 * nt + 2 * q;
-                *reinterpret_cast<float2*>(out + (size_t)r * DV + c) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+                const float o0 = acc[nt][2 * h], o1 = acc[nt][2 * h + 1];
+                *reinterpret_cast<float2*>(out + (size_t)r * DV + c) =
+                    RND ? make_float2(round_tf32(o0), round_tf32(o1)) : make_float2(o0, o1);
             }
     } else {
         const int rt = t >> 4, ct = t & 15, mend = 8 * warp + 8;
@@ -413,7 +436,7 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
     }
 }
 
-template <bool TC>
+template <bool TC, bool PRE = true>
 __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out,
                                           float* __restrict__ gam_out, float* __restrict__ conv_state,
                                           const float* __restrict__ qn, const float* __restrict__ kn,
@@ -483,7 +506,7 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
 
     // K̂K̂ᵀ (warps 0-3) and Q̂K̂ᵀ (warps 4-7), 32 elements per thread.
     float acc[32];
-    gram<TC>(acc, warp < 4 ? KS : XS, KS, tid);
+    gram<TC, PRE>(acc, warp < 4 ? KS : XS, KS, tid);
     if (warp < 4) {
 #pragma unroll
         for (int e = 0; e < 32; ++e) {
@@ -525,7 +548,7 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
                 gram_pos<TC>(e, tid, r, c);
                 float v = 0.f;
                 if (c <= r) v = acc[e] * expf(GAM[h * CH + r] - GAM[h * CH + c]);
-                P[r * CH + c] = v;
+                P[r * CH + c] = TC && PRE ? round_tf32(v) : v;  // TC: P is only an mma operand
             }
         }
     }
@@ -548,11 +571,11 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
     __syncthreads();
     scale_rows(XS, KS, KSP, BEG, t, PB_THREADS);
     __syncthreads();
-    tri_mm<TC>(w_out + v0, A0, XS, t);
+    tri_mm<TC, PRE>(w_out + v0, A0, XS, t);
     __syncthreads();
     scale_rows(XS, KS, KSP, BEG + CH, t, PB_THREADS);
     __syncthreads();
-    tri_mm<TC>(w_out + v1, A1, XS, t);
+    tri_mm<TC, PRE>(w_out + v1, A1, XS, t);
 }
 
 }  // namespace calla_gdnp
@@ -688,12 +711,15 @@ __device__ __forceinline__ void issue_kp(float* S, const StateArgs& a, int n, in
 // X += slot[:, 0..HK) · S[k0 .. k0+HK, :]. TC: warp w computes the mma tiles of rows
 // 16·(w%8).. and columns 16·(w/8)..+15 (acc[0..8)); S in shared memory is TF32-rounded.
 // f32: rows 4·(t/8)..+3 x columns 4·(t%8)..+3 (acc[0..16)).
-template <bool TC>
+template <bool TC, bool PRE = true>
 __device__ __forceinline__ void half_product(float (&acc)[16], const float* slot, const float* Srows, int t) {
     if constexpr (TC) {
         float(&a2)[2][4] = *reinterpret_cast<float(*)[2][4]>(acc);
         const int warp = t >> 5;
-        warp_mma<2, HP, 1, CWP, 1, true>(a2, slot + 16 * (warp & 7) * HP, Srows + 16 * (warp >> 3), HK / 8);
+        if constexpr (PRE)
+            warp_mma_k<HK / 8, 2, HP, 1, CWP, 1, true, true>(a2, slot + 16 * (warp & 7) * HP, Srows + 16 * (warp >> 3));
+        else
+            warp_mma<2, HP, 1, CWP, 1, true>(a2, slot + 16 * (warp & 7) * HP, Srows + 16 * (warp >> 3), HK / 8);
     } else {
         const int rg = t >> 3, cg = t & 7;
         const float* A = slot + 4 * rg * HP;
@@ -718,7 +744,7 @@ __device__ __forceinline__ void half_product(float (&acc)[16], const float* slot
     }
 }
 
-template <bool TC>
+template <bool TC, bool PRE = true>
 __device__ __forceinline__ void state_body(float* __restrict__ out, float* __restrict__ s_state,
                                            const float* __restrict__ qn, const float* __restrict__ kn,
                                            const float* __restrict__ vu, const float* __restrict__ w,
@@ -771,11 +797,11 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         float acc[16];
 #pragma unroll
         for (int e = 0; e < 16; ++e) acc[e] = 0.f;  // TC uses acc[0..8)
-        half_product<TC>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, t);
+        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, t);
         cp_wait<2>();  // H(2n+1)
         __syncthreads();
         issue_half<NTH>(S, a, 2 * n + 3, t);  // into the slot just read
-        half_product<TC>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S + HK * CWP, t);
+        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S + HK * CWP, t);
 
         const float* U = S + SC_U + (n & 1) * CH * CWP;
         const float* GM = S + SC_GAM + (n & 1) * CH;
@@ -843,11 +869,14 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         for (int e = 0; e < NS; ++e) sr[e] *= eC;
         if constexpr (TC) {
             float(&s2)[2][4] = *reinterpret_cast<float(*)[2][4]>(sr);
-            warp_mma<2, 1, KCP, CWP, 1, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn, CH / 8);
+            if constexpr (PRE)
+                warp_mma_k<CH / 8, 2, 1, KCP, CWP, 1, true, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn);
+            else
+                warp_mma<2, 1, KCP, CWP, 1, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn, CH / 8);
             if (mt >= 4) {
                 const int om = mt - 4;
                 float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
-                warp_mma<2, PP, 1, CWP, 1, true>(o2, S + SC_P + 16 * om * PP, S + SC_VP + cn, 2 * om + 2);
+                warp_mma<2, PP, 1, CWP, 1, true, PRE>(o2, S + SC_P + 16 * om * PP, S + SC_VP + cn, 2 * om + 2);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = 16 * om + g + 8 * h, tok = n * CH + r;
@@ -972,4 +1001,20 @@ gdnp_norm(float* __restrict__ out, const float* __restrict__ proj, const float* 
     o.z = nw.z * (o.z * r) * silu_acc(z.z);
     o.w = nw.w * (o.w * r) * silu_acc(z.w);
     *op = o;
+}
+
+// The TF32 path as before session 24, every tensor-core operand rounded on load (PRE = false):
+// the measured twin of gdnp_prep_tf32 / gdnp_state_tf32 (GdnPrefillMath::Tf32Old).
+extern "C" __global__ void __launch_bounds__(256, 2)
+gdnp_prep_tf32old(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out,
+               float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,
+               const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,
+               int Tpad, int NC) {
+    calla_gdnp::prep_body<true, false>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T, Tpad, NC);
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+gdnp_state_tf32old(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
+                const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+                const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
+    calla_gdnp::state_body<true, false>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
 }

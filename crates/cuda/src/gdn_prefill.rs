@@ -55,6 +55,11 @@ pub enum GdnPrefillMath {
     /// TF32 tensor cores (`mma.sync m16n8k8`, operands rounded to 10-bit mantissas with
     /// `cvt.rna`, fp32 accumulation): ~1e-3 relative, far below the model's own BF16 rounding.
     Tf32,
+    /// TF32 as before session 24: every tensor-core operand rounded (`cvt.rna`) on each load
+    /// instead of once where it is stored. The same arithmetic up to where the rounding happens;
+    /// kept as the measured twin (`cuda_selftest --only gdnpre` times both).
+    #[doc(hidden)]
+    Tf32Old,
 }
 
 impl GdnPrefillMath {
@@ -62,19 +67,21 @@ impl GdnPrefillMath {
         match self {
             GdnPrefillMath::F32 => "gdnp_prep_f32",
             GdnPrefillMath::Tf32 => "gdnp_prep_tf32",
+            GdnPrefillMath::Tf32Old => "gdnp_prep_tf32old",
         }
     }
     fn state(self) -> &'static str {
         match self {
             GdnPrefillMath::F32 => "gdnp_state_f32",
             GdnPrefillMath::Tf32 => "gdnp_state_tf32",
+            GdnPrefillMath::Tf32Old => "gdnp_state_tf32old",
         }
     }
     /// Threads per block of `gdnp_state_*` (`sc_threads` in the kernel file).
     fn state_threads(self) -> u32 {
         match self {
             GdnPrefillMath::F32 => 256,
-            GdnPrefillMath::Tf32 => 512,
+            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Old => 512,
         }
     }
 }
@@ -154,6 +161,8 @@ impl CudaContext {
             ("gdnp_prep_tf32", PREP_FLOATS),
             ("gdnp_state_f32", STATE_FLOATS),
             ("gdnp_state_tf32", STATE_FLOATS),
+            ("gdnp_prep_tf32old", PREP_FLOATS),
+            ("gdnp_state_tf32old", STATE_FLOATS),
         ] {
             self.func(name)?.set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -249,6 +258,9 @@ impl CudaContext {
         let tpad = nc * CH;
         let (t_i, tpad_i, nc_i) = (t as i32, tpad as i32, nc as i32);
         let math = scratch.math;
+        // TF32: gdnp_conv stores q̂, k̂ TF32-rounded (they are only tensor-core operands there),
+        // as gdnp_prep_tf32 stores W and P, so no kernel rounds them again on every load
+        let round_qk = i32::from(math == GdnPrefillMath::Tf32);
         let stages = scratch.stages;
         let sc = scratch;
 
@@ -271,7 +283,8 @@ impl CudaContext {
                 .arg(a_neg_exp)
                 .arg(dt_bias)
                 .arg(&t_i)
-                .arg(&tpad_i);
+                .arg(&tpad_i)
+                .arg(&round_qk);
             // SAFETY: argument order and types match `gdnp_conv`; the scratch holds `tpad` rows.
             unsafe { b.launch(cfg) }?;
         }

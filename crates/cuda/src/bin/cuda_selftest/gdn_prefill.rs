@@ -37,12 +37,12 @@ const TOL_F32: Tol = Tol { rel: 1e-5, max_over_rms: 1e-4 };
 const TOL_TF32: Tol = Tol { rel: 5e-3, max_over_rms: 5e-2 };
 /// Bit-exact: `rel < tiny` only passes at 0.
 const EXACT: Tol = Tol { rel: f64::MIN_POSITIVE, max_over_rms: f64::MIN_POSITIVE };
-const MATHS: [GdnPrefillMath; 2] = [GdnPrefillMath::F32, GdnPrefillMath::Tf32];
+const MATHS: [GdnPrefillMath; 3] = [GdnPrefillMath::F32, GdnPrefillMath::Tf32, GdnPrefillMath::Tf32Old];
 
 fn tol(m: GdnPrefillMath) -> Tol {
     match m {
         GdnPrefillMath::F32 => TOL_F32,
-        GdnPrefillMath::Tf32 => TOL_TF32,
+        GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Old => TOL_TF32,
     }
 }
 
@@ -50,6 +50,7 @@ fn mname(m: GdnPrefillMath) -> &'static str {
     match m {
         GdnPrefillMath::F32 => "f32",
         GdnPrefillMath::Tf32 => "tf32",
+        GdnPrefillMath::Tf32Old => "tf32-old",
     }
 }
 
