@@ -213,7 +213,7 @@ gdnp_conv(float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vb
                     y.z *= qscale;
                     y.w *= qscale;
                 }
-                if (round_qk) {  // TF32 arithmetic: q̂, k̂ are only ever tensor-core operands there
+                if (round_qk) {  // TF32: stored rounded, so the tensor-core loads need no cvt (prep's β e^γ k̂ scales these)
                     y.x = round_tf32(y.x);
                     y.y = round_tf32(y.y);
                     y.z = round_tf32(y.z);
