@@ -258,8 +258,8 @@ impl CudaContext {
         let tpad = nc * CH;
         let (t_i, tpad_i, nc_i) = (t as i32, tpad as i32, nc as i32);
         let math = scratch.math;
-        // TF32: gdnp_conv stores q̂, k̂ TF32-rounded (they are only tensor-core operands there),
-        // as gdnp_prep_tf32 stores W and P, so no kernel rounds them again on every load
+        // TF32: gdnp_conv stores q̂, k̂ TF32-rounded, as gdnp_prep_tf32 stores W and P, so the
+        // tensor-core loads need no cvt (prep's β e^γ k̂ then scales the rounded k̂)
         let round_qk = i32::from(math == GdnPrefillMath::Tf32);
         let stages = scratch.stages;
         let sc = scratch;
