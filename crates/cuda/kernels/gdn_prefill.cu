@@ -1003,6 +1003,44 @@ gdnp_norm(float* __restrict__ out, const float* __restrict__ proj, const float* 
     *op = o;
 }
 
+// gdnp_norm_acts: the same gated RMSNorm, written only as the out_proj GEMM's bf16 activations
+// xb [T, NV·DV/2] words in gemm.cu's permuted order (bit for bit gdnp_norm followed by
+// qgemm_x_to_bf16); `o` (the state kernel's output) is only read. Lane l holds columns 4l..4l+3
+// of head j = 64·tile + 16c + 8h + 4p + s (tile = 2j + l/16, c = (l%16)/4, h = (l/2)%2, p = l%2);
+// word 8s + 4h + c of the tile holds columns (16c + 8h + s, +4), i.e. value s of the lane with
+// p = 0 and value s of its neighbour: lanes p = 0 / 1 write words s = 0, 1 / 2, 3.
+extern "C" __global__ void __launch_bounds__(256)
+gdnp_norm_acts(unsigned* __restrict__ xb, const float* __restrict__ o_in, const float* __restrict__ proj,
+               const float* __restrict__ norm_w, int T) {
+    using namespace calla_gdnp;
+    const int lane = threadIdx.x & 31;
+    const int wg = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const float4 nw = reinterpret_cast<const float4*>(norm_w)[lane];
+
+    calla_pdl_wait();
+
+    if (wg >= T * NV) return;
+    const int tok = wg / NV, j = wg % NV;
+    float4 o = reinterpret_cast<const float4*>(o_in + (size_t)tok * (NV * DV) + j * DV)[lane];
+    const float4 z = reinterpret_cast<const float4*>(proj + (size_t)tok * PROJ + Z_OFF + j * DV)[lane];
+    const float ss = calla_warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
+    const float r = 1.0f / sqrtf(ss / (float)DV + CALLA_RMS_EPS);
+    o.x = nw.x * (o.x * r) * silu_acc(z.x);
+    o.y = nw.y * (o.y * r) * silu_acc(z.y);
+    o.z = nw.z * (o.z * r) * silu_acc(z.z);
+    o.w = nw.w * (o.w * r) * silu_acc(z.w);
+    const int pp = lane & 1;
+    // p = 0 sends values 2, 3 (its neighbour's words); p = 1 sends values 0, 1
+    const float s0 = pp ? o.x : o.z, s1 = pp ? o.y : o.w;
+    const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    const float lo0 = pp ? r0 : o.x, hi0 = pp ? o.z : r0;  // word s = 2p
+    const float lo1 = pp ? r1 : o.y, hi1 = pp ? o.w : r1;  // word s = 2p + 1
+    const int tile = 2 * j + (lane >> 4), c = (lane & 15) >> 2, h = (lane >> 1) & 1;
+    unsigned* wr = xb + (size_t)tok * (NV * DV / 2) + 32 * tile + 8 * (2 * pp) + 4 * h + c;
+    wr[0] = (unsigned)calla_f32_to_bf16(lo0) | ((unsigned)calla_f32_to_bf16(hi0) << 16);
+    wr[8] = (unsigned)calla_f32_to_bf16(lo1) | ((unsigned)calla_f32_to_bf16(hi1) << 16);
+}
+
 // The TF32 path as before session 24, every tensor-core operand rounded on load (PRE = false):
 // the measured twin of gdnp_prep_tf32 / gdnp_state_tf32 (GdnPrefillMath::Tf32Old).
 extern "C" __global__ void __launch_bounds__(256, 2)

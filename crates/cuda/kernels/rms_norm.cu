@@ -1,6 +1,9 @@
 // Zero-centred RMSNorm (Qwen3-Next / Qwen3.5 style): y = x / sqrt(mean(x^2) + eps) * (1 + w).
 // One block of D/8 threads per row; each thread owns 8 consecutive elements (two float4).
 // x, y: f32 [n_rows, D]; w: f32 [D]. Dims from the generated header.
+// rms_norm_acts_d_model also (or only) writes the normed row as the prefill GEMMs' bf16
+// activations (the permuted order of gemm.cu's qgemm_x_to_bf16, same rounding), so a GEMM after
+// the norm needs no conversion pass of its own.
 
 #ifndef CALLA_D_MODEL
 #error "dims header missing"
@@ -8,9 +11,11 @@
 
 namespace calla_norm {
 
+// y may be null when xb is not (acts only); xb null: the plain norm.
 template <int D>
 __device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float* __restrict__ x,
-                                              const float* __restrict__ w, float eps) {
+                                              const float* __restrict__ w, float eps,
+                                              unsigned* __restrict__ xb = nullptr) {
     constexpr int THREADS = D / 8;
     constexpr int WARPS = THREADS / 32;
     static_assert(D % 256 == 0, "D must be a multiple of 256");
@@ -32,9 +37,23 @@ __device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float
     for (int i = 0; i < WARPS; ++i) tot += partial[i];
     const float inv = rsqrtf(tot / float(D) + eps);
     calla_pdl_launch_dependents();
-    float4* yr = reinterpret_cast<float4*>(y + (size_t)row * D) + 2 * t;
-    yr[0] = make_float4(a.x * inv * (1.f + wa.x), a.y * inv * (1.f + wa.y), a.z * inv * (1.f + wa.z), a.w * inv * (1.f + wa.w));
-    yr[1] = make_float4(b.x * inv * (1.f + wb.x), b.y * inv * (1.f + wb.y), b.z * inv * (1.f + wb.z), b.w * inv * (1.f + wb.w));
+    const float4 ya = make_float4(a.x * inv * (1.f + wa.x), a.y * inv * (1.f + wa.y), a.z * inv * (1.f + wa.z), a.w * inv * (1.f + wa.w));
+    const float4 yb = make_float4(b.x * inv * (1.f + wb.x), b.y * inv * (1.f + wb.y), b.z * inv * (1.f + wb.z), b.w * inv * (1.f + wb.w));
+    if (y != nullptr) {
+        float4* yr = reinterpret_cast<float4*>(y + (size_t)row * D) + 2 * t;
+        yr[0] = ya;
+        yr[1] = yb;
+    }
+    if (xb != nullptr) {
+        // Columns 8t .. 8t+7 = 64·tile + 16c + 8h + s (s = 0..7, t % 8 = 2c + h). Word
+        // m = 8s + 4h + c (s < 4) of the tile holds columns (16c + 8h + s, +4): gemm.cu's order.
+        const int tile = t >> 3, c = (t & 7) >> 1, h = t & 1;
+        unsigned* wr = xb + (size_t)row * (D / 2) + 32 * tile + 4 * h + c;
+        wr[0] = (unsigned)calla_f32_to_bf16(ya.x) | ((unsigned)calla_f32_to_bf16(yb.x) << 16);
+        wr[8] = (unsigned)calla_f32_to_bf16(ya.y) | ((unsigned)calla_f32_to_bf16(yb.y) << 16);
+        wr[16] = (unsigned)calla_f32_to_bf16(ya.z) | ((unsigned)calla_f32_to_bf16(yb.z) << 16);
+        wr[24] = (unsigned)calla_f32_to_bf16(ya.w) | ((unsigned)calla_f32_to_bf16(yb.w) << 16);
+    }
 }
 
 }  // namespace calla_norm
@@ -43,4 +62,13 @@ __device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float
 extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
 rms_norm_d_model(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ w, float eps) {
     calla_norm::rms_norm_body<CALLA_D_MODEL>(y, x, w, eps);
+}
+
+// The same norm, the result also (y not null) or only (y null) as bf16 GEMM activations
+// xb [n_rows, D/2] words in gemm.cu's permuted order: bit for bit rms_norm_d_model followed by
+// qgemm_x_to_bf16.
+extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
+rms_norm_acts_d_model(float* __restrict__ y, unsigned* __restrict__ xb, const float* __restrict__ x,
+                      const float* __restrict__ w, float eps) {
+    calla_norm::rms_norm_body<CALLA_D_MODEL>(y, x, w, eps, xb);
 }

@@ -27,6 +27,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, 
 use spec::production as p;
 
 use crate::gdn::{GDN_CONV_DIM, GDN_CONV_STATE_LEN, GDN_OUT, GDN_PROJ, GDN_STATE_LEN};
+use crate::gemm::GemmScratch;
 use crate::{CudaContext, CudaError};
 
 /// Chunk length of the chunked form (`C`); the kernels are built for 64.
@@ -224,6 +225,51 @@ impl CudaContext {
         scratch: &mut GdnPrefillScratch,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
+        self.gdn_prefill_into(proj, t, conv_w, a_neg_exp, dt_bias, norm_w, conv_state, s, scratch, out, None)
+    }
+
+    /// [`Self::gdn_prefill`] with the gated RMSNorm written only as the `out_proj` GEMM's bf16
+    /// activations into `acts` (`[t, n_v·d_v]`, bit for bit `gdn_prefill` followed by
+    /// [`Self::convert_acts`]; then [`Self::qgemm_converted`]). `out` receives the state
+    /// kernel's un-normalised `o` (`[t, n_v·d_v]`, scratch for the caller): the norm reads it
+    /// once and writes half the bytes, where `gdn_prefill` + `convert_acts` write it, read it
+    /// and write it again.
+    ///
+    /// # Errors
+    /// As [`Self::gdn_prefill`]; [`CudaError::Unsupported`] when `t` exceeds `acts.max_t()`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_prefill_acts(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        conv_w: &CudaView<'_, f32>,
+        a_neg_exp: &CudaView<'_, f32>,
+        dt_bias: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        conv_state: &mut CudaViewMut<'_, f32>,
+        s: &mut CudaViewMut<'_, f32>,
+        scratch: &mut GdnPrefillScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        acts: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.gdn_prefill_into(proj, t, conv_w, a_neg_exp, dt_bias, norm_w, conv_state, s, scratch, out, Some(acts))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_prefill_into(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        conv_w: &CudaView<'_, f32>,
+        a_neg_exp: &CudaView<'_, f32>,
+        dt_bias: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        conv_state: &mut CudaViewMut<'_, f32>,
+        s: &mut CudaViewMut<'_, f32>,
+        scratch: &mut GdnPrefillScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        acts: Option<&mut GemmScratch>,
+    ) -> Result<(), CudaError> {
         if t > scratch.max_t {
             return Err(CudaError::Unsupported(format!(
                 "gdn_prefill: {t} tokens, scratch holds {}",
@@ -243,6 +289,11 @@ impl CudaContext {
         crate::gdn::check_lengths("gdn_prefill", &checks)?;
         if t == 0 {
             return Ok(());
+        }
+        // the activations' shape is checked before anything is queued
+        let mut acts = acts;
+        if let Some(a) = acts.as_deref_mut() {
+            a.fill("gdn_prefill_acts", t, GDN_OUT)?;
         }
         let stream = self.stream();
         let aligned = [
@@ -339,10 +390,27 @@ impl CudaContext {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = stream.launch_builder(self.func("gdnp_norm")?);
-            b.arg(&mut *out).arg(proj).arg(norm_w).arg(&t_i);
-            // SAFETY: argument order and types match `gdnp_norm`.
-            unsafe { b.launch(cfg) }?;
+            match acts {
+                Some(a) => {
+                    let f = self.func("gdnp_norm_acts")?;
+                    {
+                        let xb = a.fill("gdn_prefill_acts", t, GDN_OUT)?;
+                        let mut b = stream.launch_builder(f);
+                        let o = out.as_view();
+                        b.arg(xb).arg(&o).arg(proj).arg(norm_w).arg(&t_i);
+                        // SAFETY: argument order and types match `gdnp_norm_acts`; the scratch
+                        // has room for t·GDN_OUT bf16 (checked by `fill`).
+                        unsafe { b.launch(cfg) }?;
+                    }
+                    a.filled(t, GDN_OUT);
+                }
+                None => {
+                    let mut b = stream.launch_builder(self.func("gdnp_norm")?);
+                    b.arg(&mut *out).arg(proj).arg(norm_w).arg(&t_i);
+                    // SAFETY: argument order and types match `gdnp_norm`.
+                    unsafe { b.launch(cfg) }?;
+                }
+            }
         }
         Ok(())
     }

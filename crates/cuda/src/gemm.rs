@@ -158,6 +158,38 @@ impl GemmScratch {
     pub fn max_t(&self) -> usize {
         self.max_t
     }
+
+    /// For a kernel outside this file that writes `[t, k]` activations into the scratch (in
+    /// the permuted bf16 order of `gemm.cu`): checks the shape, marks the scratch as holding
+    /// nothing until [`Self::filled`] and returns the buffer.
+    pub(crate) fn fill(&mut self, what: &str, t: usize, k: usize) -> Result<&mut CudaSlice<u16>, CudaError> {
+        check_k(k)?;
+        if t == 0 || t > self.max_t {
+            return Err(unsupported(format!("{what}: t = {t}, the GEMM scratch holds at most {} rows", self.max_t)));
+        }
+        self.conv = (0, 0);
+        Ok(&mut self.xb)
+    }
+
+    /// The launch that [`Self::fill`] prepared is queued: the scratch holds `[t, k]` now.
+    pub(crate) fn filled(&mut self, t: usize, k: usize) {
+        self.conv = (t, k);
+    }
+
+    /// The activations converted last, `[t, k]` bf16 bits in the permuted order of `gemm.cu`
+    /// ([`unpermute_row`] restores a row's order); empty when the scratch holds none. For
+    /// tests: waits for `cx`'s stream.
+    ///
+    /// # Errors
+    /// Driver errors.
+    #[doc(hidden)]
+    pub fn download_acts(&self, cx: &CudaContext) -> Result<Vec<u16>, CudaError> {
+        let (t, k) = self.conv;
+        if t * k == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(cx.stream().clone_dtoh(&self.xb.slice(..t * k))?)
+    }
 }
 
 /// MoE routing of up to `max_t` tokens and the buffers of the grouped expert GEMMs, all on the
@@ -415,6 +447,57 @@ impl CudaContext {
         // SAFETY: x has t*k f32, the scratch has room for t*k bf16 (checked above).
         unsafe { b.launch(cfg) }?;
         scratch.conv = (t, k);
+        Ok(())
+    }
+
+    /// The zero-centred RMSNorm of [`Self::rms_norm`] (`x/rms(x)·(1 + w)`, MODEL.md §3.3) on
+    /// `t` rows of `x` (`[t, D_MODEL]` f32), written as the GEMMs' bf16 activations into
+    /// `scratch` (bit for bit [`Self::rms_norm`] followed by [`Self::convert_acts`]) and, when
+    /// `y` is given, also as f32 into `y` (`[t, D_MODEL]`). One launch instead of two, and the
+    /// f32 rows are not read back. `*_converted` GEMMs and [`Self::moe_gate_up_grouped`] then
+    /// read the activations.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for `t` = 0 or above `scratch.max_t()`, or wrong lengths;
+    /// driver errors.
+    pub fn rms_norm_acts(
+        &self,
+        y: Option<&mut CudaViewMut<'_, f32>>,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        t: usize,
+        scratch: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        if w.len() != d || x.len() != t * d || y.as_ref().is_some_and(|y| y.len() != t * d) {
+            return Err(unsupported(format!(
+                "rms_norm_acts shapes: t = {t}, x {} y {:?} w {} (D = {d})",
+                x.len(),
+                y.as_ref().map(|y| y.len()),
+                w.len()
+            )));
+        }
+        let f = self.func("rms_norm_acts_d_model")?;
+        let stream = self.stream();
+        {
+            let xb = scratch.fill("rms_norm_acts", t, d)?;
+            let (pxb, _gxb) = xb.device_ptr_mut(stream);
+            let (py, _gy) = match y {
+                Some(y) => {
+                    let (py, gy) = y.device_ptr_mut(stream);
+                    (py, Some(gy))
+                }
+                None => (0, None),
+            };
+            let eps = p::RMS_EPS;
+            let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: ((d / 8) as u32, 1, 1), shared_mem_bytes: 0 };
+            let mut b = stream.launch_builder(f);
+            b.arg(&py).arg(&pxb).arg(x).arg(w).arg(&eps);
+            // SAFETY: x has t rows of D_MODEL f32, y (when not null) as many, the scratch room
+            // for t·D_MODEL bf16 (checked above).
+            unsafe { b.launch(cfg) }?;
+        }
+        scratch.filled(t, d);
         Ok(())
     }
 

@@ -187,7 +187,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "rms_norm",
         src: include_str!("../kernels/rms_norm.cu"),
-        entries: &["rms_norm_d_model"],
+        entries: &["rms_norm_d_model", "rms_norm_acts_d_model"],
     },
     KernelSource {
         name: "gdn",
@@ -203,7 +203,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "gdn_prefill",
         src: include_str!("../kernels/gdn_prefill.cu"),
-        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_prep_tf32old", "gdnp_state_tf32old"],
+        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_norm_acts", "gdnp_prep_tf32old", "gdnp_state_tf32old"],
     },
     KernelSource {
         name: "attention",

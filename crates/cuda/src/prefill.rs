@@ -6,7 +6,7 @@
 //! ```text
 //! x = embed[ids[pos0 .. pos0+t]]                                  embed_rows
 //! for each layer:
-//!     u = ZNorm(x; input_layernorm)                                rms_norm (t rows)
+//!     u = ZNorm(x; input_layernorm)                                rms_norm_acts (t rows, bf16 GEMM input)
 //!     GDN:  proj = u·[W_qkv|W_z|W_b|W_a]ᵀ ; o = chunked GDN (C = 64, state carried) ; h = x + o·W_outᵀ
 //!     attn: proj = u·[W_q|W_k|W_v]ᵀ       ; o = flash attention over the KV cache    ; h = x + o·W_oᵀ
 //!     u = ZNorm(h; post_attention_layernorm)
@@ -15,6 +15,9 @@
 //! ```
 //!
 //! then the last token's final norm, LM head and greedy pick, exactly as the decode step ends.
+//! The norms before the GEMMs (input norm, post-attention norm, the GDN gated norm) write the
+//! GEMMs' bf16 activations themselves ([`Prefiller::fused_norm_acts`]); the post-attention
+//! norm also writes f32 `u` for the router.
 //! Matrix products run on tensor cores in bf16 with f32 accumulation ([`crate::gemm`]); the
 //! GDN state and all activations between kernels stay f32.
 //!
@@ -26,7 +29,7 @@
 //! time, group-major ([`CudaContext::add_group_major`]; ~1/8 of the 4-bit codes' bytes again,
 //! about 2 GB).
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use model::load::Weights;
 use quant::{Bits, QMatRef};
 use spec::production as p;
@@ -35,7 +38,7 @@ use crate::attn_prefill::AttnPrefillScratch;
 use crate::decode::{CudaModel, CudaSession, DeviceLayerState, DeviceMixer};
 use crate::gdn::GDN_PROJ;
 use crate::gdn_prefill::GdnPrefillScratch;
-use crate::gemm::{GemmScratch, MoeRouting};
+use crate::gemm::{Epilogue, GemmScratch, MoeRouting};
 use crate::attention::ATTN_PROJ;
 use crate::{CudaContext, CudaError, DeviceQMat};
 
@@ -116,6 +119,15 @@ pub fn set_default_router_f32(on: bool) {
     DEFAULT_ROUTER_F32.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+static DEFAULT_FUSED_NORM_ACTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether every [`Prefiller`] created afterwards starts with [`Prefiller::fused_norm_acts`]
+/// (default `true`). Process-wide, like [`set_default_router_f32`] (`calla cuda-check
+/// --prefill-norm-acts-apart`).
+pub fn set_default_fused_norm_acts(on: bool) {
+    DEFAULT_FUSED_NORM_ACTS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Buffers and weights of the batched prefill, for chunks of up to `max_t` tokens.
 pub struct Prefiller {
     max_t: usize,
@@ -144,6 +156,13 @@ pub struct Prefiller {
     /// `--prefill-router`). Starts as [`set_default_router_f32`] last set
     /// ([`ROUTER_F32_DEFAULT`] unless set).
     pub router_f32: bool,
+    /// Write the GEMMs' bf16 activations straight from the norms (`true`, the default): the
+    /// input norm, the post-attention norm ([`CudaContext::rms_norm_acts`]; the shared expert
+    /// reads the main stream's copy) and the GDN gated norm ([`CudaContext::gdn_prefill_acts`]),
+    /// instead of f32 rows that [`CudaContext::convert_acts`] reads again. The same bits; for
+    /// measurement (`calla cuda-bench --prefill-compare`). Starts as
+    /// [`set_default_fused_norm_acts`] last set.
+    pub fused_norm_acts: bool,
     routing: MoeRouting,
     gdn: GdnPrefillScratch,
     attn: AttnPrefillScratch,
@@ -204,6 +223,7 @@ impl Prefiller {
             side: SharedExpertStream::new(cx, max_t)?,
             overlap_shared_expert: true,
             router_f32: DEFAULT_ROUTER_F32.load(std::sync::atomic::Ordering::Relaxed),
+            fused_norm_acts: DEFAULT_FUSED_NORM_ACTS.load(std::sync::atomic::Ordering::Relaxed),
             routing: cx.moe_routing(max_t)?,
             gdn: cx.gdn_prefill_scratch(max_t)?,
             attn: cx.attn_prefill_scratch(max_t)?,
@@ -275,32 +295,49 @@ impl Prefiller {
             if self.trace.is_some() {
                 x_in = st.clone_dtoh(&self.x.slice(..t * d))?;
             }
-            cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.x.slice(..t * d), &lw.input_norm.slice(..))?;
+            let fused = self.fused_norm_acts;
+            if fused {
+                // u as bf16 GEMM activations only: nothing else reads the input norm's rows
+                cx.rms_norm_acts(None, &self.x.slice(..t * d), &lw.input_norm.slice(..), t, &mut self.gemm)?;
+            } else {
+                cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.x.slice(..t * d), &lw.input_norm.slice(..))?;
+            }
             mark(&mut self.profile, cx, "rms norms")?;
+            // the stacked input projection on the normed rows (converted by the GEMM call when
+            // the norm wrote f32)
+            let in_proj_gemm = |cx: &CudaContext, y: &mut CudaViewMut<'_, f32>, w: &DeviceQMat, u: &CudaSlice<f32>, gemm: &mut GemmScratch| {
+                if fused {
+                    cx.qgemm_converted(y, w, gemm, t, Epilogue::Store)
+                } else {
+                    cx.qgemm(y, w, &u.slice(..t * d), t, gemm)
+                }
+            };
             match (&lw.mixer, ls) {
                 (DeviceMixer::Gdn { in_proj, conv_w, a_neg_exp, dt_bias, norm, out_proj, .. }, DeviceLayerState::Gdn { conv, s }) => {
                     let n_out = p::N_V_HEADS * p::D_V;
-                    cx.qgemm(&mut self.proj.slice_mut(..t * GDN_PROJ), &in_proj.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
+                    in_proj_gemm(cx, &mut self.proj.slice_mut(..t * GDN_PROJ), &in_proj.runs[0].0, &self.u, &mut self.gemm)?;
                     mark(&mut self.profile, cx, "GDN in_proj GEMM")?;
-                    cx.gdn_prefill(
-                        &self.proj.slice(..t * GDN_PROJ),
-                        t,
-                        &conv_w.slice(..),
-                        &a_neg_exp.slice(..),
-                        &dt_bias.slice(..),
-                        &norm.slice(..),
-                        &mut conv.slice_mut(..),
-                        &mut s.slice_mut(..),
-                        &mut self.gdn,
-                        &mut self.mix.slice_mut(..t * n_out),
-                    )?;
+                    let (proj, mut mix) = (self.proj.slice(..t * GDN_PROJ), self.mix.slice_mut(..t * n_out));
+                    let (conv_w, a_neg_exp, dt_bias, norm) = (conv_w.slice(..), a_neg_exp.slice(..), dt_bias.slice(..), norm.slice(..));
+                    let (mut conv, mut s) = (conv.slice_mut(..), s.slice_mut(..));
+                    if fused {
+                        // the gated norm writes out_proj's bf16 activations; mix holds the raw o
+                        cx.gdn_prefill_acts(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix, &mut self.gemm)?;
+                    } else {
+                        cx.gdn_prefill(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix)?;
+                    }
+                    drop(mix);
                     mark(&mut self.profile, cx, "GDN chunked core")?;
-                    cx.qgemm_residual(&mut self.h.slice_mut(..t * d), out_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                    if fused {
+                        cx.qgemm_converted(&mut self.h.slice_mut(..t * d), out_proj, &self.gemm, t, Epilogue::Residual(&self.x.slice(..t * d)))?;
+                    } else {
+                        cx.qgemm_residual(&mut self.h.slice_mut(..t * d), out_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                    }
                     mark(&mut self.profile, cx, "GDN out_proj GEMM")?;
                 }
                 (DeviceMixer::Attn { qkv, q_norm, k_norm, o_proj }, DeviceLayerState::Attn { k, v }) => {
                     let n_out = p::N_Q_HEADS * p::HEAD_DIM;
-                    cx.qgemm(&mut self.proj.slice_mut(..t * ATTN_PROJ), &qkv.runs[0].0, &self.u.slice(..t * d), t, &mut self.gemm)?;
+                    in_proj_gemm(cx, &mut self.proj.slice_mut(..t * ATTN_PROJ), &qkv.runs[0].0, &self.u, &mut self.gemm)?;
                     mark(&mut self.profile, cx, "attn q|gate|k|v GEMM")?;
                     cx.attn_prefill(
                         &self.proj.slice(..t * ATTN_PROJ),
@@ -325,7 +362,13 @@ impl Prefiller {
                 tr.push((format!("blk.{l}.mixer_out"), h.iter().zip(&x_in).map(|(a, b)| a - b).collect()));
                 x_in = h;
             }
-            cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.h.slice(..t * d), &lw.post_norm.slice(..))?;
+            if fused {
+                // u in f32 for the router, and as bf16 activations for the grouped gate/up
+                // and the shared expert
+                cx.rms_norm_acts(Some(&mut self.u.slice_mut(..t * d)), &self.h.slice(..t * d), &lw.post_norm.slice(..), t, &mut self.gemm)?;
+            } else {
+                cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.h.slice(..t * d), &lw.post_norm.slice(..))?;
+            }
             mark(&mut self.profile, cx, "rms norms")?;
             // MoE: routing, the shared expert, the routed experts, the combine with the residual.
             // The shared expert depends on u only: unless serial, it runs on the side stream
@@ -334,7 +377,8 @@ impl Prefiller {
             let serial = self.profile.is_some() || !self.overlap_shared_expert;
             if !serial {
                 self.side.fork_from(cx)?;
-                if let Err(e) = shared_expert(&self.side.cx, &mut self.side.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t) {
+                let u_acts = if fused { Some(&self.gemm) } else { None };
+                if let Err(e) = shared_expert(&self.side.cx, &mut self.side.gemm, u_acts, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t) {
                     let _ = self.side.join_to(cx); // whatever was queued there finishes before u changes
                     return Err(e);
                 }
@@ -363,9 +407,12 @@ impl Prefiller {
                     let ids = st.clone_dtoh(&self.routing.ids.slice(..t * p::TOP_K))?;
                     tr.push((format!("blk.{l}.moe.topk_idx"), ids.iter().map(|&i| i as f32).collect()));
                 }
-                // the grouped gate/up GEMM reads the last converted activations: u
-                cx.convert_acts(&self.u.slice(..t * d), t, d, &mut self.gemm)?;
-                mark(&mut self.profile, cx, "activations to bf16")?;
+                // the grouped gate/up GEMM reads the last converted activations: u (written by
+                // the fused norm already)
+                if !fused {
+                    cx.convert_acts(&self.u.slice(..t * d), t, d, &mut self.gemm)?;
+                    mark(&mut self.profile, cx, "activations to bf16")?;
+                }
                 cx.moe_gate_up_grouped(&pm.gate_up, &self.gemm, &mut self.routing, t)?;
                 mark(&mut self.profile, cx, "experts gate/up (grouped)")?;
                 Ok(())
@@ -373,7 +420,14 @@ impl Prefiller {
             if serial {
                 routed?;
                 // when profiling: serial, so that the phase marks above and below time one thing each
-                shared_expert(cx, &mut self.gemm, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
+                // (with the fused norm, u's activations are in the main scratch, which the
+                // gate/up left as they were; the down product's conversion then goes into the
+                // idle side stream's scratch)
+                if fused {
+                    shared_expert(cx, &mut self.side.gemm, Some(&self.gemm), pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
+                } else {
+                    shared_expert(cx, &mut self.gemm, None, pm, &self.u, &mut self.shared_act, &mut self.shared_out, t)?;
+                }
                 mark(&mut self.profile, cx, "shared expert")?;
             } else {
                 let joined = self.side.join_to(cx);
@@ -409,10 +463,24 @@ impl Drop for Prefiller {
 
 /// The shared expert of one MoE block on a chunk's `t` rows of `u`:
 /// `shared_out = down(silu(gate·u)·(up·u))` (its sigmoid gate is applied by the combine), on
-/// `sx`'s stream with `scratch`.
-fn shared_expert(sx: &CudaContext, scratch: &mut GemmScratch, pm: &PrefillMoe, u: &CudaSlice<f32>, act: &mut CudaSlice<f32>, out: &mut CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
+/// `sx`'s stream with `scratch`. `u_acts`: a scratch that already holds `u` as bf16
+/// activations (read, not written), or `None` to convert `u` into `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn shared_expert(
+    sx: &CudaContext,
+    scratch: &mut GemmScratch,
+    u_acts: Option<&GemmScratch>,
+    pm: &PrefillMoe,
+    u: &CudaSlice<f32>,
+    act: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    t: usize,
+) -> Result<(), CudaError> {
     let (d, ds) = (p::D_MODEL, p::D_SHARED_EXPERT);
-    sx.qgemm_swiglu(&mut act.slice_mut(..t * ds), &pm.shared_gate_up, &u.slice(..t * d), t, scratch)?;
+    match u_acts {
+        Some(ua) => sx.qgemm_converted(&mut act.slice_mut(..t * ds), &pm.shared_gate_up, ua, t, Epilogue::SwiGlu)?,
+        None => sx.qgemm_swiglu(&mut act.slice_mut(..t * ds), &pm.shared_gate_up, &u.slice(..t * d), t, scratch)?,
+    }
     sx.qgemm(&mut out.slice_mut(..t * d), &pm.shared_down, &act.slice(..t * ds), t, scratch)?;
     Ok(())
 }

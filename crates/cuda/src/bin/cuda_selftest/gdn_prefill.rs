@@ -397,6 +397,67 @@ fn run_split(s: &mut Suite, scratch: &mut GdnPrefillScratch, w: &Weights, wd: &D
     }
 }
 
+/// `gdn_prefill_acts` against `gdn_prefill` + `convert_acts` from the same state (TF32, the
+/// default arithmetic): the activations, the conv state and `S` bit for bit, and an unwritten
+/// activation row (the scratch is first filled with a NaN pattern by `convert_acts`) fails.
+pub fn acts_check(s: &mut Suite) {
+    let cx = s.cx;
+    let w = weights(0x9D2);
+    let wd = upload_weights(cx, &w);
+    let mut scratch = cx.gdn_prefill_scratch(300).expect("scratch");
+    let mut gemm = cx.gemm_scratch(300).expect("gemm scratch");
+    let rnd_conv = rand_f32s(GDN_CONV_STATE_LEN, 0xC1, 3f32.sqrt());
+    let rnd_s = rand_f32s(GDN_STATE_LEN, 0x6, 0.5);
+    for (ti, &t) in [1usize, 65, 300].iter().enumerate() {
+        let x = proj(t, 0x7300 + ti as u64);
+        let projd = cx.upload_f32(&x).unwrap();
+        let mut runs = Vec::new();
+        for fused in [false, true] {
+            let mut convd = upload_guarded(cx, &rnd_conv);
+            let mut sd = upload_guarded(cx, &rnd_s);
+            let mut outd = guarded(cx, t * GDN_OUT);
+            // NaN activations first, so that a row the fused norm leaves unwritten shows
+            let nan = cx.upload_f32(&vec![f32::NAN; t * GDN_OUT]).unwrap();
+            cx.convert_acts(&nan.slice(..), t, GDN_OUT, &mut gemm).unwrap();
+            let mut ov = outd.slice_mut(GUARD..GUARD + t * GDN_OUT);
+            let mut cv = convd.slice_mut(GUARD..GUARD + GDN_CONV_STATE_LEN);
+            let mut sv = sd.slice_mut(GUARD..GUARD + GDN_STATE_LEN);
+            let (wc, wa, wdt, wn) = (wd.conv_w.slice(..), wd.a_neg_exp.slice(..), wd.dt_bias.slice(..), wd.norm_w.slice(..));
+            if fused {
+                cx.gdn_prefill_acts(&projd.slice(..), t, &wc, &wa, &wdt, &wn, &mut cv, &mut sv, &mut scratch, &mut ov, &mut gemm)
+                    .expect("gdn_prefill_acts");
+            } else {
+                cx.gdn_prefill(&projd.slice(..), t, &wc, &wa, &wdt, &wn, &mut cv, &mut sv, &mut scratch, &mut ov).expect("gdn_prefill");
+                drop(ov);
+                cx.convert_acts(&outd.slice(GUARD..GUARD + t * GDN_OUT), t, GDN_OUT, &mut gemm).unwrap();
+            }
+            let acts = gemm.download_acts(cx).unwrap();
+            runs.push((acts, cx.download_f32(&convd).unwrap(), cx.download_f32(&sd).unwrap()));
+        }
+        let (a0, c0, s0) = &runs[0];
+        let (a1, c1, s1) = &runs[1];
+        let nan_acts = a1.iter().filter(|&&b| (b & 0x7fff) > 0x7f80).count();
+        let differ = a0.iter().zip(a1).filter(|(x, y)| x != y).count();
+        // whole guarded buffers bit for bit (guards included), and the state finite
+        let bits = |a: &[f32], b: &[f32]| a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits());
+        let (s_differ, c_differ) = (bits(s1, s0), bits(c1, c0));
+        let finite = s1[GUARD..s1.len() - GUARD].iter().all(|v| v.is_finite());
+        let ok = a1.len() == t * GDN_OUT && differ == 0 && nan_acts == 0 && !s_differ && !c_differ && finite;
+        let c = crate::common::Cmp {
+            rel: if ok { 0.0 } else { f64::NAN },
+            max_over_rms: if ok { 0.0 } else { f64::NAN },
+            ok,
+            msg: format!(
+                "acts: {differ} of {} differ, {nan_acts} NaN; S {}; conv state {}",
+                a1.len(),
+                if s_differ { "DIFFERS" } else { "equal" },
+                if c_differ { "DIFFERS" } else { "equal" }
+            ),
+        };
+        s.record(SEC, &format!("T={t:<4} gdn_prefill_acts = gdn_prefill + convert_acts, bit for bit"), &c, "");
+    }
+}
+
 /// Runs the GDN prefill checks and timings.
 pub fn run(s: &mut Suite) {
     let cx = s.cx;
@@ -417,6 +478,7 @@ pub fn run(s: &mut Suite) {
     }
     run_split(s, &mut scratch, &w, &wd);
     drop(scratch);
+    acts_check(s);
     timing(s, &wd);
 }
 

@@ -1371,7 +1371,46 @@ pub fn router_checks(s: &mut Suite) {
 }
 
 /// Runs the prefill GEMM checks and timings.
+/// `rms_norm_acts` against `rms_norm` + `convert_acts` on the same rows, T ∈ {1, 7, 300}:
+/// the bf16 activations (with and without the f32 output) and the f32 output bit for bit. The
+/// scratch is first filled with NaN activations, so a row the fused kernel leaves unwritten
+/// fails; a wrong column order fails as a differing word.
+pub fn norm_acts_check(s: &mut Suite) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let mut scratch = cx.gemm_scratch(300).expect("gemm scratch");
+    let w = cx.upload_f32(&rand_f32s(d, 0x4E0, 0.5)).unwrap();
+    for (ti, &t) in [1usize, 7, 300].iter().enumerate() {
+        let x = cx.upload_f32(&rand_x(t * d, 0x4E1 + ti as u64)).unwrap();
+        let nan = cx.upload_f32(&vec![f32::NAN; t * d]).unwrap();
+        let mut y_ref = cx.upload_f32(&vec![0.0; t * d]).unwrap();
+        let mut y = cx.upload_f32(&vec![f32::NAN; t * d]).unwrap();
+        cx.rms_norm(&mut y_ref.slice_mut(..), &x.slice(..), &w.slice(..)).unwrap();
+        cx.convert_acts(&y_ref.slice(..), t, d, &mut scratch).unwrap();
+        let want = scratch.download_acts(cx).unwrap();
+        let mut got = Vec::new();
+        for with_f32 in [true, false] {
+            cx.convert_acts(&nan.slice(..), t, d, &mut scratch).unwrap();
+            let mut yv = y.slice_mut(..);
+            cx.rms_norm_acts(with_f32.then_some(&mut yv), &x.slice(..), &w.slice(..), t, &mut scratch).unwrap();
+            got.push(scratch.download_acts(cx).unwrap());
+        }
+        let (yr, yg) = (cx.download_f32(&y_ref).unwrap(), cx.download_f32(&y).unwrap());
+        let mut c = check_bits(&yg, &yr, "f32 outputs");
+        for (g, what) in got.iter().zip(["with f32 out", "acts only"]) {
+            let differ = g.len().abs_diff(want.len()) + g.iter().zip(&want).filter(|(a, b)| a != b).count();
+            let nans = g.iter().filter(|&&b| (b & 0x7fff) > 0x7f80).count();
+            if differ > 0 || nans > 0 {
+                c.ok = false;
+            }
+            c.msg.push_str(&format!("acts {what}: {differ} of {} differ, {nans} NaN; ", want.len()));
+        }
+        s.record(SEC, &format!("rms_norm_acts T={t} = rms_norm + convert_acts, bit for bit"), &c, "");
+    }
+}
+
 pub fn run(s: &mut Suite) {
+    norm_acts_check(s);
     probe(s);
     router_checks(s);
     route_check(s);
