@@ -5,7 +5,8 @@
 #   2. a 4-layer full-width synthetic 4-bit checkpoint, and `calla cuda-check` on it (the GPU
 #      decode path against the CPU path, end to end),
 #      (also with each other MoE path: `--moe three|fold|cluster|fused`, with the measured
-#      variants `--gdn-in-step` and `--gemv-staged`, and with `--prefill-router f32`),
+#      variants `--gdn-in-step` and `--gemv-staged`, with `--prefill-router f32`, and with
+#      `--prefill-norm-acts-apart` and `--gemm-grouped2`),
 #      and `calla serve --device cuda` over HTTP (scripts/gpu_serve_check.py),
 #   3. unless --no-bench: the full-size synthetic 4-bit checkpoint and `calla cuda-bench`, then
 #      the engine on the GPU (`calla generate --device cuda`, `calla serve --device cuda`)
@@ -104,6 +105,13 @@ if [ "$check" = 1 ]; then
   step "cuda-check with PDL, --prefill-router f32"
   $to $b/calla cuda-check --model "$work/L4-q4" --pdl --prefill-router f32 > "$out/cuda-check-router-f32.txt" 2>&1 || status=1
   tail -3 "$out/cuda-check-router-f32.txt"
+  # the prefill's norms and GEMM conversions apart, and the grouped narrow tile at two blocks
+  # per SM (both the same bits as the defaults: docs/CUDA.md, session 26)
+  for v in prefill-norm-acts-apart gemm-grouped2; do
+    step "cuda-check with PDL, --$v"
+    $to $b/calla cuda-check --model "$work/L4-q4" --pdl --$v > "$out/cuda-check-$v.txt" 2>&1 || status=1
+    tail -3 "$out/cuda-check-$v.txt"
+  done
   # the attention decode kernels' other trigger placements (the same bits)
   for w in split combine; do
     step "cuda-check with PDL, --attn-trigger-flip $w"

@@ -216,6 +216,10 @@ pub struct CudaBenchArgs {
     /// writing the GEMMs' activations (the same bits; `Prefiller::fused_norm_acts`).
     #[arg(long)]
     prefill_norm_acts_apart: bool,
+    /// The grouped expert GEMMs' narrow tile on the lean loop at two blocks per SM instead of
+    /// three (the same bits; `CudaContext::set_gemm_grouped3`).
+    #[arg(long)]
+    gemm_grouped2: bool,
     /// Also time decode (first decode context) with the input projections launched as
     /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
     /// each entry in turn, between two rows as configured, in this process.
@@ -336,6 +340,10 @@ pub struct CudaCheckArgs {
     /// writing the GEMMs' activations (the same bits; `Prefiller::fused_norm_acts`).
     #[arg(long)]
     prefill_norm_acts_apart: bool,
+    /// The grouped expert GEMMs' narrow tile on the lean loop at two blocks per SM instead of
+    /// three (the same bits; `CudaContext::set_gemm_grouped3`).
+    #[arg(long)]
+    gemm_grouped2: bool,
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
@@ -640,6 +648,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     cuda::gemm::set_default_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
     cuda::prefill::set_default_fused_norm_acts(!a.prefill_norm_acts_apart);
+    cuda::gemm::set_default_gemm_grouped3(!a.gemm_grouped2);
+    cx.set_gemm_grouped3(!a.gemm_grouped2);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -665,25 +675,28 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let router_f32 = pf.router_f32;
             let fused = pf.fused_norm_acts;
+            let grouped3 = cx.gemm_grouped3();
             let group_major = cx.gemm_group_major();
             let lean = cx.gemm_lean();
             for round in 0..6 {
                 // as configured; the shared expert on the main stream; the other router; the
                 // dense projections' GEMMs on the other layout (their group-major copies used
                 // or not); the GEMMs on the other main loop; the norms writing the GEMMs'
-                // activations or not
+                // activations or not; the grouped expert GEMMs at three blocks per SM or not
                 let cases = [
-                    (true, router_f32, group_major, lean, fused),
-                    (false, router_f32, group_major, lean, fused),
-                    (true, !router_f32, group_major, lean, fused),
-                    (true, router_f32, !group_major, lean, fused),
-                    (true, router_f32, group_major, !lean, fused),
-                    (true, router_f32, group_major, lean, !fused),
+                    (true, router_f32, group_major, lean, fused, grouped3),
+                    (false, router_f32, group_major, lean, fused, grouped3),
+                    (true, !router_f32, group_major, lean, fused, grouped3),
+                    (true, router_f32, !group_major, lean, fused, grouped3),
+                    (true, router_f32, group_major, !lean, fused, grouped3),
+                    (true, router_f32, group_major, lean, !fused, grouped3),
+                    (true, router_f32, group_major, lean, fused, !grouped3),
                 ];
-                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three)) in cases.into_iter().enumerate() {
+                    pf.set_gemm_grouped3(&cx, three);
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
                     pf.fused_norm_acts = fused_acts;
@@ -703,24 +716,28 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.set_group_major_copies(&cx, group_major);
             pf.set_gemm_lean(&cx, lean);
             pf.fused_norm_acts = fused;
-            let [on, off, other, layout, main_loop, acts] = ms.each_mut().map(|v| median(v));
+            pf.set_gemm_grouped3(&cx, grouped3);
+            let [on, off, other, layout, main_loop, acts, g3] = ms.each_mut().map(|v| median(v));
+            let g3_name = if grouped3 { "grouped GEMMs at two blocks per SM" } else { "grouped GEMMs at three blocks per SM" };
             let acts_name = if fused { "norms and GEMM conversions apart" } else { "norms writing the GEMMs' activations" };
             let loop_name = if lean { "GEMMs on the plain loop" } else { "GEMMs on the lean loop" };
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
                 100.0 * (other / on - 1.0),
                 100.0 * (layout / on - 1.0),
                 100.0 * (main_loop / on - 1.0),
-                100.0 * (acts / on - 1.0)
+                100.0 * (acts / on - 1.0),
+                100.0 * (g3 / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
             row[if group_major { "dense_mlx_layout_ms" } else { "dense_group_major_ms" }] = serde_json::json!(layout);
             row[if lean { "gemm_plain_ms" } else { "gemm_lean_ms" }] = serde_json::json!(main_loop);
             row[if fused { "norm_acts_apart_ms" } else { "norm_acts_fused_ms" }] = serde_json::json!(acts);
+            row[if grouped3 { "grouped_two_per_sm_ms" } else { "grouped_three_per_sm_ms" }] = serde_json::json!(g3);
             prefill_compare.push(row);
         }
     }
@@ -1124,6 +1141,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["prefill_router"] = serde_json::json!(format!("{:?}", a.prefill_router));
     out["gemm_main_loop"] = serde_json::json!(format!("{:?}", a.gemm_main_loop));
     out["prefill_norm_acts"] = serde_json::json!(if a.prefill_norm_acts_apart { "apart" } else { "fused" });
+    out["gemm_grouped3"] = serde_json::json!(!a.gemm_grouped2);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1227,6 +1245,8 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     cuda::gemm::set_default_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
     cuda::prefill::set_default_fused_norm_acts(!a.prefill_norm_acts_apart);
+    cuda::gemm::set_default_gemm_grouped3(!a.gemm_grouped2);
+    cx.set_gemm_grouped3(!a.gemm_grouped2);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

@@ -980,6 +980,19 @@ gdnp_state_tf32(float* __restrict__ out, float* __restrict__ s_state, const floa
 // gdnp_norm: gated RMSNorm in place, one warp per (token, V head), 256 threads per block:
 // out = norm_w ⊙ (o / sqrt(mean(o²) + eps)) ⊙ SiLU(z), with norm_w used as stored (no +1).
 // =====================================================================================
+namespace calla_gdnp {
+// The gated norm of one (token, V head) row: lane holds its 4 columns o, z and weights nw.
+__device__ __forceinline__ float4 gated_norm4(float4 o, float4 z, float4 nw) {
+    const float ss = calla_warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
+    const float r = 1.0f / sqrtf(ss / (float)DV + CALLA_RMS_EPS);
+    o.x = nw.x * (o.x * r) * silu_acc(z.x);
+    o.y = nw.y * (o.y * r) * silu_acc(z.y);
+    o.z = nw.z * (o.z * r) * silu_acc(z.z);
+    o.w = nw.w * (o.w * r) * silu_acc(z.w);
+    return o;
+}
+}  // namespace calla_gdnp
+
 extern "C" __global__ void __launch_bounds__(256)
 gdnp_norm(float* __restrict__ out, const float* __restrict__ proj, const float* __restrict__ norm_w, int T) {
     using namespace calla_gdnp;
@@ -992,15 +1005,8 @@ gdnp_norm(float* __restrict__ out, const float* __restrict__ proj, const float* 
     if (wg >= T * NV) return;
     const int tok = wg / NV, j = wg % NV;
     float4* op = reinterpret_cast<float4*>(out + (size_t)tok * (NV * DV) + j * DV) + lane;
-    float4 o = *op;
     const float4 z = reinterpret_cast<const float4*>(proj + (size_t)tok * PROJ + Z_OFF + j * DV)[lane];
-    const float ss = calla_warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
-    const float r = 1.0f / sqrtf(ss / (float)DV + CALLA_RMS_EPS);
-    o.x = nw.x * (o.x * r) * silu_acc(z.x);
-    o.y = nw.y * (o.y * r) * silu_acc(z.y);
-    o.z = nw.z * (o.z * r) * silu_acc(z.z);
-    o.w = nw.w * (o.w * r) * silu_acc(z.w);
-    *op = o;
+    *op = gated_norm4(*op, z, nw);
 }
 
 // gdnp_norm_acts: the same gated RMSNorm, written only as the out_proj GEMM's bf16 activations
@@ -1021,14 +1027,8 @@ gdnp_norm_acts(unsigned* __restrict__ xb, const float* __restrict__ o_in, const 
 
     if (wg >= T * NV) return;
     const int tok = wg / NV, j = wg % NV;
-    float4 o = reinterpret_cast<const float4*>(o_in + (size_t)tok * (NV * DV) + j * DV)[lane];
     const float4 z = reinterpret_cast<const float4*>(proj + (size_t)tok * PROJ + Z_OFF + j * DV)[lane];
-    const float ss = calla_warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
-    const float r = 1.0f / sqrtf(ss / (float)DV + CALLA_RMS_EPS);
-    o.x = nw.x * (o.x * r) * silu_acc(z.x);
-    o.y = nw.y * (o.y * r) * silu_acc(z.y);
-    o.z = nw.z * (o.z * r) * silu_acc(z.z);
-    o.w = nw.w * (o.w * r) * silu_acc(z.w);
+    const float4 o = gated_norm4(reinterpret_cast<const float4*>(o_in + (size_t)tok * (NV * DV) + j * DV)[lane], z, nw);
     const int pp = lane & 1;
     // p = 0 sends values 2, 3 (its neighbour's words); p = 1 sends values 0, 1
     const float s0 = pp ? o.x : o.z, s1 = pp ? o.y : o.w;

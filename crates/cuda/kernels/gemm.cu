@@ -661,7 +661,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
-// products that average few entries per expert) x (engine)
+// products that average few entries per expert) x (engine); the _ln3 ones 3 blocks/SM
 #define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, LEAN, MINB)                                                  \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
@@ -698,6 +698,10 @@ CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln, 4, 2, 32, true, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_big_ln, 8, 2, 128, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q8_tall_ln, 8, 2, 64, true, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_ln, 8, 2, 32, true, true, 2)
+// the lean copies compiled for three blocks per SM (at most 85 registers): 4-bit narrow and
+// small tiles, whose 66-71 KB rings fit three to an SM (GemmEngine::WgmmaLean3)
+CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln3, 4, 2, 32, true, true, 3)
+CALLA_QGEMM_ENTRY(qgemm_q4_small_ln3, 4, 1, 64, true, true, 3)
 
 // The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
 // [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.
@@ -975,22 +979,9 @@ extern "C" __global__ void qgemm_moe_combine(float* out, const float* resid, con
     for (int s = 0; s < TK; ++s) w[s] = wts[tok * TK + s];
     const float sw = shared_w[tok];
     for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int s = 0; s < TK; ++s) {
-            const float4 v = reinterpret_cast<const float4*>(slot_out + ((size_t)tok * TK + s) * D)[d4];
-            acc.x = fmaf(w[s], v.x, acc.x);
-            acc.y = fmaf(w[s], v.y, acc.y);
-            acc.z = fmaf(w[s], v.z, acc.z);
-            acc.w = fmaf(w[s], v.w, acc.w);
-        }
         const float4 sh = reinterpret_cast<const float4*>(shared + (size_t)tok * D)[d4];
         const float4 r = reinterpret_cast<const float4*>(resid + (size_t)tok * D)[d4];
-        float4 o;
-        o.x = r.x + fmaf(sw, sh.x, acc.x);
-        o.y = r.y + fmaf(sw, sh.y, acc.y);
-        o.z = r.z + fmaf(sw, sh.z, acc.z);
-        o.w = r.w + fmaf(sw, sh.w, acc.w);
-        reinterpret_cast<float4*>(out + (size_t)tok * D)[d4] = o;
+        reinterpret_cast<float4*>(out + (size_t)tok * D)[d4] =
+            calla_moe_combine4<TK>(slot_out + (size_t)tok * TK * D, D, d4, w, sw, sh, r);
     }
 }

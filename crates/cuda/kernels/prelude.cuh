@@ -139,6 +139,26 @@ __device__ __forceinline__ unsigned short calla_f32_to_bf16(float f) {
     return (unsigned short)(u >> 16);
 }
 
+// One float4 (index d4 of the row) of the prefill's MoE combine for one token:
+// resid + (Σ_slot w[slot]·slot_row[slot] + sw·shared), slots in order (fmaf chain); slot rows of
+// `stride` floats from `slot_rows`. Shared by gemm.cu's qgemm_moe_combine and rms_norm.cu's
+// moe_combine_norm_acts, which must agree bit for bit.
+template <int TK>
+__device__ __forceinline__ float4 calla_moe_combine4(const float* __restrict__ slot_rows, size_t stride, int d4,
+                                                     const float (&w)[TK], float sw, float4 sh, float4 r) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < TK; ++s) {
+        const float4 v = reinterpret_cast<const float4*>(slot_rows + s * stride)[d4];
+        acc.x = fmaf(w[s], v.x, acc.x);
+        acc.y = fmaf(w[s], v.y, acc.y);
+        acc.z = fmaf(w[s], v.z, acc.z);
+        acc.w = fmaf(w[s], v.w, acc.w);
+    }
+    return make_float4(r.x + fmaf(sw, sh.x, acc.x), r.y + fmaf(sw, sh.y, acc.y), r.z + fmaf(sw, sh.z, acc.z),
+                       r.w + fmaf(sw, sh.w, acc.w));
+}
+
 __device__ __forceinline__ float calla_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float calla_silu(float x) { return x / (1.0f + __expf(-x)); }
 

@@ -11,22 +11,17 @@
 
 namespace calla_norm {
 
-// y may be null when xb is not (acts only); xb null: the plain norm.
+// The norm of one row whose elements 8t .. 8t+7 thread t holds as a, b; wa, wb the matching
+// weights. y may be null when xb is not (acts only); xb null: the plain norm.
 template <int D>
-__device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float* __restrict__ x,
-                                              const float* __restrict__ w, float eps,
-                                              unsigned* __restrict__ xb = nullptr) {
+__device__ __forceinline__ void rms_norm_tail(float* __restrict__ y, float4 a, float4 b, float4 wa, float4 wb,
+                                              float eps, unsigned* __restrict__ xb) {
     constexpr int THREADS = D / 8;
     constexpr int WARPS = THREADS / 32;
     static_assert(D % 256 == 0, "D must be a multiple of 256");
     __shared__ float partial[WARPS];
     const int row = blockIdx.x;
     const int t = threadIdx.x;
-    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
-    const float4 wa = wr[0], wb = wr[1];  // weights: safe to read before the wait
-    calla_pdl_wait();
-    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * D) + 2 * t;
-    float4 a = xr[0], b = xr[1];
     float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -56,6 +51,19 @@ __device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float
     }
 }
 
+template <int D>
+__device__ __forceinline__ void rms_norm_body(float* __restrict__ y, const float* __restrict__ x,
+                                              const float* __restrict__ w, float eps,
+                                              unsigned* __restrict__ xb = nullptr) {
+    const int row = blockIdx.x;
+    const int t = threadIdx.x;
+    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
+    const float4 wa = wr[0], wb = wr[1];  // weights: safe to read before the wait
+    calla_pdl_wait();
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * D) + 2 * t;
+    rms_norm_tail<D>(y, xr[0], xr[1], wa, wb, eps, xb);
+}
+
 }  // namespace calla_norm
 
 // Residual-stream norm (input_layernorm, post_attention_layernorm, final norm): D = D_MODEL.
@@ -71,4 +79,41 @@ extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
 rms_norm_acts_d_model(float* __restrict__ y, unsigned* __restrict__ xb, const float* __restrict__ x,
                       const float* __restrict__ w, float eps) {
     calla_norm::rms_norm_body<CALLA_D_MODEL>(y, x, w, eps, xb);
+}
+
+// The prefill's MoE combine (calla_moe_combine4, as gemm.cu's qgemm_moe_combine)
+// fused with the next layer's input norm: per token (one block of D_MODEL/8 threads, thread t
+// owns elements 8t .. 8t+7)
+//   out = resid + (Σ_slot w[tok, slot]·slot_out[tok·k + slot] + shared_w[tok]·shared[tok])
+// stored as f32 (the residual stream; out may alias resid), then rms_norm_acts_d_model of out
+// with norm_w into xb (bf16 GEMM activations, nothing else): bit for bit the combine followed
+// by that norm.
+extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
+moe_combine_norm_acts(float* out, const float* resid, const float* __restrict__ slot_out,
+                      const float* __restrict__ wts, const float* __restrict__ shared,
+                      const float* __restrict__ shared_w, const float* __restrict__ norm_w,
+                      unsigned* __restrict__ xb, float eps, int t) {
+    constexpr int D = CALLA_D_MODEL, TK = CALLA_TOP_K;
+    const int tok = blockIdx.x, th = threadIdx.x;
+    const float4* nw = reinterpret_cast<const float4*>(norm_w) + 2 * th;
+    const float4 wa = nw[0], wb = nw[1];  // weights: safe to read before the wait
+    calla_pdl_wait();
+    if (tok >= t) return;
+    float w[TK];
+#pragma unroll
+    for (int s = 0; s < TK; ++s) w[s] = wts[tok * TK + s];
+    const float sw = shared_w[tok];
+    float4 o[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int d4 = 2 * th + h;
+        const float4 sh = reinterpret_cast<const float4*>(shared + (size_t)tok * D)[d4];
+        const float4 r = reinterpret_cast<const float4*>(resid + (size_t)tok * D)[d4];
+        o[h] = calla_moe_combine4<TK>(slot_out + (size_t)tok * TK * D, D, d4, w, sw, sh, r);
+    }
+    // every thread read its own elements of resid before writing them (out may alias it)
+    float4* orow = reinterpret_cast<float4*>(out + (size_t)tok * D) + 2 * th;
+    orow[0] = o[0];
+    orow[1] = o[1];
+    calla_norm::rms_norm_tail<D>(nullptr, o[0], o[1], wa, wb, eps, xb);
 }

@@ -61,6 +61,20 @@ pub fn set_default_gemm_lean(on: bool) {
     DEFAULT_GEMM_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_grouped3`] on (the
+/// process default, [`set_default_gemm_grouped3`]; on unless set).
+pub fn default_gemm_grouped3() -> bool {
+    DEFAULT_GEMM_GROUPED3.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_GROUPED3: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Sets [`default_gemm_grouped3`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --gemm-grouped2` turns it off).
+pub fn set_default_gemm_grouped3(on: bool) {
+    DEFAULT_GEMM_GROUPED3.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// See [`set_default_gemm_lean`].
 pub fn default_gemm_lean() -> bool {
     DEFAULT_GEMM_LEAN.load(std::sync::atomic::Ordering::Relaxed)
@@ -81,6 +95,11 @@ pub enum GemmEngine {
     /// fixed 32-bit offset plus a step per tile. Only for matrices with group-major scales
     /// ([`DeviceQMat::group_major`]; otherwise the launch runs [`GemmEngine::Wgmma`]).
     WgmmaLean,
+    /// [`GemmEngine::WgmmaLean`] (the same bits) compiled for three blocks per SM (at most 85
+    /// registers per thread instead of 128: more warps to hide the dequantization's latency);
+    /// 4-bit narrow and small tiles only, whose rings fit three to an SM. Other tiles and bit
+    /// widths run [`GemmEngine::WgmmaLean`].
+    WgmmaLean3,
 }
 
 /// Block tile of a GEMM launch.
@@ -279,8 +298,20 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
             GemmEngine::Wgmma => "wg",
             GemmEngine::MmaSync => "mma",
             GemmEngine::WgmmaLean => "ln",
+            GemmEngine::WgmmaLean3 => "ln3",
         }
     )
+}
+
+/// The variant that runs: [`GemmEngine::WgmmaLean3`] exists for 4-bit narrow and small tiles
+/// only, elsewhere it is [`GemmEngine::WgmmaLean`].
+fn runnable(bits: Bits, v: GemmVariant) -> GemmVariant {
+    match v.engine {
+        GemmEngine::WgmmaLean3 if bits != Bits::B4 || !matches!(v.tile, GemmTile::Narrow | GemmTile::Small) => {
+            GemmVariant { engine: GemmEngine::WgmmaLean, tile: v.tile }
+        }
+        _ => v,
+    }
 }
 
 /// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
@@ -367,6 +398,27 @@ impl CudaContext {
         self.gemm_lean.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the automatic choice of the grouped expert GEMMs' narrow tile (below 28 entries per
+    /// expert) take [`GemmEngine::WgmmaLean3`] (three blocks per SM; `true`, the default,
+    /// [`default_gemm_grouped3`]) instead of the lean loop at two blocks per SM (`false`). The
+    /// same products in the same order, so the same bits. Only with the lean main loop
+    /// ([`Self::set_gemm_lean`]). Measured on the H200 (`cuda_selftest --only gemm`, session
+    /// 26): gate/up 129.4 against 130.2 µs and down + combine 87.7 against 91.0 at T = 512,
+    /// 143.7 / 144.1 and 99.8 / 103.6 at T = 768. The small tile at three per SM, measured in
+    /// place of the tall one from 28 entries per expert, was slower (whole prefill +3.7-5.3% at
+    /// 1k-8k tokens), so the tall tile stays there. For measurement (`calla cuda-bench
+    /// --prefill-compare`); a [`CudaContext::sibling`] copies the setting when it is made.
+    #[doc(hidden)]
+    pub fn set_gemm_grouped3(&self, on: bool) {
+        self.gemm_grouped3.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_grouped3`].
+    #[doc(hidden)]
+    pub fn gemm_grouped3(&self) -> bool {
+        self.gemm_grouped3.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The engine of an automatically chosen variant ([`Self::set_gemm_lean`]).
     fn auto_engine(&self) -> GemmEngine {
         if self.gemm_lean() {
@@ -382,8 +434,8 @@ impl CudaContext {
         self.raw().bind_to_thread()?;
         for bits in [Bits::B4, Bits::B8] {
             for tile in GemmTile::ALL {
-                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaLean] {
-                    let f = self.func(&entry_name(bits, GemmVariant { engine, tile }))?;
+                for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaLean, GemmEngine::WgmmaLean3] {
+                    let f = self.func(&entry_name(bits, runnable(bits, GemmVariant { engine, tile })))?;
                     f.set_attribute(
                         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         smem_bytes(bits, tile) as i32,
@@ -667,9 +719,9 @@ impl CudaContext {
             _ => (0u64, None),
         };
         // the lean loop reads group-major scales only: without them, the plain loop (same bits)
-        let v = match (v.engine, psbt) {
-            (GemmEngine::WgmmaLean, 0) => GemmVariant { engine: GemmEngine::Wgmma, tile: v.tile },
-            _ => v,
+        let v = match (runnable(w.bits, v).engine, psbt) {
+            (GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3, 0) => GemmVariant { engine: GemmEngine::Wgmma, tile: v.tile },
+            _ => runnable(w.bits, v),
         };
         let f = self.func(&entry_name(w.bits, v))?;
         // the codes: group-major (in place, or their copy when the scales are group-major too)
@@ -853,12 +905,14 @@ impl CudaContext {
     /// between the last two.
     fn choose_grouped(&self, t: usize) -> GemmVariant {
         let per_expert = t * p::TOP_K / p::N_EXPERTS;
-        let tile = match per_expert {
-            512.. => GemmTile::Big,
-            28.. => GemmTile::Tall,
-            _ => GemmTile::Narrow,
+        let three = self.gemm_grouped3() && self.auto_engine() == GemmEngine::WgmmaLean;
+        let (engine, tile) = match per_expert {
+            512.. => (self.auto_engine(), GemmTile::Big),
+            28.. => (self.auto_engine(), GemmTile::Tall),
+            _ if three => (GemmEngine::WgmmaLean3, GemmTile::Narrow),
+            _ => (self.auto_engine(), GemmTile::Narrow),
         };
-        GemmVariant { engine: self.auto_engine(), tile }
+        GemmVariant { engine, tile }
     }
 
     /// Grouped expert gate/up GEMM with SwiGLU: for every expert `e` and every entry
@@ -949,6 +1003,47 @@ impl CudaContext {
         shared: &CudaView<'_, f32>,
         t: usize,
     ) -> Result<(), CudaError> {
+        self.moe_down_grouped_into(out, down, routing, resid, shared, t, None)
+    }
+
+    /// [`Self::moe_down_grouped`] with the next layer's input norm fused into the combine:
+    /// `out` as there, and `rms_norm(out)·(1 + next_norm)` written as the GEMMs' bf16
+    /// activations into `acts` (`[t, D_MODEL]`; bit for bit `moe_down_grouped` followed by
+    /// [`Self::rms_norm_acts`]`(None, out, next_norm)`), so the next layer's input projection
+    /// runs [`Self::qgemm_converted`] without a norm launch or a read of `out`.
+    ///
+    /// # Errors
+    /// As [`Self::moe_down_grouped`]; [`CudaError::Unsupported`] when `next_norm` is not
+    /// `[D_MODEL]` or `t` exceeds `acts.max_t()`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_grouped_acts(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        down: &DeviceQMat,
+        routing: &mut MoeRouting,
+        resid: &CudaView<'_, f32>,
+        shared: &CudaView<'_, f32>,
+        t: usize,
+        next_norm: &CudaView<'_, f32>,
+        acts: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        if next_norm.len() != p::D_MODEL {
+            return Err(unsupported(format!("moe_down_grouped_acts: next_norm has {} values, expected {}", next_norm.len(), p::D_MODEL)));
+        }
+        self.moe_down_grouped_into(out, down, routing, resid, shared, t, Some((next_norm, acts)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe_down_grouped_into(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        down: &DeviceQMat,
+        routing: &mut MoeRouting,
+        resid: &CudaView<'_, f32>,
+        shared: &CudaView<'_, f32>,
+        t: usize,
+        norm_acts: Option<(&CudaView<'_, f32>, &mut GemmScratch)>,
+    ) -> Result<(), CudaError> {
         let d = p::D_MODEL;
         if down.rows != p::N_EXPERTS * d || down.cols != p::D_EXPERT {
             return Err(unsupported(format!(
@@ -967,6 +1062,11 @@ impl CudaContext {
                 resid.len(),
                 shared.len()
             )));
+        }
+        let mut norm_acts = norm_acts;
+        if let Some((_, acts)) = norm_acts.as_mut() {
+            // the activations' shape is checked before anything is queued
+            acts.fill("moe_down_grouped_acts", t, d)?;
         }
         let v = routing.force.unwrap_or_else(|| self.choose_grouped(t));
         let bn = v.tile.tokens();
@@ -1010,11 +1110,31 @@ impl CudaContext {
             return Err(unsupported("moe_down_grouped: out, resid and shared must be 16-byte aligned".into()));
         }
         let ti = t as i32;
-        let mut b = stream.launch_builder(self.func("qgemm_moe_combine")?);
-        b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&ti);
-        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: all buffers [t, D_MODEL] (checked), slot_out/weights sized for max_t >= t.
-        unsafe { b.launch(cfg) }?;
+        match norm_acts {
+            None => {
+                let mut b = stream.launch_builder(self.func("qgemm_moe_combine")?);
+                b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&ti);
+                let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: all buffers [t, D_MODEL] (checked), slot_out/weights sized for max_t >= t.
+                unsafe { b.launch(cfg) }?;
+            }
+            Some((nw, acts)) => {
+                {
+                    let f = self.func("moe_combine_norm_acts")?;
+                    let xb = acts.fill("moe_down_grouped_acts", t, d)?;
+                    let (pxb, _g6) = xb.device_ptr_mut(stream);
+                    let (pnw, _g7) = nw.device_ptr(stream);
+                    let eps = p::RMS_EPS;
+                    let mut b = stream.launch_builder(f);
+                    b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&pnw).arg(&pxb).arg(&eps).arg(&ti);
+                    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: ((d / 8) as u32, 1, 1), shared_mem_bytes: 0 };
+                    // SAFETY: as above; next_norm has D_MODEL values, the scratch room for
+                    // t·D_MODEL bf16 (checked by `fill`).
+                    unsafe { b.launch(cfg) }?;
+                }
+                acts.filled(t, d);
+            }
+        }
         Ok(())
     }
 }

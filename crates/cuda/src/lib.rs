@@ -174,6 +174,8 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_big_ln",
             "qgemm_q8_tall_ln",
             "qgemm_q8_narrow_ln",
+            "qgemm_q4_narrow_ln3",
+            "qgemm_q4_small_ln3",
             "qgemm_x_to_bf16",
             "qmat_group_major",
             "qmat_pack_group_major",
@@ -187,7 +189,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "rms_norm",
         src: include_str!("../kernels/rms_norm.cu"),
-        entries: &["rms_norm_d_model", "rms_norm_acts_d_model"],
+        entries: &["rms_norm_d_model", "rms_norm_acts_d_model", "moe_combine_norm_acts"],
     },
     KernelSource {
         name: "gdn",
@@ -517,6 +519,9 @@ pub struct CudaContext {
     /// Whether automatically chosen GEMM variants take the lean main loop
     /// ([`CudaContext::set_gemm_lean`]).
     pub(crate) gemm_lean: std::sync::atomic::AtomicBool,
+    /// Whether automatically chosen grouped expert GEMMs below 512 entries per expert take the
+    /// three-blocks-per-SM lean entry points ([`CudaContext::set_gemm_grouped3`]).
+    pub(crate) gemm_grouped3: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -644,6 +649,7 @@ impl CudaContext {
             gdn_step_early_trigger: std::sync::atomic::AtomicBool::new(false),
             gemm_group_major: std::sync::atomic::AtomicBool::new(true),
             gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
+            gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -696,6 +702,7 @@ impl CudaContext {
             gdn_step_early_trigger: copy(&self.gdn_step_early_trigger),
             gemm_group_major: copy(&self.gemm_group_major),
             gemm_lean: copy(&self.gemm_lean),
+            gemm_grouped3: copy(&self.gemm_grouped3),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),

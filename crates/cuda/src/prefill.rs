@@ -17,7 +17,8 @@
 //! then the last token's final norm, LM head and greedy pick, exactly as the decode step ends.
 //! The norms before the GEMMs (input norm, post-attention norm, the GDN gated norm) write the
 //! GEMMs' bf16 activations themselves ([`Prefiller::fused_norm_acts`]); the post-attention
-//! norm also writes f32 `u` for the router.
+//! norm also writes f32 `u` for the router, and every layer's input norm but the first runs
+//! inside the previous layer's MoE combine ([`CudaContext::moe_down_grouped_acts`]).
 //! Matrix products run on tensor cores in bf16 with f32 accumulation ([`crate::gemm`]); the
 //! GDN state and all activations between kernels stay f32.
 //!
@@ -157,10 +158,12 @@ pub struct Prefiller {
     /// ([`ROUTER_F32_DEFAULT`] unless set).
     pub router_f32: bool,
     /// Write the GEMMs' bf16 activations straight from the norms (`true`, the default): the
-    /// input norm, the post-attention norm ([`CudaContext::rms_norm_acts`]; the shared expert
-    /// reads the main stream's copy) and the GDN gated norm ([`CudaContext::gdn_prefill_acts`]),
-    /// instead of f32 rows that [`CudaContext::convert_acts`] reads again. The same bits; for
-    /// measurement (`calla cuda-bench --prefill-compare`). Starts as
+    /// input norm (fused into the previous layer's MoE combine,
+    /// [`CudaContext::moe_down_grouped_acts`], from the second layer on), the post-attention
+    /// norm ([`CudaContext::rms_norm_acts`]; the shared expert reads the main stream's copy)
+    /// and the GDN gated norm ([`CudaContext::gdn_prefill_acts`]), instead of f32 rows that
+    /// [`CudaContext::convert_acts`] reads again. The same bits; for measurement (`calla
+    /// cuda-bench --prefill-compare`). Starts as
     /// [`set_default_fused_norm_acts`] last set.
     pub fused_norm_acts: bool,
     routing: MoeRouting,
@@ -254,6 +257,16 @@ impl Prefiller {
         self.side.cx.set_gemm_lean(on);
     }
 
+    /// Lets the grouped expert GEMMs, on `cx` and on the shared expert's stream, take the
+    /// three-blocks-per-SM entry points (`CudaContext::set_gemm_grouped3`): the same bits; for
+    /// measurement (`calla cuda-bench --prefill-compare`). `cx` must be the context the prefill
+    /// runs on.
+    #[doc(hidden)]
+    pub fn set_gemm_grouped3(&self, cx: &CudaContext, on: bool) {
+        cx.set_gemm_grouped3(on);
+        self.side.cx.set_gemm_grouped3(on);
+    }
+
     /// Largest chunk in tokens.
     pub fn max_t(&self) -> usize {
         self.max_t
@@ -291,6 +304,9 @@ impl Prefiller {
         let st = cx.stream().clone();
         let mut x_in = Vec::new();
         let hist_row = s.expert_hist_rows(cx);
+        // with the fused norms: the previous layer's MoE combine wrote this layer's input-norm
+        // activations already (moe_down_grouped_acts)
+        let mut acts_ready = false;
         for (l, ((lw, ls), pm)) in m.layers.iter().zip(s.layers.iter_mut()).zip(&self.moe).enumerate() {
             if self.trace.is_some() {
                 x_in = st.clone_dtoh(&self.x.slice(..t * d))?;
@@ -298,7 +314,9 @@ impl Prefiller {
             let fused = self.fused_norm_acts;
             if fused {
                 // u as bf16 GEMM activations only: nothing else reads the input norm's rows
-                cx.rms_norm_acts(None, &self.x.slice(..t * d), &lw.input_norm.slice(..), t, &mut self.gemm)?;
+                if !acts_ready {
+                    cx.rms_norm_acts(None, &self.x.slice(..t * d), &lw.input_norm.slice(..), t, &mut self.gemm)?;
+                }
             } else {
                 cx.rms_norm(&mut self.u.slice_mut(..t * d), &self.x.slice(..t * d), &lw.input_norm.slice(..))?;
             }
@@ -434,14 +452,21 @@ impl Prefiller {
                 routed?;
                 joined?;
             }
-            cx.moe_down_grouped(
-                &mut self.x.slice_mut(..t * d),
-                &pm.down,
-                &mut self.routing,
-                &self.h.slice(..t * d),
-                &self.shared_out.slice(..t * d),
-                t,
-            )?;
+            // with the fused norms, the combine also writes the next layer's input-norm
+            // activations (the last layer's output goes to the final norm of one row instead)
+            let (mut xv, hv, sv) = (self.x.slice_mut(..t * d), self.h.slice(..t * d), self.shared_out.slice(..t * d));
+            match m.layers.get(l + 1).filter(|_| fused) {
+                Some(next) => {
+                    let nw = next.input_norm.slice(..);
+                    cx.moe_down_grouped_acts(&mut xv, &pm.down, &mut self.routing, &hv, &sv, t, &nw, &mut self.gemm)?;
+                    acts_ready = true;
+                }
+                None => {
+                    cx.moe_down_grouped(&mut xv, &pm.down, &mut self.routing, &hv, &sv, t)?;
+                    acts_ready = false;
+                }
+            }
+            drop(xv);
             mark(&mut self.profile, cx, "experts down + combine (grouped)")?;
             if let Some(tr) = self.trace.as_mut() {
                 let x = st.clone_dtoh(&self.x.slice(..t * d))?;

@@ -482,7 +482,8 @@ pub fn run(s: &mut Suite) {
     timing(s, &wd);
 }
 
-/// Graph-replay timings of one layer at T = 512, 2048, 8192, and per stage at 8192.
+/// Graph-replay timings of one layer at T = 512, 1024, 2048, 8192, and per stage (each stage
+/// alone) at every T.
 fn timing(s: &mut Suite, wd: &DevWeights) {
     let cx = s.cx;
     let reps = if s.quick { 3 } else { 11 };
@@ -509,9 +510,9 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
     };
     for m in MATHS {
         scratch.set_math(m);
-        for t in [512usize, 2048, 8192] {
+        for t in [512usize, 1024, 2048, 8192] {
             let mut stages = Vec::new();
-            if t == tmax {
+            {
                 // each stage alone, replayed on stale inputs (the numbers are meaningless)
                 for st in 0..4 {
                     scratch.set_stage_mask(1 << st);

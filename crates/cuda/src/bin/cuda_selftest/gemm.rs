@@ -81,8 +81,10 @@ const ATTN_PROJ: usize = 2 * p::N_Q_HEADS * p::HEAD_DIM + 2 * p::N_KV_HEADS * p:
 const ATTN_OUT: usize = p::N_Q_HEADS * p::HEAD_DIM;
 
 /// Every variant: [0..8] the plain wgmma and the mma.sync engines, [8..12] the lean wgmma
-/// main loop (`GemmEngine::WgmmaLean`: big, tall, narrow, small).
-const ALL_VARIANTS: [GemmVariant; 12] = [
+/// main loop (`GemmEngine::WgmmaLean`: big, tall, narrow, small), [12..14] the lean loop at
+/// three blocks per SM (`GemmEngine::WgmmaLean3`: narrow, small; 4-bit only, the lean loop
+/// at 8 bits).
+const ALL_VARIANTS: [GemmVariant; 14] = [
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Big },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::Wgmma, tile: GemmTile::Small },
@@ -95,9 +97,17 @@ const ALL_VARIANTS: [GemmVariant; 12] = [
     GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Tall },
     GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Narrow },
     GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Small },
+    GemmVariant { engine: GemmEngine::WgmmaLean3, tile: GemmTile::Narrow },
+    GemmVariant { engine: GemmEngine::WgmmaLean3, tile: GemmTile::Small },
 ];
 /// The lean variants.
 const LEAN_VARIANTS: [GemmVariant; 4] = [ALL_VARIANTS[8], ALL_VARIANTS[9], ALL_VARIANTS[10], ALL_VARIANTS[11]];
+/// The lean variants at three blocks per SM.
+const LEAN3_VARIANTS: [GemmVariant; 2] = [ALL_VARIANTS[12], ALL_VARIANTS[13]];
+/// Whether a variant runs the lean main loop (either occupancy).
+fn is_lean(v: &GemmVariant) -> bool {
+    matches!(v.engine, GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3)
+}
 
 fn vname(v: Option<GemmVariant>) -> String {
     match v {
@@ -108,6 +118,7 @@ fn vname(v: Option<GemmVariant>) -> String {
                 GemmEngine::Wgmma => "wgmma",
                 GemmEngine::MmaSync => "mma",
                 GemmEngine::WgmmaLean => "wgmma-lean",
+                GemmEngine::WgmmaLean3 => "wgmma-lean3",
             },
             match v.tile {
                 GemmTile::Big => "big",
@@ -375,10 +386,11 @@ fn probe(s: &mut Suite) {
                 .rev()
                 .chain(ALL_VARIANTS[..4].iter().rev())
                 .chain(LEAN_VARIANTS.iter())
+                .chain(LEAN3_VARIANTS.iter())
                 .copied()
                 .collect();
             let runs = [true, false].into_iter().flat_map(|gm| {
-                order.clone().into_iter().filter(move |v| gm || v.engine != GemmEngine::WgmmaLean).map(move |v| (v, gm))
+                order.clone().into_iter().filter(move |v| gm || !is_lean(v)).map(move |v| (v, gm))
             });
             for (v, gm) in runs {
                 cx.set_gemm_group_major(gm);
@@ -536,7 +548,7 @@ fn dense(s: &mut Suite) {
                 if let (Some(v), true) = (v, gm) {
                     match v.engine {
                         GemmEngine::Wgmma => wg_out.push(((v.tile, codes), got.clone())),
-                        GemmEngine::WgmmaLean => {
+                        GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3 => {
                             let c = match wg_out.iter().find(|(key, _)| *key == (v.tile, codes)) {
                                 Some((_, want)) => {
                                     check_bits(&got[GUARD..GUARD + t * out_cols], &want[GUARD..GUARD + t * out_cols], "outputs")
@@ -848,7 +860,7 @@ struct MoeOut {
 /// Records whether a lean-loop MoE result equals the plain loop's of the same tile bit for bit
 /// (the same products in the same order), among `runs` (variant, result) of one input.
 fn lean_equals_plain(s: &mut Suite, label: &str, runs: &[(GemmVariant, MoeOut)]) {
-    for (v, r) in runs.iter().filter(|(v, _)| v.engine == GemmEngine::WgmmaLean) {
+    for (v, r) in runs.iter().filter(|(v, _)| is_lean(v)) {
         let plain = runs.iter().find(|(p, _)| p.engine == GemmEngine::Wgmma && p.tile == v.tile);
         let c = match plain {
             Some((_, p)) if p.act == r.act => check_bits(&r.out, &p.out, "outputs"),
@@ -864,6 +876,7 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
     let mut scratch = cx.gemm_scratch(2048).unwrap();
     let mut routing = cx.moe_routing(2048).unwrap();
     let w4 = moe_weights(cx, 4, 0x3E4);
+    combine_acts_check(s, &w4, &mut scratch, &mut routing);
     for &t in &TS {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
         moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
@@ -1063,6 +1076,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             (Some(LEAN_VARIANTS[0]), true, true),
             (Some(LEAN_VARIANTS[1]), true, true),
             (Some(LEAN_VARIANTS[2]), true, true),
+            (Some(LEAN_VARIANTS[3]), true, true),
+            (Some(LEAN3_VARIANTS[0]), true, true),
+            (Some(LEAN3_VARIANTS[1]), true, true),
         ] {
             cx.set_gemm_group_major(gm);
             routing.force = v;
@@ -1407,6 +1423,61 @@ pub fn norm_acts_check(s: &mut Suite) {
         }
         s.record(SEC, &format!("rms_norm_acts T={t} = rms_norm + convert_acts, bit for bit"), &c, "");
     }
+}
+
+/// `moe_down_grouped_acts` (the MoE combine with the next layer's input norm fused) against
+/// `moe_down_grouped` + `rms_norm_acts` on the same routing, T ∈ {1, 300}: the f32 output and
+/// the bf16 activations bit for bit, the scratch NaN-filled first (an unwritten row fails).
+fn combine_acts_check(s: &mut Suite, w: &MoeWeights, scratch: &mut GemmScratch, routing: &mut MoeRouting) {
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let nw = cx.upload_f32(&rand_f32s(d, 0x4E7, 0.5)).unwrap();
+    for t in [1usize, 300] {
+        let inp = moe_inputs(t, 0x4E8 ^ t as u64);
+        let xd = cx.upload_f32(&inp.x).unwrap();
+        let ld = cx.upload_f32(&inp.logits).unwrap();
+        let rd = cx.upload_f32(&inp.resid).unwrap();
+        let sd = cx.upload_f32(&inp.shared).unwrap();
+        let nan = cx.upload_f32(&vec![f32::NAN; t * d]).unwrap();
+        routing.force = None;
+        cx.convert_acts(&xd.slice(..), t, d, scratch).unwrap();
+        cx.moe_route(&ld.slice(..), t, routing).unwrap();
+        cx.moe_gate_up_grouped(&w.dgu, scratch, routing, t).unwrap();
+        let mut outs = Vec::new();
+        let mut acts = Vec::new();
+        for fused in [false, true] {
+            let mut od = cx.upload_f32(&vec![f32::NAN; t * d]).unwrap();
+            cx.convert_acts(&nan.slice(..), t, d, scratch).unwrap();
+            let mut ov = od.slice_mut(..);
+            if fused {
+                cx.moe_down_grouped_acts(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t, &nw.slice(..), scratch).unwrap();
+            } else {
+                cx.moe_down_grouped(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t).unwrap();
+                drop(ov);
+                cx.rms_norm_acts(None, &od.slice(..), &nw.slice(..), t, scratch).unwrap();
+            }
+            outs.push(cx.download_f32(&od).unwrap());
+            acts.push(scratch.download_acts(cx).unwrap());
+        }
+        let mut c = check_bits(&outs[1], &outs[0], "f32 outputs");
+        let differ = acts[1].len().abs_diff(acts[0].len()) + acts[1].iter().zip(&acts[0]).filter(|(a, b)| a != b).count();
+        let nans = acts[1].iter().filter(|&&b| (b & 0x7fff) > 0x7f80).count();
+        if differ > 0 || nans > 0 {
+            c.ok = false;
+        }
+        c.msg.push_str(&format!("acts: {differ} of {} differ, {nans} NaN", acts[0].len()));
+        s.record(SEC, &format!("moe_down_grouped_acts T={t} = moe_down_grouped + rms_norm_acts, bit for bit"), &c, "");
+    }
+}
+
+/// The fused norm checks of this file (`cuda_selftest --only acts`).
+pub fn acts_checks(s: &mut Suite) {
+    norm_acts_check(s);
+    let cx = s.cx;
+    let mut scratch = cx.gemm_scratch(300).unwrap();
+    let mut routing = cx.moe_routing(300).unwrap();
+    let w4 = moe_weights(cx, 4, 0x3E4);
+    combine_acts_check(s, &w4, &mut scratch, &mut routing);
 }
 
 pub fn run(s: &mut Suite) {
