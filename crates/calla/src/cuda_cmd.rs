@@ -1376,6 +1376,38 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         }
       }
     }
+    // Gate: the prefill's fused forms (norms writing the GEMMs' activations, the MoE combine
+    // with the next input norm, the grouped narrow tile at three blocks per SM) compute the
+    // same bits as the plain ones: the logits after the same prompt, both ways, in this
+    // process, bit for bit (this also covers the shared expert's stream reading the main
+    // stream's activations, and every layer, not only the first).
+    {
+        let prompt = random_prompt(a.prompt_tokens.iter().copied().max().unwrap_or(1).max(1), vocab, 77);
+        let (fused, three) = (pf.fused_norm_acts, cx.gemm_grouped3());
+        let mut logits = Vec::new();
+        for on in [fused, !fused] {
+            pf.fused_norm_acts = on;
+            pf.set_gemm_grouped3(&cx, if on == fused { three } else { !three });
+            sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
+            logits.push(sess.logits(&cx)?);
+        }
+        pf.fused_norm_acts = fused;
+        pf.set_gemm_grouped3(&cx, three);
+        let differ = logits[0].len().abs_diff(logits[1].len())
+            + logits[0].iter().zip(&logits[1]).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        let good = differ == 0 && logits[0].iter().all(|v| v.is_finite());
+        checks += 1;
+        if !good {
+            failures += 1;
+        }
+        println!(
+            "batched prompt {:>4}: logits with the fused norms and three-per-SM narrow GEMMs {} = without, bit for bit: {differ} of {} differ {}",
+            prompt.len(),
+            if fused { "on" } else { "off" },
+            logits[0].len(),
+            if good { "ok" } else { "FAIL" }
+        );
+    }
     // On-device sampling in the session: every token the GPU samples equals what the CPU
     // sampler (same seed, same calls) picks from the GPU's own logits of that step.
     for (k, params) in sampling_cases().iter().enumerate() {

@@ -698,7 +698,7 @@ CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln, 4, 2, 32, true, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_big_ln, 8, 2, 128, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q8_tall_ln, 8, 2, 64, true, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_ln, 8, 2, 32, true, true, 2)
-// the lean copies compiled for three blocks per SM (at most 85 registers): 4-bit narrow and
+// the lean copies compiled for three blocks per SM (at most 80 registers): 4-bit narrow and
 // small tiles, whose 66-71 KB rings fit three to an SM (GemmEngine::WgmmaLean3)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln3, 4, 2, 32, true, true, 3)
 CALLA_QGEMM_ENTRY(qgemm_q4_small_ln3, 4, 1, 64, true, true, 3)

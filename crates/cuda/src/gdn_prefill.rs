@@ -288,6 +288,10 @@ impl CudaContext {
         ];
         crate::gdn::check_lengths("gdn_prefill", &checks)?;
         if t == 0 {
+            // nothing to do; the activations scratch holds nothing from this call
+            if let Some(a) = acts {
+                a.clear();
+            }
             return Ok(());
         }
         // the activations' shape is checked before anything is queued

@@ -95,8 +95,9 @@ pub enum GemmEngine {
     /// fixed 32-bit offset plus a step per tile. Only for matrices with group-major scales
     /// ([`DeviceQMat::group_major`]; otherwise the launch runs [`GemmEngine::Wgmma`]).
     WgmmaLean,
-    /// [`GemmEngine::WgmmaLean`] (the same bits) compiled for three blocks per SM (at most 85
-    /// registers per thread instead of 128: more warps to hide the dequantization's latency);
+    /// [`GemmEngine::WgmmaLean`] (the same bits) compiled for three blocks per SM (at most 80
+    /// registers per thread instead of 128, 72 / 77 used: more warps to hide the
+    /// dequantization's latency);
     /// 4-bit narrow and small tiles only, whose rings fit three to an SM. Other tiles and bit
     /// widths run [`GemmEngine::WgmmaLean`].
     WgmmaLean3,
@@ -193,6 +194,11 @@ impl GemmScratch {
     /// The launch that [`Self::fill`] prepared is queued: the scratch holds `[t, k]` now.
     pub(crate) fn filled(&mut self, t: usize, k: usize) {
         self.conv = (t, k);
+    }
+
+    /// The scratch holds no activations (a call that wrote none, e.g. of 0 tokens).
+    pub(crate) fn clear(&mut self) {
+        self.conv = (0, 0);
     }
 
     /// The activations converted last, `[t, k]` bf16 bits in the permuted order of `gemm.cu`
@@ -531,6 +537,14 @@ impl CudaContext {
         }
         let f = self.func("rms_norm_acts_d_model")?;
         let stream = self.stream();
+        {
+            // the kernel reads and writes float4s
+            let mut ptrs = vec![("x", x.device_ptr(stream).0), ("w", w.device_ptr(stream).0)];
+            if let Some(y) = y.as_ref() {
+                ptrs.push(("y", y.device_ptr(stream).0));
+            }
+            crate::gdn::check_aligned16("rms_norm_acts", &ptrs)?;
+        }
         {
             let xb = scratch.fill("rms_norm_acts", t, d)?;
             let (pxb, _gxb) = xb.device_ptr_mut(stream);
@@ -902,7 +916,8 @@ impl CudaContext {
     /// docs/CUDA.md): at T = 512 (16 per expert) narrow takes gate/up 163 µs and down + combine
     /// 106 against tall's 195 and 119; at T = 768 (24) 181 and 120 against 194 and 128; at
     /// T = 1024 (32) tall is faster, 195 and 139 against 236 and 159. The threshold lies
-    /// between the last two.
+    /// between the last two. The narrow tile runs at three blocks per SM
+    /// ([`GemmEngine::WgmmaLean3`]) while [`Self::set_gemm_grouped3`] is on (the default).
     fn choose_grouped(&self, t: usize) -> GemmVariant {
         let per_expert = t * p::TOP_K / p::N_EXPERTS;
         let three = self.gemm_grouped3() && self.auto_engine() == GemmEngine::WgmmaLean;
@@ -1030,6 +1045,7 @@ impl CudaContext {
         if next_norm.len() != p::D_MODEL {
             return Err(unsupported(format!("moe_down_grouped_acts: next_norm has {} values, expected {}", next_norm.len(), p::D_MODEL)));
         }
+        crate::gdn::check_aligned16("moe_down_grouped_acts", &[("next_norm", next_norm.device_ptr(self.stream()).0)])?;
         self.moe_down_grouped_into(out, down, routing, resid, shared, t, Some((next_norm, acts)))
     }
 

@@ -519,8 +519,9 @@ pub struct CudaContext {
     /// Whether automatically chosen GEMM variants take the lean main loop
     /// ([`CudaContext::set_gemm_lean`]).
     pub(crate) gemm_lean: std::sync::atomic::AtomicBool,
-    /// Whether automatically chosen grouped expert GEMMs below 512 entries per expert take the
-    /// three-blocks-per-SM lean entry points ([`CudaContext::set_gemm_grouped3`]).
+    /// Whether automatically chosen grouped expert GEMMs on the narrow tile (below 28 entries
+    /// per expert) take the three-blocks-per-SM lean entry point
+    /// ([`CudaContext::set_gemm_grouped3`]).
     pub(crate) gemm_grouped3: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,

@@ -335,16 +335,17 @@ impl Prefiller {
                     let n_out = p::N_V_HEADS * p::D_V;
                     in_proj_gemm(cx, &mut self.proj.slice_mut(..t * GDN_PROJ), &in_proj.runs[0].0, &self.u, &mut self.gemm)?;
                     mark(&mut self.profile, cx, "GDN in_proj GEMM")?;
-                    let (proj, mut mix) = (self.proj.slice(..t * GDN_PROJ), self.mix.slice_mut(..t * n_out));
-                    let (conv_w, a_neg_exp, dt_bias, norm) = (conv_w.slice(..), a_neg_exp.slice(..), dt_bias.slice(..), norm.slice(..));
-                    let (mut conv, mut s) = (conv.slice_mut(..), s.slice_mut(..));
-                    if fused {
-                        // the gated norm writes out_proj's bf16 activations; mix holds the raw o
-                        cx.gdn_prefill_acts(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix, &mut self.gemm)?;
-                    } else {
-                        cx.gdn_prefill(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix)?;
+                    {
+                        let (proj, mut mix) = (self.proj.slice(..t * GDN_PROJ), self.mix.slice_mut(..t * n_out));
+                        let (conv_w, a_neg_exp, dt_bias, norm) = (conv_w.slice(..), a_neg_exp.slice(..), dt_bias.slice(..), norm.slice(..));
+                        let (mut conv, mut s) = (conv.slice_mut(..), s.slice_mut(..));
+                        if fused {
+                            // the gated norm writes out_proj's bf16 activations; mix holds the raw o
+                            cx.gdn_prefill_acts(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix, &mut self.gemm)?;
+                        } else {
+                            cx.gdn_prefill(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix)?;
+                        }
                     }
-                    drop(mix);
                     mark(&mut self.profile, cx, "GDN chunked core")?;
                     if fused {
                         cx.qgemm_converted(&mut self.h.slice_mut(..t * d), out_proj, &self.gemm, t, Epilogue::Residual(&self.x.slice(..t * d)))?;
@@ -454,19 +455,20 @@ impl Prefiller {
             }
             // with the fused norms, the combine also writes the next layer's input-norm
             // activations (the last layer's output goes to the final norm of one row instead)
-            let (mut xv, hv, sv) = (self.x.slice_mut(..t * d), self.h.slice(..t * d), self.shared_out.slice(..t * d));
-            match m.layers.get(l + 1).filter(|_| fused) {
-                Some(next) => {
-                    let nw = next.input_norm.slice(..);
-                    cx.moe_down_grouped_acts(&mut xv, &pm.down, &mut self.routing, &hv, &sv, t, &nw, &mut self.gemm)?;
-                    acts_ready = true;
-                }
-                None => {
-                    cx.moe_down_grouped(&mut xv, &pm.down, &mut self.routing, &hv, &sv, t)?;
-                    acts_ready = false;
+            {
+                let (mut xv, hv, sv) = (self.x.slice_mut(..t * d), self.h.slice(..t * d), self.shared_out.slice(..t * d));
+                match m.layers.get(l + 1).filter(|_| fused) {
+                    Some(next) => {
+                        let nw = next.input_norm.slice(..);
+                        cx.moe_down_grouped_acts(&mut xv, &pm.down, &mut self.routing, &hv, &sv, t, &nw, &mut self.gemm)?;
+                        acts_ready = true;
+                    }
+                    None => {
+                        cx.moe_down_grouped(&mut xv, &pm.down, &mut self.routing, &hv, &sv, t)?;
+                        acts_ready = false;
+                    }
                 }
             }
-            drop(xv);
             mark(&mut self.profile, cx, "experts down + combine (grouped)")?;
             if let Some(tr) = self.trace.as_mut() {
                 let x = st.clone_dtoh(&self.x.slice(..t * d))?;

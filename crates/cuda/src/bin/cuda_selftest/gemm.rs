@@ -876,7 +876,6 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
     let mut scratch = cx.gemm_scratch(2048).unwrap();
     let mut routing = cx.moe_routing(2048).unwrap();
     let w4 = moe_weights(cx, 4, 0x3E4);
-    combine_acts_check(s, &w4, &mut scratch, &mut routing);
     for &t in &TS {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
         moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
@@ -1386,7 +1385,6 @@ pub fn router_checks(s: &mut Suite) {
     router_digits_check(s);
 }
 
-/// Runs the prefill GEMM checks and timings.
 /// `rms_norm_acts` against `rms_norm` + `convert_acts` on the same rows, T ∈ {1, 7, 300}:
 /// the bf16 activations (with and without the f32 output) and the f32 output bit for bit. The
 /// scratch is first filled with NaN activations, so a row the fused kernel leaves unwritten
@@ -1428,6 +1426,8 @@ pub fn norm_acts_check(s: &mut Suite) {
 /// `moe_down_grouped_acts` (the MoE combine with the next layer's input norm fused) against
 /// `moe_down_grouped` + `rms_norm_acts` on the same routing, T ∈ {1, 300}: the f32 output and
 /// the bf16 activations bit for bit, the scratch NaN-filled first (an unwritten row fails).
+/// `rms_norm_acts` is itself held to `rms_norm` + `convert_acts` by [`norm_acts_check`], and
+/// `moe_down_grouped` to the CPU by the MoE checks of section `gemm`.
 fn combine_acts_check(s: &mut Suite, w: &MoeWeights, scratch: &mut GemmScratch, routing: &mut MoeRouting) {
     let cx = s.cx;
     let d = p::D_MODEL;
@@ -1448,12 +1448,15 @@ fn combine_acts_check(s: &mut Suite, w: &MoeWeights, scratch: &mut GemmScratch, 
         for fused in [false, true] {
             let mut od = cx.upload_f32(&vec![f32::NAN; t * d]).unwrap();
             cx.convert_acts(&nan.slice(..), t, d, scratch).unwrap();
-            let mut ov = od.slice_mut(..);
-            if fused {
-                cx.moe_down_grouped_acts(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t, &nw.slice(..), scratch).unwrap();
-            } else {
-                cx.moe_down_grouped(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t).unwrap();
-                drop(ov);
+            {
+                let mut ov = od.slice_mut(..);
+                if fused {
+                    cx.moe_down_grouped_acts(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t, &nw.slice(..), scratch).unwrap();
+                } else {
+                    cx.moe_down_grouped(&mut ov, &w.ddn, routing, &rd.slice(..), &sd.slice(..), t).unwrap();
+                }
+            }
+            if !fused {
                 cx.rms_norm_acts(None, &od.slice(..), &nw.slice(..), t, scratch).unwrap();
             }
             outs.push(cx.download_f32(&od).unwrap());
@@ -1480,8 +1483,9 @@ pub fn acts_checks(s: &mut Suite) {
     combine_acts_check(s, &w4, &mut scratch, &mut routing);
 }
 
+/// Runs the prefill GEMM checks and timings (the fused norms' checks are section `acts`,
+/// [`acts_checks`]).
 pub fn run(s: &mut Suite) {
-    norm_acts_check(s);
     probe(s);
     router_checks(s);
     route_check(s);
