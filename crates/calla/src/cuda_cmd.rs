@@ -612,6 +612,17 @@ fn step_timeline(
 }
 
 /// `calla cuda-bench`.
+/// The prefill options shared by `cuda-bench` and `cuda-check`, set process-wide (for the
+/// prefillers and contexts created afterwards, the engine's accelerator included) and on `cx`.
+fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool) {
+    cuda::prefill::set_default_router_f32(router == PrefillRouter::F32);
+    cuda::gemm::set_default_gemm_lean(main_loop == GemmMainLoop::Lean);
+    cx.set_gemm_lean(main_loop == GemmMainLoop::Lean);
+    cuda::prefill::set_default_fused_norm_acts(!norm_acts_apart);
+    cuda::gemm::set_default_gemm_grouped3(!grouped2);
+    cx.set_gemm_grouped3(!grouped2);
+}
+
 pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.timeline {
         cuda::timeline::enable();
@@ -644,12 +655,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "graph" => false,
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
-    cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
-    cuda::gemm::set_default_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
-    cx.set_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
-    cuda::prefill::set_default_fused_norm_acts(!a.prefill_norm_acts_apart);
-    cuda::gemm::set_default_gemm_grouped3(!a.gemm_grouped2);
-    cx.set_gemm_grouped3(!a.gemm_grouped2);
+    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -1241,12 +1247,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
     // the engine's accelerator below creates its own prefiller: the same router for both
-    cuda::prefill::set_default_router_f32(a.prefill_router == PrefillRouter::F32);
-    cuda::gemm::set_default_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
-    cx.set_gemm_lean(a.gemm_main_loop == GemmMainLoop::Lean);
-    cuda::prefill::set_default_fused_norm_acts(!a.prefill_norm_acts_apart);
-    cuda::gemm::set_default_gemm_grouped3(!a.gemm_grouped2);
-    cx.set_gemm_grouped3(!a.gemm_grouped2);
+    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

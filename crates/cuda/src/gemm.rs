@@ -733,9 +733,10 @@ impl CudaContext {
             _ => (0u64, None),
         };
         // the lean loop reads group-major scales only: without them, the plain loop (same bits)
-        let v = match (runnable(w.bits, v).engine, psbt) {
+        let v = runnable(w.bits, v);
+        let v = match (v.engine, psbt) {
             (GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3, 0) => GemmVariant { engine: GemmEngine::Wgmma, tile: v.tile },
-            _ => runnable(w.bits, v),
+            _ => v,
         };
         let f = self.func(&entry_name(w.bits, v))?;
         // the codes: group-major (in place, or their copy when the scales are group-major too)
