@@ -202,7 +202,10 @@ pub struct CudaBenchArgs {
     /// expert on the main stream instead of its own, with the other router (f32 chains or
     /// integer products) and with the dense projections' GEMMs reading the other layout of
     /// their codes, scales and biases (group-major or MLX; the experts' prefill copies are
-    /// group-major in place either way), alternating, in this process (median of 5 each).
+    /// group-major in place either way), on the other GEMM main loop, with the norms and
+    /// conversions apart (or fused), the grouped GEMMs at the other blocks per SM and the
+    /// kernels launched without (or with) programmatic dependent launch, alternating, in this
+    /// process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
     /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
@@ -220,6 +223,10 @@ pub struct CudaBenchArgs {
     /// three (the same bits; `CudaContext::set_gemm_grouped3`).
     #[arg(long)]
     gemm_grouped2: bool,
+    /// Launch the prefill's kernels without programmatic dependent launch (a full stream
+    /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
+    #[arg(long)]
+    prefill_no_pdl: bool,
     /// Also time decode (first decode context) with the input projections launched as
     /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
     /// each entry in turn, between two rows as configured, in this process.
@@ -344,6 +351,10 @@ pub struct CudaCheckArgs {
     /// three (the same bits; `CudaContext::set_gemm_grouped3`).
     #[arg(long)]
     gemm_grouped2: bool,
+    /// Launch the prefill's kernels without programmatic dependent launch (a full stream
+    /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
+    #[arg(long)]
+    prefill_no_pdl: bool,
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
@@ -614,7 +625,8 @@ fn step_timeline(
 /// `calla cuda-bench`.
 /// The prefill options shared by `cuda-bench` and `cuda-check`, set process-wide (for the
 /// prefillers and contexts created afterwards, the engine's accelerator included) and on `cx`.
-fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool) {
+fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool, no_pdl: bool) {
+    cuda::prefill::set_default_eager_pdl(!no_pdl);
     cuda::prefill::set_default_router_f32(router == PrefillRouter::F32);
     cuda::gemm::set_default_gemm_lean(main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(main_loop == GemmMainLoop::Lean);
@@ -655,7 +667,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "graph" => false,
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
-    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2);
+    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -681,7 +693,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let pdl = pf.eager_pdl;
             let router_f32 = pf.router_f32;
             let fused = pf.fused_norm_acts;
             let grouped3 = cx.gemm_grouped3();
@@ -691,17 +704,20 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 // as configured; the shared expert on the main stream; the other router; the
                 // dense projections' GEMMs on the other layout (their group-major copies used
                 // or not); the GEMMs on the other main loop; the norms writing the GEMMs'
-                // activations or not; the grouped expert GEMMs at three blocks per SM or not
+                // activations or not; the grouped expert GEMMs at three blocks per SM or not;
+                // the kernels launched with programmatic dependent launch or not
                 let cases = [
-                    (true, router_f32, group_major, lean, fused, grouped3),
-                    (false, router_f32, group_major, lean, fused, grouped3),
-                    (true, !router_f32, group_major, lean, fused, grouped3),
-                    (true, router_f32, !group_major, lean, fused, grouped3),
-                    (true, router_f32, group_major, !lean, fused, grouped3),
-                    (true, router_f32, group_major, lean, !fused, grouped3),
-                    (true, router_f32, group_major, lean, fused, !grouped3),
+                    (true, router_f32, group_major, lean, fused, grouped3, pdl),
+                    (false, router_f32, group_major, lean, fused, grouped3, pdl),
+                    (true, !router_f32, group_major, lean, fused, grouped3, pdl),
+                    (true, router_f32, !group_major, lean, fused, grouped3, pdl),
+                    (true, router_f32, group_major, !lean, fused, grouped3, pdl),
+                    (true, router_f32, group_major, lean, !fused, grouped3, pdl),
+                    (true, router_f32, group_major, lean, fused, !grouped3, pdl),
+                    (true, router_f32, group_major, lean, fused, grouped3, !pdl),
                 ];
-                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl)) in cases.into_iter().enumerate() {
+                    pf.eager_pdl = eager_pdl;
                     pf.set_gemm_grouped3(&cx, three);
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
@@ -723,20 +739,23 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.set_gemm_lean(&cx, lean);
             pf.fused_norm_acts = fused;
             pf.set_gemm_grouped3(&cx, grouped3);
-            let [on, off, other, layout, main_loop, acts, g3] = ms.each_mut().map(|v| median(v));
+            pf.eager_pdl = pdl;
+            let [on, off, other, layout, main_loop, acts, g3, pdl_other] = ms.each_mut().map(|v| median(v));
+            let pdl_name = if pdl { "launches without PDL" } else { "launches with PDL" };
             let g3_name = if grouped3 { "grouped GEMMs at two blocks per SM" } else { "grouped GEMMs at three blocks per SM" };
             let acts_name = if fused { "norms and GEMM conversions apart" } else { "norms writing the GEMMs' activations" };
             let loop_name = if lean { "GEMMs on the plain loop" } else { "GEMMs on the lean loop" };
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
                 100.0 * (other / on - 1.0),
                 100.0 * (layout / on - 1.0),
                 100.0 * (main_loop / on - 1.0),
                 100.0 * (acts / on - 1.0),
-                100.0 * (g3 / on - 1.0)
+                100.0 * (g3 / on - 1.0),
+                100.0 * (pdl_other / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
@@ -744,6 +763,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             row[if lean { "gemm_plain_ms" } else { "gemm_lean_ms" }] = serde_json::json!(main_loop);
             row[if fused { "norm_acts_apart_ms" } else { "norm_acts_fused_ms" }] = serde_json::json!(acts);
             row[if grouped3 { "grouped_two_per_sm_ms" } else { "grouped_three_per_sm_ms" }] = serde_json::json!(g3);
+            row[if pdl { "no_pdl_ms" } else { "pdl_ms" }] = serde_json::json!(pdl_other);
             prefill_compare.push(row);
         }
     }
@@ -1148,6 +1168,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_main_loop"] = serde_json::json!(format!("{:?}", a.gemm_main_loop));
     out["prefill_norm_acts"] = serde_json::json!(if a.prefill_norm_acts_apart { "apart" } else { "fused" });
     out["gemm_grouped3"] = serde_json::json!(!a.gemm_grouped2);
+    out["prefill_eager_pdl"] = serde_json::json!(!a.prefill_no_pdl);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1247,7 +1268,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
     // the engine's accelerator below creates its own prefiller: the same router for both
-    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2);
+    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;
@@ -1382,6 +1403,35 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     // same bits as the plain ones: the logits after the same prompt, both ways, in this
     // process, bit for bit (this also covers the shared expert's stream reading the main
     // stream's activations, and every layer, not only the first).
+    {
+        let prompt = random_prompt(a.prompt_tokens.iter().copied().max().unwrap_or(1).max(1), vocab, 77);
+        // without programmatic dependent launch, then with it three times: a kernel that read
+        // or wrote before its PDL wait would race with the one before it and could differ
+        // from run to run
+        let pdl = pf.eager_pdl;
+        let mut logits = Vec::new();
+        for on in [false, true, true, true] {
+            pf.eager_pdl = on;
+            sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
+            logits.push(sess.logits(&cx)?);
+        }
+        pf.eager_pdl = pdl;
+        let differ: usize = logits[1..]
+            .iter()
+            .map(|l| l.len().abs_diff(logits[0].len()) + l.iter().zip(&logits[0]).filter(|(x, y)| x.to_bits() != y.to_bits()).count())
+            .sum();
+        let good = differ == 0 && logits[0].iter().all(|v| v.is_finite());
+        checks += 1;
+        if !good {
+            failures += 1;
+        }
+        println!(
+            "batched prompt {:>4}: logits with the prefill's launches under PDL (3 runs) = without, bit for bit: {differ} of {} differ {}",
+            prompt.len(),
+            3 * logits[0].len(),
+            if good { "ok" } else { "FAIL" }
+        );
+    }
     {
         let prompt = random_prompt(a.prompt_tokens.iter().copied().max().unwrap_or(1).max(1), vocab, 77);
         let (fused, three) = (pf.fused_norm_acts, cx.gemm_grouped3());

@@ -17,7 +17,6 @@
 
 use cudarc::driver::{
     sys::CUfunction_attribute, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig,
-    PushKernelArg,
 };
 use spec::production as p;
 
@@ -332,14 +331,14 @@ impl CudaContext {
             shared_mem_bytes: 0,
         };
         let (t_i, pos0_i) = (t as i32, pos0 as i32);
-        let mut b = stream.launch_builder(self.func("attn_prefill_prep")?);
-        b.arg(&mut scratch.q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(proj)
-            .arg(q_norm)
-            .arg(k_norm)
-            .arg(inv_freq)
+        let mut b = self.kernel(self.func("attn_prefill_prep")?);
+        b.ptr_mut(&mut scratch.q)
+            .ptr_mut(k_cache)
+            .ptr_mut(v_cache)
+            .ptr(proj)
+            .ptr(q_norm)
+            .ptr(k_norm)
+            .ptr(inv_freq)
             .arg(&t_i)
             .arg(&pos0_i);
         // SAFETY: argument order and types match the kernel; lengths and bounds checked above
@@ -402,12 +401,12 @@ impl CudaContext {
         let (t_i, pos0_i) = (t as i32, pos0 as i32);
         // softmax in base 2: exp(s / sqrt(d)) = 2^(s · log2(e) / sqrt(d))
         let scale_log2 = std::f32::consts::LOG2_E / (p::HEAD_DIM as f32).sqrt();
-        let mut b = stream.launch_builder(self.func(tile.entry())?);
-        b.arg(out)
-            .arg(&scratch.q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(proj)
+        let mut b = self.kernel(self.func(tile.entry())?);
+        b.ptr_mut(out)
+            .ptr(&scratch.q)
+            .ptr(k_cache)
+            .ptr(v_cache)
+            .ptr(proj)
             .arg(&t_i)
             .arg(&pos0_i)
             .arg(&scale_log2);
@@ -477,12 +476,12 @@ impl CudaContext {
         };
         let (t_i, pos0_i, n_split_i) = (t as i32, pos0 as i32, n_split as i32);
         let scale_log2 = std::f32::consts::LOG2_E / (p::HEAD_DIM as f32).sqrt();
-        let mut b = stream.launch_builder(self.func(SPLIT_ENTRY)?);
-        b.arg(&mut scratch.part_o)
-            .arg(&mut scratch.part_ml)
-            .arg(&scratch.q)
-            .arg(k_cache)
-            .arg(v_cache)
+        let mut b = self.kernel(self.func(SPLIT_ENTRY)?);
+        b.ptr_mut(&mut scratch.part_o)
+            .ptr_mut(&mut scratch.part_ml)
+            .ptr(&scratch.q)
+            .ptr(k_cache)
+            .ptr(v_cache)
             .arg(&t_i)
             .arg(&pos0_i)
             .arg(&scale_log2)
@@ -496,11 +495,11 @@ impl CudaContext {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.launch_builder(self.func("attn_prefill_combine")?);
-        b.arg(out)
-            .arg(&scratch.part_o)
-            .arg(&scratch.part_ml)
-            .arg(proj)
+        let mut b = self.kernel(self.func("attn_prefill_combine")?);
+        b.ptr_mut(out)
+            .ptr(&scratch.part_o)
+            .ptr(&scratch.part_ml)
+            .ptr(proj)
             .arg(&t_i)
             .arg(&n_split_i);
         // SAFETY: as above; writes out rows < t, reads proj rows < t.
@@ -550,8 +549,8 @@ impl CudaContext {
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut b = self.stream().launch_builder(f);
-        b.arg(s_out).arg(o_out).arg(q).arg(k).arg(v).arg(pm);
+        let mut b = self.kernel(f);
+        b.ptr_mut(s_out).ptr_mut(o_out).ptr(q).ptr(k).ptr(v).ptr(pm);
         // SAFETY: argument order and types match the kernel; lengths checked above.
         unsafe { b.launch(cfg) }?;
         Ok(())

@@ -23,7 +23,7 @@
 //! are fp32 either way.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 use spec::production as p;
 
 use crate::gdn::{GDN_CONV_DIM, GDN_CONV_STATE_LEN, GDN_OUT, GDN_PROJ, GDN_STATE_LEN};
@@ -326,17 +326,17 @@ impl CudaContext {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = stream.launch_builder(self.func("gdnp_conv")?);
-            b.arg(&mut sc.q)
-                .arg(&mut sc.k)
-                .arg(&mut sc.vu)
-                .arg(&mut sc.g)
-                .arg(&mut sc.beta)
-                .arg(proj)
-                .arg(&cs)
-                .arg(conv_w)
-                .arg(a_neg_exp)
-                .arg(dt_bias)
+            let mut b = self.kernel(self.func("gdnp_conv")?);
+            b.ptr_mut(&mut sc.q)
+                .ptr_mut(&mut sc.k)
+                .ptr_mut(&mut sc.vu)
+                .ptr_mut(&mut sc.g)
+                .ptr_mut(&mut sc.beta)
+                .ptr(proj)
+                .ptr(&cs)
+                .ptr(conv_w)
+                .ptr(a_neg_exp)
+                .ptr(dt_bias)
                 .arg(&t_i)
                 .arg(&tpad_i)
                 .arg(&round_qk);
@@ -349,17 +349,17 @@ impl CudaContext {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: (PREP_FLOATS * 4) as u32,
             };
-            let mut b = stream.launch_builder(self.func(math.prep())?);
-            b.arg(&mut sc.vu)
-                .arg(&mut sc.w)
-                .arg(&mut sc.p)
-                .arg(&mut sc.gam)
-                .arg(&mut *conv_state)
-                .arg(&sc.q)
-                .arg(&sc.k)
-                .arg(&sc.g)
-                .arg(&sc.beta)
-                .arg(proj)
+            let mut b = self.kernel(self.func(math.prep())?);
+            b.ptr_mut(&mut sc.vu)
+                .ptr_mut(&mut sc.w)
+                .ptr_mut(&mut sc.p)
+                .ptr_mut(&mut sc.gam)
+                .ptr_mut(&mut *conv_state)
+                .ptr(&sc.q)
+                .ptr(&sc.k)
+                .ptr(&sc.g)
+                .ptr(&sc.beta)
+                .ptr(proj)
                 .arg(&t_i)
                 .arg(&tpad_i)
                 .arg(&nc_i);
@@ -372,15 +372,15 @@ impl CudaContext {
                 block_dim: (math.state_threads(), 1, 1),
                 shared_mem_bytes: (STATE_FLOATS * 4) as u32,
             };
-            let mut b = stream.launch_builder(self.func(math.state())?);
-            b.arg(&mut *out)
-                .arg(&mut *s)
-                .arg(&sc.q)
-                .arg(&sc.k)
-                .arg(&sc.vu)
-                .arg(&sc.w)
-                .arg(&sc.p)
-                .arg(&sc.gam)
+            let mut b = self.kernel(self.func(math.state())?);
+            b.ptr_mut(&mut *out)
+                .ptr_mut(&mut *s)
+                .ptr(&sc.q)
+                .ptr(&sc.k)
+                .ptr(&sc.vu)
+                .ptr(&sc.w)
+                .ptr(&sc.p)
+                .ptr(&sc.gam)
                 .arg(&t_i)
                 .arg(&tpad_i)
                 .arg(&nc_i);
@@ -399,9 +399,9 @@ impl CudaContext {
                     let f = self.func("gdnp_norm_acts")?;
                     {
                         let xb = a.fill("gdn_prefill_acts", t, GDN_OUT)?;
-                        let mut b = stream.launch_builder(f);
+                        let mut b = self.kernel(f);
                         let o = out.as_view();
-                        b.arg(xb).arg(&o).arg(proj).arg(norm_w).arg(&t_i);
+                        b.ptr(xb).ptr(&o).ptr(proj).ptr(norm_w).arg(&t_i);
                         // SAFETY: argument order and types match `gdnp_norm_acts`; the scratch
                         // has room for t·GDN_OUT bf16 (checked by `fill`).
                         unsafe { b.launch(cfg) }?;
@@ -409,8 +409,8 @@ impl CudaContext {
                     a.filled(t, GDN_OUT);
                 }
                 None => {
-                    let mut b = stream.launch_builder(self.func("gdnp_norm")?);
-                    b.arg(&mut *out).arg(proj).arg(norm_w).arg(&t_i);
+                    let mut b = self.kernel(self.func("gdnp_norm")?);
+                    b.ptr_mut(&mut *out).ptr(proj).ptr(norm_w).arg(&t_i);
                     // SAFETY: argument order and types match `gdnp_norm`.
                     unsafe { b.launch(cfg) }?;
                 }

@@ -34,7 +34,7 @@
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
 };
 use quant::Bits;
 use spec::production as p;
@@ -499,7 +499,7 @@ impl CudaContext {
         let (px, _gx) = x.device_ptr(stream);
         let (pxb, _gxb) = scratch.xb.device_ptr_mut(stream);
         let (rows, kk) = (check_i32("t", t)?, check_i32("k", k)?);
-        let mut b = stream.launch_builder(self.func("qgemm_x_to_bf16")?);
+        let mut b = self.kernel(self.func("qgemm_x_to_bf16")?);
         b.arg(&px).arg(&pxb).arg(&rows).arg(&kk);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: x has t*k f32, the scratch has room for t*k bf16 (checked above).
@@ -557,8 +557,8 @@ impl CudaContext {
             };
             let eps = p::RMS_EPS;
             let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: ((d / 8) as u32, 1, 1), shared_mem_bytes: 0 };
-            let mut b = stream.launch_builder(f);
-            b.arg(&py).arg(&pxb).arg(x).arg(w).arg(&eps);
+            let mut b = self.kernel(f);
+            b.arg(&py).arg(&pxb).ptr(x).ptr(w).arg(&eps);
             // SAFETY: x has t rows of D_MODEL f32, y (when not null) as many, the scratch room
             // for t·D_MODEL bf16 (checked above).
             unsafe { b.launch(cfg) }?;
@@ -757,7 +757,7 @@ impl CudaContext {
         let t = check_i32("t", a.t)?;
         let ldy = check_i32("ldy", a.ldy)?;
         let topk = p::TOP_K as i32;
-        let mut b = stream.launch_builder(f);
+        let mut b = self.kernel(f);
         b.arg(&pp)
             .arg(&ps)
             .arg(&pb)
@@ -855,7 +855,7 @@ impl CudaContext {
             let (pi, _g1) = routing.ids.device_ptr_mut(stream);
             let (pw, _g2) = routing.weights.device_ptr_mut(stream);
             let (ps, _g3) = routing.shared_weight.device_ptr_mut(stream);
-            let mut b = stream.launch_builder(self.func("qgemm_moe_route")?);
+            let mut b = self.kernel(self.func("qgemm_moe_route")?);
             b.arg(&pl).arg(&ti).arg(&pi).arg(&pw).arg(&ps);
             let cfg = LaunchConfig {
                 grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
@@ -872,7 +872,7 @@ impl CudaContext {
         {
             let (pi, _g1) = routing.ids.device_ptr(stream);
             let (ph, _g2) = routing.hist.device_ptr_mut(stream);
-            let mut b = stream.launch_builder(self.func("qgemm_moe_hist")?);
+            let mut b = self.kernel(self.func("qgemm_moe_hist")?);
             b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&ph);
             let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: hist holds N_EXPERTS * chunks(max_t) >= N_EXPERTS * chunks.
@@ -886,7 +886,7 @@ impl CudaContext {
             let (p64, _g5) = routing.tiles64.device_ptr_mut(stream);
             let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
             let (p32, _g7) = routing.tiles32.device_ptr_mut(stream);
-            let mut b = stream.launch_builder(self.func("qgemm_moe_scan")?);
+            let mut b = self.kernel(self.func("qgemm_moe_scan")?);
             b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into);
             let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: as allocated by moe_routing.
@@ -896,7 +896,7 @@ impl CudaContext {
             let (pi, _g1) = routing.ids.device_ptr(stream);
             let (pb, _g2) = routing.base.device_ptr(stream);
             let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
-            let mut b = stream.launch_builder(self.func("qgemm_moe_place")?);
+            let mut b = self.kernel(self.func("qgemm_moe_place")?);
             b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&pb).arg(&ps);
             let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: sorted holds max_t * TOP_K >= n_entries.
@@ -1129,7 +1129,7 @@ impl CudaContext {
         let ti = t as i32;
         match norm_acts {
             None => {
-                let mut b = stream.launch_builder(self.func("qgemm_moe_combine")?);
+                let mut b = self.kernel(self.func("qgemm_moe_combine")?);
                 b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&ti);
                 let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 // SAFETY: all buffers [t, D_MODEL] (checked), slot_out/weights sized for max_t >= t.
@@ -1142,7 +1142,7 @@ impl CudaContext {
                     let (pxb, _g6) = xb.device_ptr_mut(stream);
                     let (pnw, _g7) = nw.device_ptr(stream);
                     let eps = p::RMS_EPS;
-                    let mut b = stream.launch_builder(f);
+                    let mut b = self.kernel(f);
                     b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&pnw).arg(&pxb).arg(&eps).arg(&ti);
                     let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: ((d / 8) as u32, 1, 1), shared_mem_bytes: 0 };
                     // SAFETY: as above; next_norm has D_MODEL values, the scratch room for

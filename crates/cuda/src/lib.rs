@@ -20,6 +20,7 @@ pub mod gdn_prefill;
 pub mod moe;
 pub mod decode;
 pub mod graph;
+pub mod launch;
 pub mod nvrtc;
 pub mod prefill;
 pub mod sample;
@@ -523,6 +524,9 @@ pub struct CudaContext {
     /// per expert) take the three-blocks-per-SM lean entry point
     /// ([`CudaContext::set_gemm_grouped3`]).
     pub(crate) gemm_grouped3: std::sync::atomic::AtomicBool,
+    /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
+    /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
+    eager_pdl: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -651,6 +655,7 @@ impl CudaContext {
             gemm_group_major: std::sync::atomic::AtomicBool::new(true),
             gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
+            eager_pdl: std::sync::atomic::AtomicBool::new(false),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -704,6 +709,7 @@ impl CudaContext {
             gemm_group_major: copy(&self.gemm_group_major),
             gemm_lean: copy(&self.gemm_lean),
             gemm_grouped3: copy(&self.gemm_grouped3),
+            eager_pdl: copy(&self.eager_pdl),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),
@@ -711,6 +717,27 @@ impl CudaContext {
             stream,
             sm_count: self.sm_count,
         })
+    }
+
+    /// Lets the eager launches made through [`CudaContext::kernel`] (the batched prefill's
+    /// kernels) overlap the previous kernel on the stream by programmatic dependent launch
+    /// (`on`) or not: the same results, only the boundaries between kernels change (see
+    /// [`launch`]). Off for a new context; the prefill turns it on for its chunks
+    /// ([`prefill::Prefiller::eager_pdl`]). Must be off while a stream capture records launches
+    /// made through [`CudaContext::kernel`].
+    pub fn set_eager_pdl(&self, on: bool) {
+        self.eager_pdl.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaContext::set_eager_pdl`] is on.
+    pub fn eager_pdl(&self) -> bool {
+        self.eager_pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A launch of `func` on this context's stream, with programmatic dependent launch when
+    /// [`CudaContext::set_eager_pdl`] is on.
+    pub fn kernel<'a>(&'a self, func: &'a CudaFunction) -> launch::Launch<'a> {
+        launch::Launch::new(&self.stream, func, self.eager_pdl())
     }
 
     /// The loaded entry point `name` (an `extern "C"` kernel listed in [`KERNELS`]).

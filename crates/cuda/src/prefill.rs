@@ -30,7 +30,7 @@
 //! time, group-major ([`CudaContext::add_group_major`]; ~1/8 of the 4-bit codes' bytes again,
 //! about 2 GB).
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig};
 use model::load::Weights;
 use quant::{Bits, QMatRef};
 use spec::production as p;
@@ -129,6 +129,15 @@ pub fn set_default_fused_norm_acts(on: bool) {
     DEFAULT_FUSED_NORM_ACTS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+static DEFAULT_EAGER_PDL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether every [`Prefiller`] created afterwards starts with [`Prefiller::eager_pdl`] (default
+/// `true`). Process-wide, like [`set_default_router_f32`] (`calla cuda-bench | cuda-check
+/// --prefill-no-pdl`).
+pub fn set_default_eager_pdl(on: bool) {
+    DEFAULT_EAGER_PDL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Buffers and weights of the batched prefill, for chunks of up to `max_t` tokens.
 pub struct Prefiller {
     max_t: usize,
@@ -166,6 +175,13 @@ pub struct Prefiller {
     /// cuda-bench --prefill-compare`). Starts as
     /// [`set_default_fused_norm_acts`] last set.
     pub fused_norm_acts: bool,
+    /// Launch the chunk's kernels with programmatic dependent launch
+    /// ([`CudaContext::set_eager_pdl`], [`crate::launch`]): each kernel's grid is set up while
+    /// the previous one drains and waits in `calla_pdl_wait()` for its results, instead of a
+    /// full stream boundary between every two of the ~700 launches of a prefill. The same
+    /// results; `false` for measurement (`calla cuda-bench --prefill-compare`, `--prefill-no-pdl`).
+    /// Starts as [`set_default_eager_pdl`] last set (on unless set).
+    pub eager_pdl: bool,
     routing: MoeRouting,
     gdn: GdnPrefillScratch,
     attn: AttnPrefillScratch,
@@ -227,6 +243,7 @@ impl Prefiller {
             overlap_shared_expert: true,
             router_f32: DEFAULT_ROUTER_F32.load(std::sync::atomic::Ordering::Relaxed),
             fused_norm_acts: DEFAULT_FUSED_NORM_ACTS.load(std::sync::atomic::Ordering::Relaxed),
+            eager_pdl: DEFAULT_EAGER_PDL.load(std::sync::atomic::Ordering::Relaxed),
             routing: cx.moe_routing(max_t)?,
             gdn: cx.gdn_prefill_scratch(max_t)?,
             attn: cx.attn_prefill_scratch(max_t)?,
@@ -296,7 +313,19 @@ impl Prefiller {
 
     /// Runs tokens `pos0 .. pos0 + t` of the session's history through every layer, updating
     /// its GDN state and KV cache; the chunk's last hidden state ends in row `t - 1` of `x`.
+    /// The chunk's kernels are launched with programmatic dependent launch when
+    /// [`Prefiller::eager_pdl`] is on; the contexts' previous setting is restored afterwards.
     fn chunk(&mut self, cx: &CudaContext, m: &CudaModel, s: &mut CudaSession, pos0: usize, t: usize) -> Result<(), CudaError> {
+        let was = (cx.eager_pdl(), self.side.cx.eager_pdl());
+        cx.set_eager_pdl(self.eager_pdl);
+        self.side.cx.set_eager_pdl(self.eager_pdl);
+        let r = self.chunk_layers(cx, m, s, pos0, t);
+        cx.set_eager_pdl(was.0);
+        self.side.cx.set_eager_pdl(was.1);
+        r
+    }
+
+    fn chunk_layers(&mut self, cx: &CudaContext, m: &CudaModel, s: &mut CudaSession, pos0: usize, t: usize) -> Result<(), CudaError> {
         let d = p::D_MODEL;
         mark(&mut self.profile, cx, "begin, restore, between chunks")?;
         embed_rows(cx, &mut self.x, &m.embed, &s.ids, pos0, t)?;
@@ -610,7 +639,7 @@ impl CudaContext {
         let (pb, _g3) = w.biases.device_ptr(st);
         let (pu, _g4) = u.device_ptr(st);
         let (t32, n32) = (t as i32, w.rows as i32);
-        let mut b = st.launch_builder(f);
+        let mut b = self.kernel(f);
         b.arg(&py).arg(&pp).arg(&ps).arg(&pb).arg(&pu).arg(&t32).arg(&n32);
         // SAFETY: as the caller promised.
         unsafe { b.launch(cfg) }?;
@@ -724,7 +753,7 @@ fn embed_rows(cx: &CudaContext, x: &mut CudaSlice<f32>, embed: &DeviceQMat, ids:
     let (pb, _g3) = embed.biases.device_ptr(st);
     let (pi, _g4) = ids.device_ptr(st);
     let (pos0, t32, n_ids, n_rows) = (pos0 as i32, t as i32, ids.len() as i32, embed.rows as i32);
-    let mut b = st.launch_builder(f);
+    let mut b = cx.kernel(f);
     b.arg(&px).arg(&pp).arg(&ps).arg(&pb).arg(&pi).arg(&pos0).arg(&t32).arg(&n_ids).arg(&n_rows);
     let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: ((p::D_MODEL / 8) as u32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: x holds t rows of D_MODEL, ids holds pos0 + t entries, the embedding matches the
