@@ -203,9 +203,9 @@ pub struct CudaBenchArgs {
     /// integer products) and with the dense projections' GEMMs reading the other layout of
     /// their codes, scales and biases (group-major or MLX; the experts' prefill copies are
     /// group-major in place either way), on the other GEMM main loop, with the norms and
-    /// conversions apart (or fused), the grouped GEMMs at the other blocks per SM and the
-    /// kernels launched without (or with) programmatic dependent launch, alternating, in this
-    /// process (median of 5 each).
+    /// conversions apart (or fused), the grouped GEMMs at the other blocks per SM, the
+    /// kernels launched without (or with) programmatic dependent launch and the MoE routing in
+    /// four launches (or two), alternating, in this process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
     /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
@@ -693,8 +693,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let pdl = pf.eager_pdl;
+            let route_fused = cx.moe_route_fused();
             let router_f32 = pf.router_f32;
             let fused = pf.fused_norm_acts;
             let grouped3 = cx.gemm_grouped3();
@@ -705,18 +706,22 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 // dense projections' GEMMs on the other layout (their group-major copies used
                 // or not); the GEMMs on the other main loop; the norms writing the GEMMs'
                 // activations or not; the grouped expert GEMMs at three blocks per SM or not;
-                // the kernels launched with programmatic dependent launch or not
+                // the kernels launched with programmatic dependent launch or not; the routing as
+                // two launches or four
+                let (r, g, l, f, g3, pd, rf) = (router_f32, group_major, lean, fused, grouped3, pdl, route_fused);
                 let cases = [
-                    (true, router_f32, group_major, lean, fused, grouped3, pdl),
-                    (false, router_f32, group_major, lean, fused, grouped3, pdl),
-                    (true, !router_f32, group_major, lean, fused, grouped3, pdl),
-                    (true, router_f32, !group_major, lean, fused, grouped3, pdl),
-                    (true, router_f32, group_major, !lean, fused, grouped3, pdl),
-                    (true, router_f32, group_major, lean, !fused, grouped3, pdl),
-                    (true, router_f32, group_major, lean, fused, !grouped3, pdl),
-                    (true, router_f32, group_major, lean, fused, grouped3, !pdl),
+                    (true, r, g, l, f, g3, pd, rf),
+                    (false, r, g, l, f, g3, pd, rf),
+                    (true, !r, g, l, f, g3, pd, rf),
+                    (true, r, !g, l, f, g3, pd, rf),
+                    (true, r, g, !l, f, g3, pd, rf),
+                    (true, r, g, l, !f, g3, pd, rf),
+                    (true, r, g, l, f, !g3, pd, rf),
+                    (true, r, g, l, f, g3, !pd, rf),
+                    (true, r, g, l, f, g3, pd, !rf),
                 ];
-                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2)) in cases.into_iter().enumerate() {
+                    cx.set_moe_route_fused(route2);
                     pf.eager_pdl = eager_pdl;
                     pf.set_gemm_grouped3(&cx, three);
                     pf.overlap_shared_expert = overlap;
@@ -740,22 +745,25 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.fused_norm_acts = fused;
             pf.set_gemm_grouped3(&cx, grouped3);
             pf.eager_pdl = pdl;
-            let [on, off, other, layout, main_loop, acts, g3, pdl_other] = ms.each_mut().map(|v| median(v));
+            cx.set_moe_route_fused(route_fused);
+            let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other] = ms.each_mut().map(|v| median(v));
             let pdl_name = if pdl { "launches without PDL" } else { "launches with PDL" };
+            let route_name = if route_fused { "routing in four launches" } else { "routing in two launches" };
             let g3_name = if grouped3 { "grouped GEMMs at two blocks per SM" } else { "grouped GEMMs at three blocks per SM" };
             let acts_name = if fused { "norms and GEMM conversions apart" } else { "norms writing the GEMMs' activations" };
             let loop_name = if lean { "GEMMs on the plain loop" } else { "GEMMs on the lean loop" };
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%); {route_name} {route_other:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
                 100.0 * (other / on - 1.0),
                 100.0 * (layout / on - 1.0),
                 100.0 * (main_loop / on - 1.0),
                 100.0 * (acts / on - 1.0),
                 100.0 * (g3 / on - 1.0),
-                100.0 * (pdl_other / on - 1.0)
+                100.0 * (pdl_other / on - 1.0),
+                100.0 * (route_other / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
@@ -764,6 +772,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             row[if fused { "norm_acts_apart_ms" } else { "norm_acts_fused_ms" }] = serde_json::json!(acts);
             row[if grouped3 { "grouped_two_per_sm_ms" } else { "grouped_three_per_sm_ms" }] = serde_json::json!(g3);
             row[if pdl { "no_pdl_ms" } else { "pdl_ms" }] = serde_json::json!(pdl_other);
+            row[if route_fused { "routing_four_launches_ms" } else { "routing_two_launches_ms" }] = serde_json::json!(route_other);
             prefill_compare.push(row);
         }
     }

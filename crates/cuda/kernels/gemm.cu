@@ -757,14 +757,13 @@ extern "C" __global__ void qgemm_x_to_bf16(const float* __restrict__ x, unsigned
 // probabilities (ties: lower id), weights renormalised over the k (summed in choice order, as
 // the CPU does), shared-expert weight sigmoid(logit[N_EXPERTS]).
 // logits: [t, N_EXPERTS + 1]; ids, wts: [t, TOP_K] (descending weight); shared_w: [t].
-extern "C" __global__ void qgemm_moe_route(const float* __restrict__ logits, int t, int* __restrict__ ids,
-                                          float* __restrict__ wts, float* __restrict__ shared_w) {
+// The routing of token `tok` by one warp; returns the expert of slot `lane` (lanes < TOP_K;
+// the others return an unspecified id).
+__device__ __forceinline__ int moe_route_token(const float* __restrict__ logits, int tok, int lane,
+                                               int* __restrict__ ids, float* __restrict__ wts,
+                                               float* __restrict__ shared_w) {
     constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32, TK = CALLA_TOP_K;
     static_assert(NE % 32 == 0 && TK <= 32, "router layout");
-    calla_pdl_wait();
-    const int tok = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    const int lane = threadIdx.x & 31;
-    if (tok >= t) return;
     const float* row = logits + (size_t)tok * (NE + 1);
     float p[PER];
     float mx = __int_as_float(0xff800000);  // -inf
@@ -820,6 +819,16 @@ extern "C" __global__ void qgemm_moe_route(const float* __restrict__ logits, int
         wts[tok * TK + lane] = my_p / sum;
     }
     if (lane == 0) shared_w[tok] = 1.0f / (1.0f + expf(-row[NE]));
+    return my_id;
+}
+
+extern "C" __global__ void qgemm_moe_route(const float* __restrict__ logits, int t, int* __restrict__ ids,
+                                          float* __restrict__ wts, float* __restrict__ shared_w) {
+    calla_pdl_wait();
+    const int tok = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (tok >= t) return;
+    moe_route_token(logits, tok, lane, ids, wts, shared_w);
 }
 
 // Sorting the entries (token*k + slot) by expert, deterministically (a stable counting sort):
@@ -853,25 +862,40 @@ extern "C" __global__ void __launch_bounds__(256) qgemm_moe_hist(const int* __re
     for (int e = lane; e < NE; e += 32) hist[e * n_chunks + chunk] = cnt[warp][e];
 }
 
-// One block of 1024 threads (32 warps; warp w owns experts w, w+32, ...).
-extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __restrict__ hist, int n_chunks,
-                                                                  int* __restrict__ base, int* __restrict__ counts,
-                                                                  int* __restrict__ offsets, int* __restrict__ tiles64,
-                                                                  int* __restrict__ tiles128, int* __restrict__ tiles32,
-                                                                  int* __restrict__ count_into) {
+// The scan by one block of 1024 threads (32 warps; warp w owns experts w, w+32, ...). hist is
+// read through L2 (__ldcg): in qgemm_moe_route_hist other blocks of the same grid wrote it.
+__device__ __forceinline__ void moe_scan_body(const int* hist, int n_chunks, int* __restrict__ base,
+                                              int* __restrict__ counts, int* __restrict__ offsets,
+                                              int* __restrict__ tiles64, int* __restrict__ tiles128,
+                                              int* __restrict__ tiles32, int* __restrict__ count_into) {
     constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32;
     static_assert(NE % 32 == 0, "experts per lane");
     __shared__ int s_tot[NE];
     __shared__ int s_pre[NE];
-    calla_pdl_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int e = warp; e < NE; e += 32) {
-        int sum = 0;
-        for (int c = lane; c < n_chunks; c += 32) sum += hist[e * n_chunks + c];
-        sum = __reduce_add_sync(0xffffffffu, sum);
-        if (lane == 0) {
-            s_tot[e] = sum;
-            if (count_into != nullptr) count_into[e] += sum;  // expert-load telemetry (null: none)
+    // warp w owns experts w + 32j (j < PER); every pass over 32 chunks issues the PER loads of
+    // a lane before it adds any (one L2 round trip per pass, not one per expert)
+    {
+        int sum[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) sum[j] = 0;
+        for (int c0 = 0; c0 < n_chunks; c0 += 32) {
+            const int c = c0 + lane;
+            int v[PER];
+#pragma unroll
+            for (int j = 0; j < PER; ++j) v[j] = c < n_chunks ? __ldcg(hist + (warp + 32 * j) * n_chunks + c) : 0;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) sum[j] += v[j];
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) sum[j] = __reduce_add_sync(0xffffffffu, sum[j]);
+        if (lane < PER) {
+            int mine = sum[0];
+#pragma unroll
+            for (int j = 1; j < PER; ++j) mine = lane == j ? sum[j] : mine;
+            const int e = warp + 32 * lane;
+            s_tot[e] = mine;
+            if (count_into != nullptr) count_into[e] += mine;  // expert-load telemetry (null: none)
         }
     }
     __syncthreads();
@@ -925,21 +949,80 @@ extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __r
         }
     }
     __syncthreads();
-    for (int e = warp; e < NE; e += 32) {
-        int run = s_pre[e];
+    {
+        int run[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) run[j] = s_pre[warp + 32 * j];
         for (int c0 = 0; c0 < n_chunks; c0 += 32) {
             const int c = c0 + lane;
-            const int v = c < n_chunks ? hist[e * n_chunks + c] : 0;
-            int inc = v;
+            int v[PER], inc[PER];
 #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int u = __shfl_up_sync(0xffffffffu, inc, o);
-                if (lane >= o) inc += u;
+            for (int j = 0; j < PER; ++j) v[j] = c < n_chunks ? __ldcg(hist + (warp + 32 * j) * n_chunks + c) : 0;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) inc[j] = v[j];
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1)
+#pragma unroll
+                for (int j = 0; j < PER; ++j) {
+                    const int u = __shfl_up_sync(0xffffffffu, inc[j], o);
+                    if (lane >= o) inc[j] += u;
+                }
+#pragma unroll
+            for (int j = 0; j < PER; ++j) {
+                if (c < n_chunks) base[(warp + 32 * j) * n_chunks + c] = run[j] + inc[j] - v[j];
+                run[j] += __shfl_sync(0xffffffffu, inc[j], 31);
             }
-            if (c < n_chunks) base[e * n_chunks + c] = run + inc - v;
-            run += __shfl_sync(0xffffffffu, inc, 31);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __restrict__ hist, int n_chunks,
+                                                                  int* __restrict__ base, int* __restrict__ counts,
+                                                                  int* __restrict__ offsets, int* __restrict__ tiles64,
+                                                                  int* __restrict__ tiles128, int* __restrict__ tiles32,
+                                                                  int* __restrict__ count_into) {
+    calla_pdl_wait();
+    moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, count_into);
+}
+
+// qgemm_moe_route + qgemm_moe_hist + qgemm_moe_scan in one launch: block c (1024 threads) routes
+// the 32 tokens of entry chunk c (warp w: token 32c + w), counts the chunk's entries per expert
+// in shared memory and writes its hist column; the block that finishes last (an arrival counter,
+// `done`, back to 0 when it leaves) runs the scan. The same outputs as the three kernels: the
+// routing is the same code, a chunk's counts are counts, the scan the same function.
+// Grid: n_chunks = ceil(t · TOP_K / SORT_CHUNK) blocks.
+static_assert(SORT_CHUNK == 32 * CALLA_TOP_K, "one token per warp of a 1024-thread block");
+extern "C" __global__ void __launch_bounds__(1024)
+    qgemm_moe_route_hist(const float* __restrict__ logits, int t, int* __restrict__ ids, float* __restrict__ wts,
+                         float* __restrict__ shared_w, int n_chunks, int* hist, int* __restrict__ base,
+                         int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tiles64,
+                         int* __restrict__ tiles128, int* __restrict__ tiles32, int* __restrict__ count_into,
+                         unsigned* __restrict__ done) {
+    constexpr int NE = CALLA_N_EXPERTS, TK = CALLA_TOP_K;
+    static_assert(NE <= 1024, "one thread per expert");
+    __shared__ int cnt[NE];
+    __shared__ int s_ids[SORT_CHUNK];
+    __shared__ bool s_last;
+    calla_pdl_wait();
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int chunk = blockIdx.x, tok = chunk * 32 + warp;
+    if (tid < NE) cnt[tid] = 0;
+    if (tok < t) {
+        const int e = moe_route_token(logits, tok, lane, ids, wts, shared_w);
+        if (lane < TK) s_ids[warp * TK + lane] = e;
+    }
+    __syncthreads();
+    if (tid < SORT_CHUNK && chunk * 32 + tid / TK < t) atomicAdd(&cnt[s_ids[tid]], 1);
+    __syncthreads();
+    if (tid < NE) hist[tid * n_chunks + chunk] = cnt[tid];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, count_into);
+    if (tid == 0) *done = 0u;
 }
 
 extern "C" __global__ void __launch_bounds__(256) qgemm_moe_place(const int* __restrict__ ids, int n_entries,
@@ -951,12 +1034,26 @@ extern "C" __global__ void __launch_bounds__(256) qgemm_moe_place(const int* __r
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunk = blockIdx.x * 8 + warp;
     if (chunk >= n_chunks) return;  // whole warps
-    for (int e = lane; e < NE; e += 32) pos[warp][e] = base[e * n_chunks + chunk];
-    __syncwarp();
+    // every load of the warp issued before the first is used: the chunk's base column and its
+    // 256 entries' experts (8 rounds of 32)
+    constexpr int ROUNDS = SORT_CHUNK / 32;
+    int b[NE / 32];
+#pragma unroll
+    for (int j = 0; j < NE / 32; ++j) b[j] = base[(lane + 32 * j) * n_chunks + chunk];
     const int end = min((chunk + 1) * SORT_CHUNK, n_entries);
-    for (int i0 = chunk * SORT_CHUNK; i0 < end; i0 += 32) {
-        const int i = i0 + lane;
-        const int e = i < end ? ids[i] : -1;
+    int ex[ROUNDS];
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int i = chunk * SORT_CHUNK + 32 * r + lane;
+        ex[r] = i < end ? ids[i] : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < NE / 32; ++j) pos[warp][lane + 32 * j] = b[j];
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int i = chunk * SORT_CHUNK + 32 * r + lane;
+        const int e = ex[r];
         const unsigned m = __match_any_sync(0xffffffffu, e);
         if (e >= 0) sorted[pos[warp][e] + __popc(m & ((1u << lane) - 1u))] = i;
         __syncwarp();

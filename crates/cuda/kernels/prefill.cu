@@ -240,22 +240,30 @@ __device__ __forceinline__ float4 dg_values(const float* __restrict__ xg, int q)
     return make_float4(__ldcg(xg + c), __ldcg(xg + c + 2), __ldcg(xg + c + 4), __ldcg(xg + c + 6));
 }
 
-template <int BITS, int PAIRS>
+// KS > 1 (router_dg_*_k{KS}, short prompts): the 32 groups are split over a cluster of KS blocks
+// (blockIdx.y = the block's rank, groups KS·rank .. of NG / KS), each block running the same
+// two chains over its groups and adding the pair (low + high); rank 0 then adds the ranks'
+// partial sums in rank order from their shared memory (DSMEM) and stores. Deterministic, not
+// the bits of KS = 1 (the chains restart per rank). Dynamic shared memory: TB · (NG / KS) ·
+// 264 bytes of digits, then (KS > 1) the partials, 32 · ceil(n / 16) · PAIRS float2.
+template <int BITS, int PAIRS, int KS>
 __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsigned* __restrict__ packed,
                                                const unsigned short* __restrict__ scales,
                                                const unsigned short* __restrict__ biases,
                                                const float* __restrict__ x, int t, int n) {
-    constexpr int K = CALLA_D_MODEL, NG = DG_GROUPS, TB = 2 * PAIRS;
+    constexpr int K = CALLA_D_MODEL, NGA = DG_GROUPS, NG = NGA / KS, TB = 2 * PAIRS;
     constexpr int WPR = K * BITS / 32;   // packed words per row
     constexpr int WPG = 64 * BITS / 32;  // packed words per row and group
-    constexpr int DG_AHEAD = dg_ahead<BITS, PAIRS>();
-    static_assert(NG % DG_AHEAD == 0, "whole rounds of the weight ring");
+    constexpr int DG_AHEAD = dg_ahead<BITS, PAIRS>() < NG ? dg_ahead<BITS, PAIRS>() : NG;
+    static_assert(NGA % KS == 0 && NG % DG_AHEAD == 0, "whole rounds of the weight ring");
     static_assert(CALLA_QUANT_GROUP == 64, "one mma pair per 64-column group");
     extern __shared__ __align__(16) unsigned dg[];                        // [TB][NG][4][16]
     float2* meta = reinterpret_cast<float2*>(dg + TB * NG * 64);         // [TB][NG]
+    float2* part = meta + TB * NG;                                       // KS > 1: [warps][PAIRS][32]
     calla_pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int t0 = blockIdx.x * TB;
+    const int rank = KS > 1 ? (int)blockIdx.y : 0, gbase = rank * NG;  // this block's first group
 
     // the block's tokens as digits, DG_JOBS (token, group) jobs per half-warp and pass with all
     // their loads issued first (both half-warps of a warp run the same jobs up to the parity:
@@ -268,7 +276,7 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
 #pragma unroll
             for (int u = 0; u < DG_JOBS; ++u) {
                 const int job = j0 + 2 * nw * u, tok = t0 + job / NG;
-                v[u] = job < TB * NG && tok < t ? dg_values<BITS>(x + (size_t)tok * K + (job % NG) * 64, q)
+                v[u] = job < TB * NG && tok < t ? dg_values<BITS>(x + (size_t)tok * K + (gbase + job % NG) * 64, q)
                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
@@ -290,15 +298,15 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
     }
     __syncthreads();
     const int r0 = warp * 16;
-    if (r0 >= n) return;
+    if (KS == 1 && r0 >= n) return;  // with a cluster every thread reaches its barriers
     const int g = lane >> 2, tq = lane & 3;
     const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
-    const unsigned* pa = packed + (size_t)ra * WPR + (BITS == 8 ? 4 : 2) * tq;
-    const unsigned* pb = packed + (size_t)rb * WPR + (BITS == 8 ? 4 : 2) * tq;
-    const unsigned short* sa = scales + (size_t)ra * NG;
-    const unsigned short* sb = scales + (size_t)rb * NG;
-    const unsigned short* ba = biases + (size_t)ra * NG;
-    const unsigned short* bb = biases + (size_t)rb * NG;
+    const unsigned* pa = packed + (size_t)ra * WPR + gbase * WPG + (BITS == 8 ? 4 : 2) * tq;
+    const unsigned* pb = packed + (size_t)rb * WPR + gbase * WPG + (BITS == 8 ? 4 : 2) * tq;
+    const unsigned short* sa = scales + (size_t)ra * NGA + gbase;
+    const unsigned short* sb = scales + (size_t)rb * NGA + gbase;
+    const unsigned short* ba = biases + (size_t)ra * NGA + gbase;
+    const unsigned short* bb = biases + (size_t)rb * NGA + gbase;
     // lane t's C columns 2t, 2t+1: token 2p + t/2, digits {0, 1} (t even) or {2, 3}
     const float tmul = (tq & 1) ? 65536.0f : 1.0f, xmask = (tq & 1) ? 0.0f : 1.0f;
     // lane (g, t)'s B column g: token 2p + g/4, digit g % 4
@@ -360,14 +368,35 @@ __device__ __forceinline__ void router_dg_body(float* __restrict__ y, const unsi
             }
         }
     }
+    float2 v[PAIRS];
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p)
+        v[p] = make_float2(acc[p][0] + __shfl_xor_sync(0xffffffffu, acc[p][0], 1),
+                           acc[p][1] + __shfl_xor_sync(0xffffffffu, acc[p][1], 1));
+    if constexpr (KS > 1) {
+        // rank 0 adds the other ranks' sums, in rank order, from their shared memory
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) part[(warp * PAIRS + p) * 32 + lane] = v[p];
+        calla_cluster_sync();
+        if (rank == 0) {
+#pragma unroll
+            for (int r = 1; r < KS; ++r)
+#pragma unroll
+                for (int p = 0; p < PAIRS; ++p) {
+                    const float2 o = calla_ld_dsmem_f2(&part[(warp * PAIRS + p) * 32 + lane], r);
+                    v[p].x += o.x;
+                    v[p].y += o.y;
+                }
+        }
+        calla_cluster_sync();  // no block leaves while rank 0 may still read its partials
+        if (rank != 0 || r0 >= n) return;
+    }
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p) {
-        const float v0 = acc[p][0] + __shfl_xor_sync(0xffffffffu, acc[p][0], 1);
-        const float v1 = acc[p][1] + __shfl_xor_sync(0xffffffffu, acc[p][1], 1);
         const int tok = t0 + 2 * p + (tq >> 1);
         if ((tq & 1) == 0 && tok < t) {
-            if (r0 + g < n) y[(size_t)tok * n + r0 + g] = v0;
-            if (r0 + g + 8 < n) y[(size_t)tok * n + r0 + g + 8] = v1;
+            if (r0 + g < n) y[(size_t)tok * n + r0 + g] = v[p].x;
+            if (r0 + g + 8 < n) y[(size_t)tok * n + r0 + g + 8] = v[p].y;
         }
     }
 }
@@ -396,12 +425,26 @@ CALLA_ROUTER_ENTRY(router_f32w_q8, 8, 4, 4, 1)
     extern "C" __global__ void __launch_bounds__(calla_prefill::DG_MAX_THREADS)                             \
     NAME(float* __restrict__ y, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales, \
          const unsigned short* __restrict__ biases, const float* __restrict__ x, int t, int n) {            \
-        calla_prefill::router_dg_body<BITS, PAIRS>(y, packed, scales, biases, x, t, n);                    \
+        calla_prefill::router_dg_body<BITS, PAIRS, 1>(y, packed, scales, biases, x, t, n);                 \
     }
 CALLA_ROUTER_DG_ENTRY(router_dg_q4_p4, 4, 4)
 CALLA_ROUTER_DG_ENTRY(router_dg_q8_p4, 8, 4)
 CALLA_ROUTER_DG_ENTRY(router_dg_q4_p8, 4, 8)
 CALLA_ROUTER_DG_ENTRY(router_dg_q8_p8, 8, 8)
+// The groups split over a cluster of KS blocks (grid (ceil(t / 8), KS)): short prompts, whose
+// few blocks would each walk all 32 groups.
+#define CALLA_ROUTER_DG_KS_ENTRY(NAME, BITS, KS)                                                           \
+    extern "C" __global__ void __cluster_dims__(1, KS, 1) __launch_bounds__(calla_prefill::DG_MAX_THREADS)  \
+    NAME(float* __restrict__ y, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales, \
+         const unsigned short* __restrict__ biases, const float* __restrict__ x, int t, int n) {            \
+        calla_prefill::router_dg_body<BITS, 4, KS>(y, packed, scales, biases, x, t, n);                    \
+    }
+CALLA_ROUTER_DG_KS_ENTRY(router_dg_q4_p4_k2, 4, 2)
+CALLA_ROUTER_DG_KS_ENTRY(router_dg_q4_p4_k4, 4, 4)
+CALLA_ROUTER_DG_KS_ENTRY(router_dg_q4_p4_k8, 4, 8)
+CALLA_ROUTER_DG_KS_ENTRY(router_dg_q8_p4_k2, 8, 2)
+CALLA_ROUTER_DG_KS_ENTRY(router_dg_q8_p4_k4, 8, 4)
+CALLA_ROUTER_DG_KS_ENTRY(router_dg_q8_p4_k8, 8, 8)
 
 extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
 embed_rows_q4(float* __restrict__ x, const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,

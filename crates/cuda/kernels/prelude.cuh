@@ -358,12 +358,24 @@ __device__ __forceinline__ void calla_cluster_arrive_relaxed() {
 __device__ __forceinline__ void calla_cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// Full cluster barrier: every thread of every block of the cluster; this block's shared-memory
+// writes before it are visible to the cluster after it.
+__device__ __forceinline__ void calla_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 // Shared-memory addresses: this block's (32-bit), and the same offset in block `rank` of the cluster.
 __device__ __forceinline__ unsigned calla_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ unsigned calla_mapa_u32(unsigned local, unsigned rank) {
     unsigned r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
     return r;
+}
+// Reads the float2 at `p` (a __shared__ address of this block) in block `rank` of the cluster.
+__device__ __forceinline__ float2 calla_ld_dsmem_f2(const float2* p, unsigned rank) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(calla_mapa_u32(calla_smem_u32(p), rank)) : "memory");
+    return v;
 }
 __device__ __forceinline__ void calla_mbar_wait_phase0(unsigned long long* m) {
     unsigned done = 0;

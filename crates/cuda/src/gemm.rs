@@ -61,6 +61,11 @@ pub fn set_default_gemm_lean(on: bool) {
     DEFAULT_GEMM_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] runs [`CudaContext::moe_route`] as two launches (routing,
+/// counts and scan fused in `qgemm_moe_route_hist`, then the placement) instead of four
+/// ([`CudaContext::set_moe_route_fused`]).
+pub const MOE_ROUTE_FUSED: bool = true;
+
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_grouped3`] on (the
 /// process default, [`set_default_gemm_grouped3`]; on unless set).
 pub fn default_gemm_grouped3() -> bool {
@@ -256,6 +261,9 @@ pub struct MoeRouting {
     hist: CudaSlice<i32>,
     /// `[N_EXPERTS, chunks]` i32: where each chunk's entries of each expert start in `sorted`.
     base: CudaSlice<i32>,
+    /// One u32: the arrival counter of the fused routing launch (`qgemm_moe_route_hist`), 0
+    /// between launches.
+    done: CudaSlice<u32>,
     /// Forces a kernel variant for the grouped GEMMs; `None` chooses by `T`.
     pub force: Option<GemmVariant>,
 }
@@ -820,6 +828,7 @@ impl CudaContext {
             slot_out: s.alloc_zeros(e * p::D_MODEL)?,
             hist: s.alloc_zeros(p::N_EXPERTS * chunks)?,
             base: s.alloc_zeros(p::N_EXPERTS * chunks)?,
+            done: s.alloc_zeros(1)?,
             force: None,
         })
     }
@@ -829,7 +838,10 @@ impl CudaContext {
     /// softmax over the `N_EXPERTS`, the `TOP_K` largest (ties: lower id), weights renormalised
     /// over the k, shared weight `sigmoid(last column)`; then the per-expert counts, their
     /// exclusive scans and the entry list sorted by expert (a stable counting sort over chunks of
-    /// 256 entries). Four launches, no host synchronisation, no atomics: deterministic.
+    /// 256 entries). No host synchronisation; deterministic. Two launches
+    /// (`qgemm_moe_route_hist`: routing, per-chunk counts and, in the block that finishes
+    /// last, the scan; `qgemm_moe_place`), or the four separate ones with
+    /// [`CudaContext::set_moe_route_fused`] off: the same outputs.
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for `t` = 0 or above `routing.max_t()`, or `logits.len()`
@@ -850,6 +862,36 @@ impl CudaContext {
         }
         let stream = self.stream();
         let ti = t as i32;
+        let n_entries = t * p::TOP_K;
+        let chunks = n_entries.div_ceil(SORT_CHUNK);
+        let (ne_i, ch_i) = (n_entries as i32, chunks as i32);
+        let warp_blocks = (chunks.div_ceil(8) as u32, 1, 1);
+        if self.moe_route_fused() {
+            {
+                let (pl, _g0) = logits.device_ptr(stream);
+                let (pi, _g1) = routing.ids.device_ptr_mut(stream);
+                let (pw, _g2) = routing.weights.device_ptr_mut(stream);
+                let (ps, _g3) = routing.shared_weight.device_ptr_mut(stream);
+                let (ph, _g4) = routing.hist.device_ptr_mut(stream);
+                let (pb, _g5) = routing.base.device_ptr_mut(stream);
+                let (pc, _g6) = routing.counts.device_ptr_mut(stream);
+                let (po, _g7) = routing.offsets.device_ptr_mut(stream);
+                let (p64, _g8) = routing.tiles64.device_ptr_mut(stream);
+                let (p128, _g9) = routing.tiles128.device_ptr_mut(stream);
+                let (p32, _g10) = routing.tiles32.device_ptr_mut(stream);
+                let (pd, _g11) = routing.done.device_ptr_mut(stream);
+                let mut b = self.kernel(self.func("qgemm_moe_route_hist")?);
+                b.arg(&pl).arg(&ti).arg(&pi).arg(&pw).arg(&ps).arg(&ch_i).arg(&ph).arg(&pb).arg(&pc).arg(&po);
+                b.arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into).arg(&pd);
+                let cfg = LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K,
+                // shared_weight max_t; hist/base N_EXPERTS * chunks(max_t); done one word, 0.
+                unsafe { b.launch(cfg) }?;
+            }
+            self.moe_place(routing, ne_i, ch_i, warp_blocks)?;
+            routing.t = t;
+            return Ok(());
+        }
         {
             let (pl, _g0) = logits.device_ptr(stream);
             let (pi, _g1) = routing.ids.device_ptr_mut(stream);
@@ -865,10 +907,6 @@ impl CudaContext {
             // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K.
             unsafe { b.launch(cfg) }?;
         }
-        let n_entries = t * p::TOP_K;
-        let chunks = n_entries.div_ceil(SORT_CHUNK);
-        let (ne_i, ch_i) = (n_entries as i32, chunks as i32);
-        let warp_blocks = (chunks.div_ceil(8) as u32, 1, 1);
         {
             let (pi, _g1) = routing.ids.device_ptr(stream);
             let (ph, _g2) = routing.hist.device_ptr_mut(stream);
@@ -892,18 +930,35 @@ impl CudaContext {
             // SAFETY: as allocated by moe_routing.
             unsafe { b.launch(cfg) }?;
         }
-        {
-            let (pi, _g1) = routing.ids.device_ptr(stream);
-            let (pb, _g2) = routing.base.device_ptr(stream);
-            let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
-            let mut b = self.kernel(self.func("qgemm_moe_place")?);
-            b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&pb).arg(&ps);
-            let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: sorted holds max_t * TOP_K >= n_entries.
-            unsafe { b.launch(cfg) }?;
-        }
+        self.moe_place(routing, ne_i, ch_i, warp_blocks)?;
         routing.t = t;
         Ok(())
+    }
+
+    /// The last routing launch: `sorted` from `ids` and `base` (`qgemm_moe_place`).
+    fn moe_place(&self, routing: &mut MoeRouting, ne_i: i32, ch_i: i32, warp_blocks: (u32, u32, u32)) -> Result<(), CudaError> {
+        let stream = self.stream();
+        let (pi, _g1) = routing.ids.device_ptr(stream);
+        let (pb, _g2) = routing.base.device_ptr(stream);
+        let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
+        let mut b = self.kernel(self.func("qgemm_moe_place")?);
+        b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&pb).arg(&ps);
+        let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: sorted holds max_t * TOP_K >= n_entries; base as many chunks.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Runs [`CudaContext::moe_route`]'s routing, per-chunk counts and scan as one launch
+    /// (`on`, the default: [`MOE_ROUTE_FUSED`]) or as three: the same outputs; for measurement
+    /// and the self-test.
+    pub fn set_moe_route_fused(&self, on: bool) {
+        self.moe_route_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaContext::set_moe_route_fused`] is on.
+    pub fn moe_route_fused(&self) -> bool {
+        self.moe_route_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Grouped GEMMs by the entries an expert averages: big tiles from 512 (not reached by

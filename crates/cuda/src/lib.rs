@@ -86,7 +86,8 @@ pub const KERNELS: &[KernelSource] = &[
         name: "prefill",
         src: include_str!("../kernels/prefill.cu"),
         entries: &["embed_rows_q4", "embed_rows_q8", "router_f32_q4", "router_f32_q8", "router_f32w_q4", "router_f32w_q8",
-            "router_dg_q4_p4", "router_dg_q8_p4", "router_dg_q4_p8", "router_dg_q8_p8"],
+            "router_dg_q4_p4", "router_dg_q8_p4", "router_dg_q4_p8", "router_dg_q8_p8", "router_dg_q4_p4_k2",
+            "router_dg_q4_p4_k4", "router_dg_q4_p4_k8", "router_dg_q8_p4_k2", "router_dg_q8_p4_k4", "router_dg_q8_p4_k8"],
     },
     KernelSource {
         name: "gemv",
@@ -183,6 +184,7 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_moe_route",
             "qgemm_moe_hist",
             "qgemm_moe_scan",
+            "qgemm_moe_route_hist",
             "qgemm_moe_place",
             "qgemm_moe_combine",
         ],
@@ -527,6 +529,9 @@ pub struct CudaContext {
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
+    /// [`CudaContext::moe_route`] runs the routing, the per-chunk counts and the scan as one
+    /// launch ([`CudaContext::set_moe_route_fused`]).
+    pub(crate) moe_route_fused: std::sync::atomic::AtomicBool,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -656,6 +661,7 @@ impl CudaContext {
             gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
+            moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -710,6 +716,7 @@ impl CudaContext {
             gemm_lean: copy(&self.gemm_lean),
             gemm_grouped3: copy(&self.gemm_grouped3),
             eager_pdl: copy(&self.eager_pdl),
+            moe_route_fused: copy(&self.moe_route_fused),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),

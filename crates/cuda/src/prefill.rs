@@ -662,14 +662,19 @@ impl CudaContext {
     /// # Errors
     /// [`CudaError::Unsupported`] for other widths, too many rows or short buffers; driver errors.
     pub fn router_logits_digits(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize) -> Result<(), CudaError> {
-        self.router_logits_digits_tile(y, w, u, t, router_digits_pairs(t, self.sm_count() as usize))
+        let sms = self.sm_count() as usize;
+        let pairs = router_digits_pairs(t, sms);
+        self.router_logits_digits_tile(y, w, u, t, pairs, router_digits_split(t, pairs, sms))
     }
 
-    /// [`Self::router_logits_digits`] with `2 · pairs` tokens per block (`pairs` 4 or 8) chosen
-    /// by the caller; the same bits either way. For the self-test and the measurements behind
-    /// [`router_digits_pairs`].
+    /// [`Self::router_logits_digits`] with `2 · pairs` tokens per block (`pairs` 4 or 8) and
+    /// the 32 column groups split over a cluster of `split` blocks (1, or 2, 4, 8 with
+    /// `pairs` = 4) chosen by the caller. The tiles give the same bits; a split restarts the
+    /// two chains per block and adds the blocks' sums in order (other bits, the same bound).
+    /// For the self-test and the measurements behind [`router_digits_pairs`] and
+    /// [`router_digits_split`].
     #[doc(hidden)]
-    pub fn router_logits_digits_tile(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize, pairs: usize) -> Result<(), CudaError> {
+    pub fn router_logits_digits_tile(&self, y: &mut CudaSlice<f32>, w: &DeviceQMat, u: &CudaSlice<f32>, t: usize, pairs: usize, split: usize) -> Result<(), CudaError> {
         let n = w.rows;
         if w.cols != p::D_MODEL || n == 0 || n > p::N_EXPERTS + 1 || y.len() < t * n || u.len() < t * p::D_MODEL {
             return Err(CudaError::Unsupported(format!(
@@ -684,19 +689,31 @@ impl CudaContext {
         if t == 0 {
             return Ok(());
         }
-        let name = match (w.bits, pairs) {
-            (Bits::B4, 4) => "router_dg_q4_p4",
-            (Bits::B8, 4) => "router_dg_q8_p4",
-            (Bits::B4, 8) => "router_dg_q4_p8",
-            (Bits::B8, 8) => "router_dg_q8_p8",
-            _ => return Err(CudaError::Unsupported(format!("router_digits: {pairs} token pairs per block (4 or 8)"))),
+        let name = match (w.bits, pairs, split) {
+            (Bits::B4, 4, 1) => "router_dg_q4_p4",
+            (Bits::B8, 4, 1) => "router_dg_q8_p4",
+            (Bits::B4, 8, 1) => "router_dg_q4_p8",
+            (Bits::B8, 8, 1) => "router_dg_q8_p8",
+            (Bits::B4, 4, 2) => "router_dg_q4_p4_k2",
+            (Bits::B4, 4, 4) => "router_dg_q4_p4_k4",
+            (Bits::B4, 4, 8) => "router_dg_q4_p4_k8",
+            (Bits::B8, 4, 2) => "router_dg_q8_p4_k2",
+            (Bits::B8, 4, 4) => "router_dg_q8_p4_k4",
+            (Bits::B8, 4, 8) => "router_dg_q8_p4_k8",
+            _ => {
+                return Err(CudaError::Unsupported(format!(
+                    "router_digits: {pairs} token pairs per block (4 or 8), groups over {split} blocks (1, or 2, 4, 8 with 4 pairs)"
+                )))
+            }
         };
         let f = self.func(name)?;
-        let smem = 2 * pairs * ROUTER_DIGITS_TOKEN_BYTES;
+        let warps = n.div_ceil(16);
+        // the digits of the block's groups, then (split) the partial sums, [warps][pairs][32] f32 pairs
+        let smem = 2 * pairs * ROUTER_DIGITS_TOKEN_BYTES / split + if split > 1 { warps * pairs * 32 * 8 } else { 0 };
         crate::allow_block_smem(f, smem)?;
         let cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(2 * pairs) as u32, 1, 1),
-            block_dim: (32 * n.div_ceil(16) as u32, 1, 1),
+            grid_dim: (t.div_ceil(2 * pairs) as u32, split as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: y holds t·n f32, u holds t·D_MODEL f32, W matches the kernel layout, n rows
@@ -716,6 +733,19 @@ const ROUTER_DIGITS_TOKEN_BYTES: usize = (p::D_MODEL / 64) * (256 + 8);
 /// 2,048 57.3 / 50.8, 8,192 206.7 / 186.3.
 pub fn router_digits_pairs(t: usize, sm_count: usize) -> usize {
     if t.div_ceil(8) <= sm_count.max(1) { 4 } else { 8 }
+}
+
+/// Blocks (a thread-block cluster) the integer router's 32 column groups are split over for a
+/// `t`-token chunk with `pairs` token pairs per block: with 8-token blocks, the largest of 8,
+/// 4, 2 that keeps the grid within one block per SM (a block of 17 warps at 96 registers fills
+/// an SM's registers), else 1. A short prompt's few blocks otherwise each walk all 32 groups
+/// while most SMs idle.
+pub fn router_digits_split(t: usize, pairs: usize, sm_count: usize) -> usize {
+    if pairs != 4 {
+        return 1;
+    }
+    let blocks = t.div_ceil(8);
+    [8usize, 4, 2].into_iter().find(|&k| blocks * k <= sm_count.max(1)).unwrap_or(1)
 }
 
 /// Whether the f32 router of a `t`-token chunk over `rows` rows runs on the wide block tile (64

@@ -579,7 +579,11 @@ fn route_check(s: &mut Suite) {
     let cx = s.cx;
     let (ne, k) = (p::N_EXPERTS, p::TOP_K);
     let mut routing = cx.moe_routing(2048).unwrap();
-    for &t in &TS {
+    // both forms of moe_route (the fused routing + counts + scan launch and the four launches),
+    // each against the CPU; every fused run after the first reuses the launch's arrival
+    // counter, which must have gone back to 0
+    for (fused, t) in [true, false].into_iter().flat_map(|f| TS.iter().chain([33, 2048].iter()).map(move |&t| (f, t))) {
+        cx.set_moe_route_fused(fused);
         let mut logits = rand_f32s(t * (ne + 1), 0x1061 ^ t as u64, 4.0);
         // every fifth token: logits on a coarse grid, so exact ties decide the top-k
         for tt in (3..t).step_by(5) {
@@ -653,8 +657,9 @@ fn route_check(s: &mut Suite) {
             msg.push_str(&format!("weight error {max_w:.2e}; "));
         }
         let c = Cmp { rel: max_w, max_over_rms: 0.0, ok, msg };
-        s.record(SEC, &format!("moe_route T={t} (rel = max weight error)"), &c, "");
+        s.record(SEC, &format!("moe_route{} T={t} (rel = max weight error)", if fused { "" } else { " four launches" }), &c, "");
     }
+    cx.set_moe_route_fused(cuda::gemm::MOE_ROUTE_FUSED);
 }
 
 /// CPU reference of one routed entry: (act exact, act emulated [bf16-rounded], y exact, y
@@ -1057,9 +1062,18 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
         let counts: Vec<i32> = stream.clone_dtoh(&routing.counts).unwrap();
         let (mn, mx) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
         let t_route = s.time_graph(reps, || cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap());
+        cx.set_moe_route_fused(!cuda::gemm::MOE_ROUTE_FUSED);
+        let t_route_other = s.time_graph(reps, || cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap());
+        cx.set_moe_route_fused(cuda::gemm::MOE_ROUTE_FUSED);
         let f_gu = gemm_flops(t * k, 2 * p::D_EXPERT, d);
         let f_dn = gemm_flops(t * k, d, p::D_EXPERT);
-        println!("{SEC:<10} MoE T={t} {scen} routing (entries per expert {mn}..{mx}): route {:.1} us", t_route * 1e6);
+        println!(
+            "{SEC:<10} MoE T={t} {scen} routing (entries per expert {mn}..{mx}): route {:.1} us ({} launches), {:.1} us ({})",
+            t_route * 1e6,
+            if cuda::gemm::MOE_ROUTE_FUSED { "two" } else { "four" },
+            t_route_other * 1e6,
+            if cuda::gemm::MOE_ROUTE_FUSED { "four" } else { "two" }
+        );
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
         // (variant, group-major scales and biases, group-major codes)
         for (v, gm, codes) in [
@@ -1209,7 +1223,7 @@ pub fn router_f32_check(s: &mut Suite) {
                 s.record(SEC, &format!("router_f32 q{bits} [{n}x{d}] T={t} {} = CPU f32 fma chain, bit for bit", tile_name(wide)), &c, "");
             }
         }
-        for t in [512usize, 1024, 2048, 8192] {
+        for t in [16usize, 128, 512, 1024, 2048, 8192] {
             let du = cx.upload_f32(&rand_x(t * d, 0xB16)).unwrap();
             let mut y = cx.upload_f32(&vec![0f32; t * n]).unwrap();
             let mut line = format!("{SEC:<10} router_f32 q{bits} T={t}:");
@@ -1289,16 +1303,20 @@ pub fn router_digits_check(s: &mut Suite) {
                 .unzip();
             let chain = cpu_f32_chain(&x, &wf, t, n);
             let du = cx.upload_f32(&x).unwrap();
+            // (token pairs per block, groups split over a cluster of that many blocks): the 8-
+            // and 16-token tiles must agree bit for bit; every form must be within the bound
+            let forms = [(4usize, 1usize), (8, 1), (4, 2), (4, 4), (4, 8)];
             let mut outs = Vec::new();
-            for pairs in [4usize, 8] {
+            for &(pairs, split) in &forms {
                 let mut y = cx.upload_f32(&vec![f32::from_bits(UNWRITTEN); t * n + 64]).unwrap();
-                cx.router_logits_digits_tile(&mut y, &dw, &du, t, pairs).unwrap();
+                cx.router_logits_digits_tile(&mut y, &dw, &du, t, pairs, split).unwrap();
                 outs.push(cx.download_f32(&y).unwrap());
             }
-            let got = &outs[0];
+            for (fi, &(pairs, split)) in forms.iter().enumerate().filter(|&(fi, _)| fi != 1) {
+            let got = &outs[fi];
             let mut msg = String::new();
             let mut ok = true;
-            if outs[0].iter().zip(&outs[1]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            if fi == 0 && outs[0].iter().zip(&outs[1]).any(|(a, b)| a.to_bits() != b.to_bits()) {
                 ok = false;
                 msg.push_str("8- and 16-token tiles differ; ");
             }
@@ -1362,19 +1380,23 @@ pub fn router_digits_check(s: &mut Suite) {
                 decided - flips
             ));
             let c = Cmp { rel: worst, max_over_rms: worst, ok, msg };
-            s.record(SEC, &format!("router_digits q{bits} [{n}x{d}] T={t} = exact sum within {TOL:.0e}·Σ|w·x|"), &c, "");
+            let form = if split == 1 { String::new() } else { format!(" {} tokens per block, groups over {split} blocks", 2 * pairs) };
+            s.record(SEC, &format!("router_digits q{bits} [{n}x{d}] T={t}{form} = exact sum within {TOL:.0e}·Σ|w·x|"), &c, "");
+            }
         }
-        for t in [512usize, 1024, 2048, 8192] {
+        for t in [16usize, 128, 512, 1024, 2048, 8192] {
             let du = cx.upload_f32(&rand_x(t * d, 0xB16)).unwrap();
             let mut y = cx.upload_f32(&vec![0f32; t * n]).unwrap();
             let wide = cuda::prefill::router_wide_tile(t, n, cx.sm_count() as usize);
             let f32_us = s.median_timed(7, 1, || cx.router_logits_f32_tile(&mut y, &dw, &du, t, wide).unwrap()) * 1e6;
             let mut line = format!("{SEC:<10} router q{bits} T={t}: f32 chains {f32_us:.1} us;");
-            for pairs in [4usize, 8] {
-                let us = s.median_timed(7, 1, || cx.router_logits_digits_tile(&mut y, &dw, &du, t, pairs).unwrap()) * 1e6;
-                line += &format!(" integer products, {} tokens per block {us:.1} us;", 2 * pairs);
+            for (pairs, split) in [(4usize, 1usize), (8, 1), (4, 2), (4, 4), (4, 8)] {
+                let us = s.median_timed(7, 1, || cx.router_logits_digits_tile(&mut y, &dw, &du, t, pairs, split).unwrap()) * 1e6;
+                line += &format!(" integer products, {} tokens per block, groups over {split} {us:.1} us;", 2 * pairs);
             }
-            println!("{line} default {} tokens", 2 * cuda::prefill::router_digits_pairs(t, cx.sm_count() as usize));
+            let sms = cx.sm_count() as usize;
+            let pairs = cuda::prefill::router_digits_pairs(t, sms);
+            println!("{line} default {} tokens, groups over {}", 2 * pairs, cuda::prefill::router_digits_split(t, pairs, sms));
         }
     }
 }
@@ -1485,10 +1507,28 @@ pub fn acts_checks(s: &mut Suite) {
 
 /// Runs the prefill GEMM checks and timings (the fused norms' checks are section `acts`,
 /// [`acts_checks`]).
+/// Section `route` (the only place `route_check` runs): both forms of `moe_route` against the
+/// CPU, and their times at prompt sizes (graph replay of the routing alone).
+pub fn route_section(s: &mut Suite) {
+    route_check(s);
+    let cx = s.cx;
+    let mut routing = cx.moe_routing(8192).unwrap();
+    for t in [16usize, 128, 512, 1024, 2048, 8192] {
+        let lg = rand_f32s(t * (p::N_EXPERTS + 1), 0x7306 ^ t as u64, 2.0);
+        let lgd = cx.upload_f32(&lg).unwrap();
+        let mut us = [0.0; 2];
+        for (i, fused) in [true, false].into_iter().enumerate() {
+            cx.set_moe_route_fused(fused);
+            us[i] = 1e6 * s.time_graph(20, || cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap());
+        }
+        println!("{SEC:<10} moe_route T={t}: two launches {:.1} us, four launches {:.1} us", us[0], us[1]);
+    }
+    cx.set_moe_route_fused(cuda::gemm::MOE_ROUTE_FUSED);
+}
+
 pub fn run(s: &mut Suite) {
     probe(s);
     router_checks(s);
-    route_check(s);
     dense(s);
     let w4 = moe_checks(s);
     timing(s, &w4);
