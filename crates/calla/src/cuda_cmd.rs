@@ -204,8 +204,9 @@ pub struct CudaBenchArgs {
     /// their codes, scales and biases (group-major or MLX; the experts' prefill copies are
     /// group-major in place either way), on the other GEMM main loop, with the norms and
     /// conversions apart (or fused), the grouped GEMMs at the other blocks per SM, the
-    /// kernels launched without (or with) programmatic dependent launch and the MoE routing in
-    /// four launches (or two), alternating, in this process (median of 5 each).
+    /// kernels launched without (or with) programmatic dependent launch, the MoE routing in
+    /// four launches (or two) and the dense GEMMs never (or sometimes) split over K,
+    /// alternating, in this process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
     /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
@@ -227,6 +228,10 @@ pub struct CudaBenchArgs {
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
     prefill_no_pdl: bool,
+    /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
+    /// other bits, the same rounding class; `GemmScratch::splitk`).
+    #[arg(long)]
+    gemm_no_splitk: bool,
     /// Also time decode (first decode context) with the input projections launched as
     /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
     /// each entry in turn, between two rows as configured, in this process.
@@ -355,6 +360,10 @@ pub struct CudaCheckArgs {
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
     prefill_no_pdl: bool,
+    /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
+    /// other bits, the same rounding class; `GemmScratch::splitk`).
+    #[arg(long)]
+    gemm_no_splitk: bool,
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
@@ -625,8 +634,9 @@ fn step_timeline(
 /// `calla cuda-bench`.
 /// The prefill options shared by `cuda-bench` and `cuda-check`, set process-wide (for the
 /// prefillers and contexts created afterwards, the engine's accelerator included) and on `cx`.
-fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool, no_pdl: bool) {
+fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool, no_pdl: bool, no_splitk: bool) {
     cuda::prefill::set_default_eager_pdl(!no_pdl);
+    cuda::gemm::set_default_splitk(!no_splitk);
     cuda::prefill::set_default_router_f32(router == PrefillRouter::F32);
     cuda::gemm::set_default_gemm_lean(main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(main_loop == GemmMainLoop::Lean);
@@ -667,7 +677,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "graph" => false,
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
-    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl);
+    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl, a.gemm_no_splitk);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -693,9 +703,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let pdl = pf.eager_pdl;
             let route_fused = cx.moe_route_fused();
+            let splitk = pf.gemm_splitk();
             let router_f32 = pf.router_f32;
             let fused = pf.fused_norm_acts;
             let grouped3 = cx.gemm_grouped3();
@@ -707,20 +718,22 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 // or not); the GEMMs on the other main loop; the norms writing the GEMMs'
                 // activations or not; the grouped expert GEMMs at three blocks per SM or not;
                 // the kernels launched with programmatic dependent launch or not; the routing as
-                // two launches or four
-                let (r, g, l, f, g3, pd, rf) = (router_f32, group_major, lean, fused, grouped3, pdl, route_fused);
+                // two launches or four; the dense GEMMs split over K for short prompts or not
+                let (r, g, l, f, g3, pd, rf, sk) = (router_f32, group_major, lean, fused, grouped3, pdl, route_fused, splitk);
                 let cases = [
-                    (true, r, g, l, f, g3, pd, rf),
-                    (false, r, g, l, f, g3, pd, rf),
-                    (true, !r, g, l, f, g3, pd, rf),
-                    (true, r, !g, l, f, g3, pd, rf),
-                    (true, r, g, !l, f, g3, pd, rf),
-                    (true, r, g, l, !f, g3, pd, rf),
-                    (true, r, g, l, f, !g3, pd, rf),
-                    (true, r, g, l, f, g3, !pd, rf),
-                    (true, r, g, l, f, g3, pd, !rf),
+                    (true, r, g, l, f, g3, pd, rf, sk),
+                    (false, r, g, l, f, g3, pd, rf, sk),
+                    (true, !r, g, l, f, g3, pd, rf, sk),
+                    (true, r, !g, l, f, g3, pd, rf, sk),
+                    (true, r, g, !l, f, g3, pd, rf, sk),
+                    (true, r, g, l, !f, g3, pd, rf, sk),
+                    (true, r, g, l, f, !g3, pd, rf, sk),
+                    (true, r, g, l, f, g3, !pd, rf, sk),
+                    (true, r, g, l, f, g3, pd, !rf, sk),
+                    (true, r, g, l, f, g3, pd, rf, !sk),
                 ];
-                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2, split)) in cases.into_iter().enumerate() {
+                    pf.set_gemm_splitk(split);
                     cx.set_moe_route_fused(route2);
                     pf.eager_pdl = eager_pdl;
                     pf.set_gemm_grouped3(&cx, three);
@@ -746,7 +759,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.set_gemm_grouped3(&cx, grouped3);
             pf.eager_pdl = pdl;
             cx.set_moe_route_fused(route_fused);
-            let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other] = ms.each_mut().map(|v| median(v));
+            pf.set_gemm_splitk(splitk);
+            let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other, split_other] = ms.each_mut().map(|v| median(v));
+            let split_name = if splitk { "dense GEMMs never split over K" } else { "dense GEMMs split over K" };
             let pdl_name = if pdl { "launches without PDL" } else { "launches with PDL" };
             let route_name = if route_fused { "routing in four launches" } else { "routing in two launches" };
             let g3_name = if grouped3 { "grouped GEMMs at two blocks per SM" } else { "grouped GEMMs at three blocks per SM" };
@@ -755,7 +770,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%); {route_name} {route_other:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%); {route_name} {route_other:>8.2} ms ({:+.1}%); {split_name} {split_other:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
                 100.0 * (other / on - 1.0),
                 100.0 * (layout / on - 1.0),
@@ -763,7 +778,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 100.0 * (acts / on - 1.0),
                 100.0 * (g3 / on - 1.0),
                 100.0 * (pdl_other / on - 1.0),
-                100.0 * (route_other / on - 1.0)
+                100.0 * (route_other / on - 1.0),
+                100.0 * (split_other / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
@@ -773,6 +789,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             row[if grouped3 { "grouped_two_per_sm_ms" } else { "grouped_three_per_sm_ms" }] = serde_json::json!(g3);
             row[if pdl { "no_pdl_ms" } else { "pdl_ms" }] = serde_json::json!(pdl_other);
             row[if route_fused { "routing_four_launches_ms" } else { "routing_two_launches_ms" }] = serde_json::json!(route_other);
+            row[if splitk { "no_splitk_ms" } else { "splitk_ms" }] = serde_json::json!(split_other);
             prefill_compare.push(row);
         }
     }
@@ -1178,6 +1195,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["prefill_norm_acts"] = serde_json::json!(if a.prefill_norm_acts_apart { "apart" } else { "fused" });
     out["gemm_grouped3"] = serde_json::json!(!a.gemm_grouped2);
     out["prefill_eager_pdl"] = serde_json::json!(!a.prefill_no_pdl);
+    out["gemm_splitk"] = serde_json::json!(!a.gemm_no_splitk);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1277,7 +1295,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
     // the engine's accelerator below creates its own prefiller: the same router for both
-    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl);
+    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl, a.gemm_no_splitk);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

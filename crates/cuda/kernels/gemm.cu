@@ -304,7 +304,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     const u32 sbase = (sraw + 1023u) & ~1023u;
     unsigned char* const sptr = smem_dyn + (sbase - sraw);
 
-    const int KT = K / KTILE;
+    // split K (dense modes, gridDim.z > 1): block z takes tiles kt0 .. kt0 + KT of the K / KTILE
+    // (the host splits them evenly, KT even) and stores raw partial sums into slab z of y
+    const int KT = K / KTILE / (int)gridDim.z;
+    const int kt0 = (int)blockIdx.z * KT;
     const int wpr = K * BITS / 32;  // packed words per W row
     const int gpr = K / KTILE;      // groups per W row
 
@@ -485,7 +488,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         so = has_s ? (u32)s_wrow[tid] : 0u;
     }
     // tile t into ring stage `stage`
-    auto load = [&](int t, int stage) {
+    auto load = [&](int tl, int stage) {
+        const int t = tl + kt0;  // the tile of the whole K range
         if constexpr (LEAN) {
             const u32 st = sbase + stage * C::STAGE;
             const u32 tx = (u32)t * KTILE, tw = (u32)t * (u32)wstep, ts = (u32)t * (u32)sbt_rows;
@@ -615,6 +619,26 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         }
         return;
     }
+    if (gridDim.z > 1) y += (size_t)blockIdx.z * (size_t)T * (size_t)ldy;  // this split's slab
+    if (mode == MODE_SWIGLU && gridDim.z > 1) {
+        // partial sums of the gate and up rows, raw: gate column col at col, up at I + col
+        // (qgemm_splitk_reduce applies the SwiGLU to the sums)
+#pragma unroll
+        for (int m = 0; m < MS; ++m) {
+            const int col = blockIdx.x * (C::BM / 2) + ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;
+#pragma unroll
+            for (int j = 0; j < C::NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int orow = s_orow[8 * j + 2 * c + e];
+                    if (col < half_rows && orow >= 0) {
+                        y[(size_t)orow * ldy + col] = acc[m][4 * j + e];
+                        y[(size_t)orow * ldy + half_rows + col] = acc[m][4 * j + 2 + e];
+                    }
+                }
+        }
+        return;
+    }
     if (mode == MODE_SWIGLU) {
 #pragma unroll
         for (int m = 0; m < MS; ++m) {
@@ -735,6 +759,30 @@ extern "C" __global__ void qmat_pack_group_major(const unsigned* __restrict__ pa
 
 // X f32 [rows, k] -> bf16 [rows, k] in the permuted tile order (header comment): word m of a
 // 64-column tile holds columns (16c + 8h + s, +4) with s = m >> 3, h = (m >> 2) & 1, c = m & 3.
+// The sum of a split-K dense GEMM's ksplit partial slabs ([ksplit][t][ldp] f32, slab order)
+// with the epilogue of its mode: y[tok, n] = Σ_z part[z, tok, n] (+ res[tok, n]), or with
+// swiglu (ldp = 2·n_out) y[tok, j] = silu(Σ_z part[z, tok, j]) · Σ_z part[z, tok, n_out + j].
+// y, res: [t, n_out]; one thread per output; y may alias res.
+extern "C" __global__ void __launch_bounds__(256)
+    qgemm_splitk_reduce(float* y, const float* __restrict__ part, const float* res, int t, int n_out, int ldp,
+                        int ksplit, int swiglu) {
+    calla_pdl_wait();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)t * (size_t)n_out) return;
+    const size_t tok = i / (size_t)n_out, n = i % (size_t)n_out, slab = (size_t)t * (size_t)ldp;
+    const float* p = part + tok * (size_t)ldp + n;
+    float a = p[0];
+    for (int z = 1; z < ksplit; ++z) a += p[z * slab];
+    if (swiglu) {
+        float b = p[n_out];
+        for (int z = 1; z < ksplit; ++z) b += p[z * slab + n_out];
+        y[i] = calla_silu(a) * b;
+    } else {
+        if (res) a += res[i];
+        y[i] = a;
+    }
+}
+
 extern "C" __global__ void qgemm_x_to_bf16(const float* __restrict__ x, unsigned* __restrict__ xb, int rows,
                                            int k) {
     calla_pdl_wait();

@@ -61,6 +61,19 @@ pub fn set_default_gemm_lean(on: bool) {
     DEFAULT_GEMM_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Floats of a [`GemmScratch`]'s partial-sum slabs for dense products split over K (16 MiB:
+/// e.g. 2 × 128 tokens × the GDN input projection's 12,352 rows).
+pub const SPLITK_FLOATS: usize = 4 << 20;
+
+static SPLITK_DEFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether [`GemmScratch`]es created afterwards split dense products over K when their grid
+/// would leave SMs idle ([`GemmScratch::splitk`]; on unless set). Process-wide (`calla
+/// cuda-bench | cuda-check --gemm-no-splitk`).
+pub fn set_default_splitk(on: bool) {
+    SPLITK_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a new [`CudaContext`] runs [`CudaContext::moe_route`] as two launches (routing,
 /// counts and scan fused in `qgemm_moe_route_hist`, then the placement) instead of four
 /// ([`CudaContext::set_moe_route_fused`]).
@@ -176,6 +189,11 @@ pub struct GemmScratch {
     pub force: Option<GemmVariant>,
     /// Benchmarks only: the dense GEMMs run their main loop but store nothing.
     pub bench_no_store: bool,
+    /// Partial sums of dense products split over K (short prompts; [`SPLITK_FLOATS`] f32).
+    part: CudaSlice<f32>,
+    /// Split dense products over K when their grid would leave SMs idle (default
+    /// [`SPLITK_DEFAULT`]; `false` for measurement and the self-test's comparisons).
+    pub splitk: bool,
 }
 
 impl GemmScratch {
@@ -357,6 +375,9 @@ struct GemmArgs {
     mode: i32,
     ldy: usize,
     grid: (u32, u32),
+    /// Blocks over K (grid z): 1, or a dense product split over K whose partial sums go to
+    /// slabs of `ldy`-wide rows at `y` (see [`CudaContext::splitk`]).
+    ksplit: u32,
 }
 
 fn check_i32(what: &str, v: usize) -> Result<i32, CudaError> {
@@ -476,6 +497,8 @@ impl CudaContext {
             conv: (0, 0),
             force: None,
             bench_no_store: false,
+            part: self.stream().alloc_zeros(SPLITK_FLOATS)?,
+            splitk: SPLITK_DEFAULT.load(std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -686,10 +709,15 @@ impl CudaContext {
             MODE_SWIGLU => (n / 2).div_ceil(v.tile.rows() / 2),
             _ => n.div_ceil(v.tile.rows()),
         };
+        let token_tiles = t.div_ceil(v.tile.tokens());
+        // split over K: the partial slabs hold raw sums, the SwiGLU's gate and up rows apart
+        let ldp = if mode == MODE_SWIGLU { n } else { out_cols };
+        let ks = if scratch.splitk && mode != MODE_BENCH { self.splitk(v.tile, row_blocks * token_tiles, k, t * ldp) } else { 1 };
+        let (pp, _gp) = scratch.part.device_ptr(stream);
         let args = GemmArgs {
             xb: pxb,
-            y: py,
-            res: pres,
+            y: if ks > 1 { pp } else { py },
+            res: if ks > 1 { 0 } else { pres },
             act: 0,
             sorted: 0,
             offsets: 0,
@@ -698,10 +726,39 @@ impl CudaContext {
             k,
             t,
             mode,
-            ldy: out_cols,
-            grid: (row_blocks as u32, t.div_ceil(v.tile.tokens()) as u32),
+            ldy: if ks > 1 { ldp } else { out_cols },
+            grid: (row_blocks as u32, token_tiles as u32),
+            ksplit: ks as u32,
         };
-        self.launch_gemm(w, v, &args)
+        self.launch_gemm(w, v, &args)?;
+        if ks > 1 {
+            let (t_i, n_i, ldp_i, ks_i, sw) = (t as i32, out_cols as i32, ldp as i32, ks as i32, i32::from(mode == MODE_SWIGLU));
+            let mut b = self.kernel(self.func("qgemm_splitk_reduce")?);
+            b.arg(&py).arg(&pp).arg(&pres).arg(&t_i).arg(&n_i).arg(&ldp_i).arg(&ks_i).arg(&sw);
+            let cfg = LaunchConfig { grid_dim: ((t * out_cols).div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: y (and res) hold t·out_cols f32 (checked above); the slabs ks·t·ldp
+            // <= SPLITK_FLOATS (splitk).
+            unsafe { b.launch(cfg) }?;
+        }
+        Ok(())
+    }
+
+    /// Blocks a dense product's K range is split over: with `blocks` blocks of `tile` (one
+    /// token tile each for the short prompts this serves) it would leave SMs idle, each block
+    /// walking all `k / 64` K tiles in turn (`cuda-bench --prefill-profile` and `ncu`, session
+    /// 27: 16-token in_proj 14 MB in ~17 µs on 97 blocks). The largest of 8, 4, 2 that keeps
+    /// the grid within one round (`per_sm` blocks on every SM), leaves each block an even
+    /// number of at least 4 K tiles and fits the scratch's slabs (`slab` floats each), else 1.
+    /// The partial sums are added in slab order by `qgemm_splitk_reduce`: other bits than
+    /// unsplit, the same rounding class (f32 sums of f32 products).
+    fn splitk(&self, tile: GemmTile, blocks: usize, k: usize, slab: usize) -> usize {
+        let per_sm = if tile == GemmTile::Big { 1 } else { 2 };
+        let room = per_sm * self.sm_count() as usize;
+        let kt = k / 64;
+        [8usize, 4, 2]
+            .into_iter()
+            .find(|&ks| blocks * ks <= room && kt % (2 * ks) == 0 && kt / ks >= 4 && ks * slab <= SPLITK_FLOATS)
+            .unwrap_or(1)
     }
 
     /// The tile for a dense product: the one whose grid finishes first, counting whole waves
@@ -786,7 +843,7 @@ impl CudaContext {
             .arg(&ldy)
             .arg(&topk);
         let cfg = LaunchConfig {
-            grid_dim: (a.grid.0.max(1), a.grid.1.max(1), 1),
+            grid_dim: (a.grid.0.max(1), a.grid.1.max(1), a.ksplit.max(1)),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem_bytes(w.bits, v.tile) as u32,
         };
@@ -1049,6 +1106,7 @@ impl CudaContext {
             mode: MODE_MOE_GATE_UP,
             ldy: p::D_EXPERT,
             grid: ((p::D_EXPERT / (v.tile.rows() / 2)) as u32, max_tiles as u32),
+            ksplit: 1,
         };
         self.launch_gemm(gate_up, v, &args)
     }
@@ -1169,6 +1227,7 @@ impl CudaContext {
                 mode: MODE_MOE_DOWN,
                 ldy: d,
                 grid: ((d / v.tile.rows()) as u32, max_tiles as u32),
+                ksplit: 1,
             };
             self.launch_gemm(down, v, &args)?;
         }

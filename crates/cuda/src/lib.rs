@@ -185,6 +185,7 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_moe_hist",
             "qgemm_moe_scan",
             "qgemm_moe_route_hist",
+            "qgemm_splitk_reduce",
             "qgemm_moe_place",
             "qgemm_moe_combine",
         ],

@@ -284,6 +284,21 @@ impl Prefiller {
         self.side.cx.set_gemm_grouped3(on);
     }
 
+    /// Lets the prefill's dense GEMMs, on the main and the shared expert's stream, split a
+    /// product over K when its grid would leave SMs idle ([`GemmScratch::splitk`], default
+    /// on): other bits, the same rounding class; for measurement (`calla cuda-bench
+    /// --prefill-compare`, `--gemm-no-splitk`).
+    #[doc(hidden)]
+    pub fn set_gemm_splitk(&mut self, on: bool) {
+        self.gemm.splitk = on;
+        self.side.gemm.splitk = on;
+    }
+
+    /// Whether the prefill's dense GEMMs may split over K ([`Prefiller::set_gemm_splitk`]).
+    pub fn gemm_splitk(&self) -> bool {
+        self.gemm.splitk
+    }
+
     /// Largest chunk in tokens.
     pub fn max_t(&self) -> usize {
         self.max_t

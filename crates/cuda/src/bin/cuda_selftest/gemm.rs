@@ -571,6 +571,31 @@ fn dense(s: &mut Suite) {
                 }
             }
             cx.set_gemm_group_major(true);
+            // short prompts split the product over K (GemmScratch::splitk, the default above):
+            // the same product unsplit, against the same references
+            if t <= 64 {
+                scratch.force = None;
+                scratch.splitk = false;
+                let mut yd = guarded(cx, t * out_cols);
+                let rv = rd.slice(..);
+                run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dm, &xd.slice(..), Some(&rv), case.epi, t);
+                scratch.splitk = true;
+                let got = cx.download_f32(&yd).unwrap();
+                let label = format!("q{} {} [{n}x{k}] T={t} not split over K", case.bits, case.label);
+                let (c1, c2) = match guards_and_finite(&got, t * out_cols) {
+                    Err(e) => (failed(e.clone()), failed(e)),
+                    Ok(()) => {
+                        let mut g = Vec::with_capacity(toks.len() * out_cols);
+                        for &tt in &toks {
+                            g.extend_from_slice(&got[GUARD + tt * out_cols..GUARD + (tt + 1) * out_cols]);
+                        }
+                        let tol = if case.epi == Epi::SwiGlu { TOL_SWIGLU_EXACT } else { TOL_EXACT };
+                        (check(&g, &ex, tol, String::new()), check(&g, &em, TOL_EMUL, String::new()))
+                    }
+                };
+                s.record(SEC, &format!("{label} vs f32"), &c1, "");
+                s.record(SEC, &format!("{label} vs bf16 emul"), &c2, "");
+            }
         }
     }
 }
