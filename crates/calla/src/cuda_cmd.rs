@@ -229,7 +229,7 @@ pub struct CudaBenchArgs {
     #[arg(long)]
     prefill_no_pdl: bool,
     /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
-    /// other bits, the same rounding class; `GemmScratch::splitk`).
+    /// other bits, the same rounding class; `CudaContext::set_gemm_splitk`).
     #[arg(long)]
     gemm_no_splitk: bool,
     /// Also time decode (first decode context) with the input projections launched as
@@ -361,7 +361,7 @@ pub struct CudaCheckArgs {
     #[arg(long)]
     prefill_no_pdl: bool,
     /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
-    /// other bits, the same rounding class; `GemmScratch::splitk`).
+    /// other bits, the same rounding class; `CudaContext::set_gemm_splitk`).
     #[arg(long)]
     gemm_no_splitk: bool,
     /// Capture the decode step with programmatic dependent launch.
@@ -637,6 +637,7 @@ fn step_timeline(
 fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool, no_pdl: bool, no_splitk: bool) {
     cuda::prefill::set_default_eager_pdl(!no_pdl);
     cuda::gemm::set_default_splitk(!no_splitk);
+    cx.set_gemm_splitk(!no_splitk);
     cuda::prefill::set_default_router_f32(router == PrefillRouter::F32);
     cuda::gemm::set_default_gemm_lean(main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(main_loop == GemmMainLoop::Lean);
@@ -706,7 +707,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             let pdl = pf.eager_pdl;
             let route_fused = cx.moe_route_fused();
-            let splitk = pf.gemm_splitk();
+            let splitk = cx.gemm_splitk();
             let router_f32 = pf.router_f32;
             let fused = pf.fused_norm_acts;
             let grouped3 = cx.gemm_grouped3();
@@ -733,7 +734,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                     (true, r, g, l, f, g3, pd, rf, !sk),
                 ];
                 for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2, split)) in cases.into_iter().enumerate() {
-                    pf.set_gemm_splitk(split);
+                    pf.set_gemm_splitk(&cx, split);
                     cx.set_moe_route_fused(route2);
                     pf.eager_pdl = eager_pdl;
                     pf.set_gemm_grouped3(&cx, three);
@@ -759,7 +760,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.set_gemm_grouped3(&cx, grouped3);
             pf.eager_pdl = pdl;
             cx.set_moe_route_fused(route_fused);
-            pf.set_gemm_splitk(splitk);
+            pf.set_gemm_splitk(&cx, splitk);
             let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other, split_other] = ms.each_mut().map(|v| median(v));
             let split_name = if splitk { "dense GEMMs never split over K" } else { "dense GEMMs split over K" };
             let pdl_name = if pdl { "launches without PDL" } else { "launches with PDL" };

@@ -771,6 +771,7 @@ extern "C" __global__ void __launch_bounds__(128)
     attn_prefill_wgmma_probe(float* __restrict__ s_out, float* __restrict__ o_out, const unsigned short* __restrict__ q,
                              const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
                              const unsigned short* __restrict__ pm) {
+    calla_pdl_wait();  // launched through CudaContext::kernel, like every prefill kernel
     const unsigned sq = (ap_smem_addr(ap_smem) + 1023u) & ~1023u;
     const unsigned sk = sq + 64 * AP_ROW_BYTES;
     const unsigned sv = sk + 64 * AP_ROW_BYTES;

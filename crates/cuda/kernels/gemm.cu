@@ -620,26 +620,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         return;
     }
     if (gridDim.z > 1) y += (size_t)blockIdx.z * (size_t)T * (size_t)ldy;  // this split's slab
-    if (mode == MODE_SWIGLU && gridDim.z > 1) {
-        // partial sums of the gate and up rows, raw: gate column col at col, up at I + col
-        // (qgemm_splitk_reduce applies the SwiGLU to the sums)
-#pragma unroll
-        for (int m = 0; m < MS; ++m) {
-            const int col = blockIdx.x * (C::BM / 2) + ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;
-#pragma unroll
-            for (int j = 0; j < C::NJ; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int orow = s_orow[8 * j + 2 * c + e];
-                    if (col < half_rows && orow >= 0) {
-                        y[(size_t)orow * ldy + col] = acc[m][4 * j + e];
-                        y[(size_t)orow * ldy + half_rows + col] = acc[m][4 * j + 2 + e];
-                    }
-                }
-        }
-        return;
-    }
     if (mode == MODE_SWIGLU) {
+        // split over K (gridDim.z > 1): the partial sums of the gate and up rows, raw, gate
+        // column col at col and up at I + col (qgemm_splitk_reduce applies the SwiGLU to the sums)
+        const bool split = gridDim.z > 1;
 #pragma unroll
         for (int m = 0; m < MS; ++m) {
             const int col = blockIdx.x * (C::BM / 2) + ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;
@@ -648,8 +632,14 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int orow = s_orow[8 * j + 2 * c + e];
-                    if (col < half_rows && orow >= 0)
-                        y[(size_t)orow * ldy + col] = calla_silu(acc[m][4 * j + e]) * acc[m][4 * j + 2 + e];
+                    if (col >= half_rows || orow < 0) continue;
+                    const float gate = acc[m][4 * j + e], up = acc[m][4 * j + 2 + e];
+                    if (split) {
+                        y[(size_t)orow * ldy + col] = gate;
+                        y[(size_t)orow * ldy + half_rows + col] = up;
+                    } else {
+                        y[(size_t)orow * ldy + col] = calla_silu(gate) * up;
+                    }
                 }
         }
         return;
@@ -757,8 +747,6 @@ extern "C" __global__ void qmat_pack_group_major(const unsigned* __restrict__ pa
     }
 }
 
-// X f32 [rows, k] -> bf16 [rows, k] in the permuted tile order (header comment): word m of a
-// 64-column tile holds columns (16c + 8h + s, +4) with s = m >> 3, h = (m >> 2) & 1, c = m & 3.
 // The sum of a split-K dense GEMM's ksplit partial slabs ([ksplit][t][ldp] f32, slab order)
 // with the epilogue of its mode: y[tok, n] = Σ_z part[z, tok, n] (+ res[tok, n]), or with
 // swiglu (ldp = 2·n_out) y[tok, j] = silu(Σ_z part[z, tok, j]) · Σ_z part[z, tok, n_out + j].
@@ -783,6 +771,8 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// X f32 [rows, k] -> bf16 [rows, k] in the permuted tile order (header comment): word m of a
+// 64-column tile holds columns (16c + 8h + s, +4) with s = m >> 3, h = (m >> 2) & 1, c = m & 3.
 extern "C" __global__ void qgemm_x_to_bf16(const float* __restrict__ x, unsigned* __restrict__ xb, int rows,
                                            int k) {
     calla_pdl_wait();

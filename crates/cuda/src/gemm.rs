@@ -61,15 +61,20 @@ pub fn set_default_gemm_lean(on: bool) {
     DEFAULT_GEMM_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Floats of a [`GemmScratch`]'s partial-sum slabs for dense products split over K (16 MiB:
-/// e.g. 2 × 128 tokens × the GDN input projection's 12,352 rows).
+/// Floats of a context's partial-sum slabs for dense products split over K (16 MiB: e.g. 2 ×
+/// 128 tokens × the GDN input projection's 12,352 rows).
 pub const SPLITK_FLOATS: usize = 4 << 20;
 
 static SPLITK_DEFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// Whether [`GemmScratch`]es created afterwards split dense products over K when their grid
-/// would leave SMs idle ([`GemmScratch::splitk`]; on unless set). Process-wide (`calla
-/// cuda-bench | cuda-check --gemm-no-splitk`).
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_splitk`] on (on unless
+/// [`set_default_splitk`] said otherwise).
+pub fn default_splitk() -> bool {
+    SPLITK_DEFAULT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`default_splitk`] for contexts created afterwards (`calla cuda-bench | cuda-check
+/// --gemm-no-splitk`).
 pub fn set_default_splitk(on: bool) {
     SPLITK_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -189,11 +194,6 @@ pub struct GemmScratch {
     pub force: Option<GemmVariant>,
     /// Benchmarks only: the dense GEMMs run their main loop but store nothing.
     pub bench_no_store: bool,
-    /// Partial sums of dense products split over K (short prompts; [`SPLITK_FLOATS`] f32).
-    part: CudaSlice<f32>,
-    /// Split dense products over K when their grid would leave SMs idle (default
-    /// [`SPLITK_DEFAULT`]; `false` for measurement and the self-test's comparisons).
-    pub splitk: bool,
 }
 
 impl GemmScratch {
@@ -497,8 +497,6 @@ impl CudaContext {
             conv: (0, 0),
             force: None,
             bench_no_store: false,
-            part: self.stream().alloc_zeros(SPLITK_FLOATS)?,
-            splitk: SPLITK_DEFAULT.load(std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -712,8 +710,9 @@ impl CudaContext {
         let token_tiles = t.div_ceil(v.tile.tokens());
         // split over K: the partial slabs hold raw sums, the SwiGLU's gate and up rows apart
         let ldp = if mode == MODE_SWIGLU { n } else { out_cols };
-        let ks = if scratch.splitk && mode != MODE_BENCH { self.splitk(v.tile, row_blocks * token_tiles, k, t * ldp) } else { 1 };
-        let (pp, _gp) = scratch.part.device_ptr(stream);
+        let ks = if self.gemm_splitk() && mode != MODE_BENCH { self.splitk(v.tile, row_blocks * token_tiles, k, t * ldp) } else { 1 };
+        // the slabs are this context's (its stream's), whoever's activations the GEMM reads
+        let pp = if ks > 1 { self.splitk_slabs()?.device_ptr(stream).0 } else { 0 };
         let args = GemmArgs {
             xb: pxb,
             y: if ks > 1 { pp } else { py },
@@ -751,6 +750,8 @@ impl CudaContext {
     /// number of at least 4 K tiles and fits the scratch's slabs (`slab` floats each), else 1.
     /// The partial sums are added in slab order by `qgemm_splitk_reduce`: other bits than
     /// unsplit, the same rounding class (f32 sums of f32 products).
+    // `usize::is_multiple_of` needs Rust 1.87; the workspace's rust-version is 1.85.
+    #[allow(clippy::manual_is_multiple_of)]
     fn splitk(&self, tile: GemmTile, blocks: usize, k: usize, slab: usize) -> usize {
         let per_sm = if tile == GemmTile::Big { 1 } else { 2 };
         let room = per_sm * self.sm_count() as usize;
@@ -759,6 +760,29 @@ impl CudaContext {
             .into_iter()
             .find(|&ks| blocks * ks <= room && kt % (2 * ks) == 0 && kt / ks >= 4 && ks * slab <= SPLITK_FLOATS)
             .unwrap_or(1)
+    }
+
+    /// This context's partial-sum slabs for dense products split over K ([`SPLITK_FLOATS`]
+    /// f32, 16 MiB), allocated on first use. Used only by launches on this context's stream,
+    /// which orders them.
+    fn splitk_slabs(&self) -> Result<&CudaSlice<f32>, CudaError> {
+        if let Some(b) = self.splitk_part.get() {
+            return Ok(b);
+        }
+        let b = self.stream().alloc_zeros::<f32>(SPLITK_FLOATS)?;
+        Ok(self.splitk_part.get_or_init(|| b))
+    }
+
+    /// Lets dense GEMMs on this context split over K when their grid would leave SMs idle
+    /// (`on`, the default: [`default_splitk`]): other bits than unsplit, the same rounding
+    /// class; for measurement and the self-test's comparisons.
+    pub fn set_gemm_splitk(&self, on: bool) {
+        self.gemm_splitk.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaContext::set_gemm_splitk`] is on.
+    pub fn gemm_splitk(&self) -> bool {
+        self.gemm_splitk.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The tile for a dense product: the one whose grid finishes first, counting whole waves

@@ -533,6 +533,11 @@ pub struct CudaContext {
     /// [`CudaContext::moe_route`] runs the routing, the per-chunk counts and the scan as one
     /// launch ([`CudaContext::set_moe_route_fused`]).
     pub(crate) moe_route_fused: std::sync::atomic::AtomicBool,
+    /// Dense GEMMs may split over K ([`CudaContext::set_gemm_splitk`]).
+    pub(crate) gemm_splitk: std::sync::atomic::AtomicBool,
+    /// The partial-sum slabs of GEMMs split over K, allocated on first use (each context its
+    /// own: they are used on the context's stream only).
+    pub(crate) splitk_part: std::sync::OnceLock<CudaSlice<f32>>,
     /// Bumped whenever a context-wide launch option changes, so captured graphs notice.
     launch_gen: std::sync::atomic::AtomicU64,
     /// Scratch of [`CudaContext::argmax_step`] (per-block maxima and the finished-block counter,
@@ -663,6 +668,8 @@ impl CudaContext {
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
+            gemm_splitk: std::sync::atomic::AtomicBool::new(gemm::default_splitk()),
+            splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs,
@@ -718,6 +725,8 @@ impl CudaContext {
             gemm_grouped3: copy(&self.gemm_grouped3),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
+            gemm_splitk: copy(&self.gemm_splitk),
+            splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
             funcs: self.funcs.clone(),

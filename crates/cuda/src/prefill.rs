@@ -284,19 +284,14 @@ impl Prefiller {
         self.side.cx.set_gemm_grouped3(on);
     }
 
-    /// Lets the prefill's dense GEMMs, on the main and the shared expert's stream, split a
-    /// product over K when its grid would leave SMs idle ([`GemmScratch::splitk`], default
-    /// on): other bits, the same rounding class; for measurement (`calla cuda-bench
-    /// --prefill-compare`, `--gemm-no-splitk`).
+    /// Lets the prefill's dense GEMMs, on `cx` and on the shared expert's stream, split a
+    /// product over K when its grid would leave SMs idle (`CudaContext::set_gemm_splitk`,
+    /// default on): other bits, the same rounding class; for measurement (`calla cuda-bench
+    /// --prefill-compare`, `--gemm-no-splitk`). `cx` must be the context the prefill runs on.
     #[doc(hidden)]
-    pub fn set_gemm_splitk(&mut self, on: bool) {
-        self.gemm.splitk = on;
-        self.side.gemm.splitk = on;
-    }
-
-    /// Whether the prefill's dense GEMMs may split over K ([`Prefiller::set_gemm_splitk`]).
-    pub fn gemm_splitk(&self) -> bool {
-        self.gemm.splitk
+    pub fn set_gemm_splitk(&self, cx: &CudaContext, on: bool) {
+        cx.set_gemm_splitk(on);
+        self.side.cx.set_gemm_splitk(on);
     }
 
     /// Largest chunk in tokens.
