@@ -420,6 +420,24 @@ pub struct CudaCheckArgs {
     device: usize,
 }
 
+/// One of `cuda-check`'s same-bits gates: every run in `runs[1..]` must equal `runs[0]` bit for
+/// bit (and have its length), and `runs[0]` must be finite. Prints `what`, how many values
+/// differ and ok / FAIL; returns whether it passed.
+fn bits_gate(what: &str, runs: &[Vec<f32>]) -> bool {
+    let first = &runs[0];
+    let differ: usize = runs[1..]
+        .iter()
+        .map(|r| r.len().abs_diff(first.len()) + r.iter().zip(first).filter(|(x, y)| x.to_bits() != y.to_bits()).count())
+        .sum();
+    let good = differ == 0 && first.iter().all(|v| v.is_finite());
+    println!(
+        "{what}, bit for bit: {differ} of {} differ {}",
+        (runs.len() - 1) * first.len(),
+        if good { "ok" } else { "FAIL" }
+    );
+    good
+}
+
 fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -1444,21 +1462,10 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             logits.push(sess.logits(&cx)?);
         }
         pf.eager_pdl = pdl;
-        let differ: usize = logits[1..]
-            .iter()
-            .map(|l| l.len().abs_diff(logits[0].len()) + l.iter().zip(&logits[0]).filter(|(x, y)| x.to_bits() != y.to_bits()).count())
-            .sum();
-        let good = differ == 0 && logits[0].iter().all(|v| v.is_finite());
         checks += 1;
-        if !good {
+        if !bits_gate(&format!("batched prompt {:>4}: logits with the prefill's launches under PDL (3 runs) = without", prompt.len()), &logits) {
             failures += 1;
         }
-        println!(
-            "batched prompt {:>4}: logits with the prefill's launches under PDL (3 runs) = without, bit for bit: {differ} of {} differ {}",
-            prompt.len(),
-            3 * logits[0].len(),
-            if good { "ok" } else { "FAIL" }
-        );
     }
     {
         let prompt = random_prompt(a.prompt_tokens.iter().copied().max().unwrap_or(1).max(1), vocab, 77);
@@ -1472,20 +1479,15 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         }
         pf.fused_norm_acts = fused;
         pf.set_gemm_grouped3(&cx, three);
-        let differ = logits[0].len().abs_diff(logits[1].len())
-            + logits[0].iter().zip(&logits[1]).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-        let good = differ == 0 && logits[0].iter().all(|v| v.is_finite());
+        let what = format!(
+            "batched prompt {:>4}: logits with the fused norms and three-per-SM narrow GEMMs {} = without",
+            prompt.len(),
+            if fused { "on" } else { "off" }
+        );
         checks += 1;
-        if !good {
+        if !bits_gate(&what, &logits) {
             failures += 1;
         }
-        println!(
-            "batched prompt {:>4}: logits with the fused norms and three-per-SM narrow GEMMs {} = without, bit for bit: {differ} of {} differ {}",
-            prompt.len(),
-            if fused { "on" } else { "off" },
-            logits[0].len(),
-            if good { "ok" } else { "FAIL" }
-        );
     }
     // On-device sampling in the session: every token the GPU samples equals what the CPU
     // sampler (same seed, same calls) picks from the GPU's own logits of that step.

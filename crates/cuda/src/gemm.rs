@@ -948,85 +948,66 @@ impl CudaContext {
         let (ne_i, ch_i) = (n_entries as i32, chunks as i32);
         let warp_blocks = (chunks.div_ceil(8) as u32, 1, 1);
         if self.moe_route_fused() {
+            let mut b = self.kernel(self.func("qgemm_moe_route_hist")?);
+            b.ptr(logits).arg(&ti).ptr_mut(&mut routing.ids).ptr_mut(&mut routing.weights).ptr_mut(&mut routing.shared_weight);
+            b.arg(&ch_i).ptr_mut(&mut routing.hist).ptr_mut(&mut routing.base).ptr_mut(&mut routing.counts);
+            b.ptr_mut(&mut routing.offsets).ptr_mut(&mut routing.tiles64).ptr_mut(&mut routing.tiles128);
+            b.ptr_mut(&mut routing.tiles32).arg(&routing.count_into).ptr_mut(&mut routing.done);
+            let cfg = LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K,
+            // shared_weight max_t; hist/base N_EXPERTS * chunks(max_t); done one word, 0.
+            unsafe { b.launch(cfg) }?;
+        } else {
             {
                 let (pl, _g0) = logits.device_ptr(stream);
                 let (pi, _g1) = routing.ids.device_ptr_mut(stream);
                 let (pw, _g2) = routing.weights.device_ptr_mut(stream);
                 let (ps, _g3) = routing.shared_weight.device_ptr_mut(stream);
-                let (ph, _g4) = routing.hist.device_ptr_mut(stream);
-                let (pb, _g5) = routing.base.device_ptr_mut(stream);
-                let (pc, _g6) = routing.counts.device_ptr_mut(stream);
-                let (po, _g7) = routing.offsets.device_ptr_mut(stream);
-                let (p64, _g8) = routing.tiles64.device_ptr_mut(stream);
-                let (p128, _g9) = routing.tiles128.device_ptr_mut(stream);
-                let (p32, _g10) = routing.tiles32.device_ptr_mut(stream);
-                let (pd, _g11) = routing.done.device_ptr_mut(stream);
-                let mut b = self.kernel(self.func("qgemm_moe_route_hist")?);
-                b.arg(&pl).arg(&ti).arg(&pi).arg(&pw).arg(&ps).arg(&ch_i).arg(&ph).arg(&pb).arg(&pc).arg(&po);
-                b.arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into).arg(&pd);
-                let cfg = LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-                // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K,
-                // shared_weight max_t; hist/base N_EXPERTS * chunks(max_t); done one word, 0.
+                let mut b = self.kernel(self.func("qgemm_moe_route")?);
+                b.arg(&pl).arg(&ti).arg(&pi).arg(&pw).arg(&ps);
+                let cfg = LaunchConfig {
+                    grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K.
                 unsafe { b.launch(cfg) }?;
             }
-            self.moe_place(routing, ne_i, ch_i, warp_blocks)?;
-            routing.t = t;
-            return Ok(());
-        }
-        {
-            let (pl, _g0) = logits.device_ptr(stream);
-            let (pi, _g1) = routing.ids.device_ptr_mut(stream);
-            let (pw, _g2) = routing.weights.device_ptr_mut(stream);
-            let (ps, _g3) = routing.shared_weight.device_ptr_mut(stream);
-            let mut b = self.kernel(self.func("qgemm_moe_route")?);
-            b.arg(&pl).arg(&ti).arg(&pi).arg(&pw).arg(&ps);
-            let cfg = LaunchConfig {
-                grid_dim: ((t * 32).div_ceil(256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K.
-            unsafe { b.launch(cfg) }?;
+            {
+                let (pi, _g1) = routing.ids.device_ptr(stream);
+                let (ph, _g2) = routing.hist.device_ptr_mut(stream);
+                let mut b = self.kernel(self.func("qgemm_moe_hist")?);
+                b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&ph);
+                let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: hist holds N_EXPERTS * chunks(max_t) >= N_EXPERTS * chunks.
+                unsafe { b.launch(cfg) }?;
+            }
+            {
+                let (ph, _g1) = routing.hist.device_ptr(stream);
+                let (pb, _g2) = routing.base.device_ptr_mut(stream);
+                let (pc, _g3) = routing.counts.device_ptr_mut(stream);
+                let (po, _g4) = routing.offsets.device_ptr_mut(stream);
+                let (p64, _g5) = routing.tiles64.device_ptr_mut(stream);
+                let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
+                let (p32, _g7) = routing.tiles32.device_ptr_mut(stream);
+                let mut b = self.kernel(self.func("qgemm_moe_scan")?);
+                b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into);
+                let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: as allocated by moe_routing.
+                unsafe { b.launch(cfg) }?;
+            }
         }
         {
             let (pi, _g1) = routing.ids.device_ptr(stream);
-            let (ph, _g2) = routing.hist.device_ptr_mut(stream);
-            let mut b = self.kernel(self.func("qgemm_moe_hist")?);
-            b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&ph);
+            let (pb, _g2) = routing.base.device_ptr(stream);
+            let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
+            let mut b = self.kernel(self.func("qgemm_moe_place")?);
+            b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&pb).arg(&ps);
             let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: hist holds N_EXPERTS * chunks(max_t) >= N_EXPERTS * chunks.
+            // SAFETY: sorted holds max_t * TOP_K >= n_entries; base as many chunks.
             unsafe { b.launch(cfg) }?;
         }
-        {
-            let (ph, _g1) = routing.hist.device_ptr(stream);
-            let (pb, _g2) = routing.base.device_ptr_mut(stream);
-            let (pc, _g3) = routing.counts.device_ptr_mut(stream);
-            let (po, _g4) = routing.offsets.device_ptr_mut(stream);
-            let (p64, _g5) = routing.tiles64.device_ptr_mut(stream);
-            let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
-            let (p32, _g7) = routing.tiles32.device_ptr_mut(stream);
-            let mut b = self.kernel(self.func("qgemm_moe_scan")?);
-            b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into);
-            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: as allocated by moe_routing.
-            unsafe { b.launch(cfg) }?;
-        }
-        self.moe_place(routing, ne_i, ch_i, warp_blocks)?;
         routing.t = t;
-        Ok(())
-    }
-
-    /// The last routing launch: `sorted` from `ids` and `base` (`qgemm_moe_place`).
-    fn moe_place(&self, routing: &mut MoeRouting, ne_i: i32, ch_i: i32, warp_blocks: (u32, u32, u32)) -> Result<(), CudaError> {
-        let stream = self.stream();
-        let (pi, _g1) = routing.ids.device_ptr(stream);
-        let (pb, _g2) = routing.base.device_ptr(stream);
-        let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
-        let mut b = self.kernel(self.func("qgemm_moe_place")?);
-        b.arg(&pi).arg(&ne_i).arg(&ch_i).arg(&pb).arg(&ps);
-        let cfg = LaunchConfig { grid_dim: warp_blocks, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: sorted holds max_t * TOP_K >= n_entries; base as many chunks.
-        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 
