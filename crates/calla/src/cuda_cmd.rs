@@ -103,6 +103,39 @@ impl GemmMainLoop {
 }
 
 /// Arguments of `calla cuda-bench`.
+/// The batched prefill's options shared by `cuda-bench` and `cuda-check` (set process-wide by
+/// `set_prefill_options`, so the engine's accelerator gets them too).
+#[derive(Args, Debug, Clone)]
+pub struct PrefillFlags {
+    /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
+    /// the tensor cores); the default is `cuda::prefill::ROUTER_F32_DEFAULT`'s.
+    #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
+    prefill_router: PrefillRouter,
+    /// The prefill GEMMs' main loop: plain or lean (the same bits); the default is `cuda::gemm::GEMM_LEAN_DEFAULT`'s.
+    #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
+    gemm_main_loop: GemmMainLoop,
+    /// The prefill's norms write f32 rows that each GEMM converts to bf16 itself, instead of
+    /// writing the GEMMs' activations (the same bits; `Prefiller::fused_norm_acts`).
+    #[arg(long)]
+    prefill_norm_acts_apart: bool,
+    /// The grouped expert GEMMs' narrow tile on the lean loop at two blocks per SM instead of
+    /// three (the same bits; `CudaContext::set_gemm_grouped3`).
+    #[arg(long)]
+    gemm_grouped2: bool,
+    /// Launch the prefill's kernels without programmatic dependent launch (a full stream
+    /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
+    #[arg(long)]
+    prefill_no_pdl: bool,
+    /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
+    /// other bits, the same rounding class; `CudaContext::set_gemm_splitk`).
+    #[arg(long)]
+    gemm_no_splitk: bool,
+    /// The wgmma GEMMs multiply every tile at its full token width instead of the narrowest
+    /// width that covers its tokens (the same bits; `CudaContext::set_gemm_fit_n`).
+    #[arg(long)]
+    gemm_full_n: bool,
+}
+
 #[derive(Args)]
 pub struct CudaBenchArgs {
     /// MLX-layout quantized snapshot (e.g. `calla synth --bits 4`).
@@ -205,33 +238,13 @@ pub struct CudaBenchArgs {
     /// group-major in place either way), on the other GEMM main loop, with the norms and
     /// conversions apart (or fused), the grouped GEMMs at the other blocks per SM, the
     /// kernels launched without (or with) programmatic dependent launch, the MoE routing in
-    /// four launches (or two) and the dense GEMMs never (or sometimes) split over K,
-    /// alternating, in this process (median of 5 each).
+    /// four launches (or two), the dense GEMMs never (or sometimes) split over K and the
+    /// GEMMs' MMAs at the full tile width (or fitted to each tile's tokens), alternating, in
+    /// this process (median of 5 each).
     #[arg(long)]
     prefill_compare: bool,
-    /// The prefill's MoE router: `f32` (sequential f32 chains) or `digits` (integer products on
-    /// the tensor cores); the default is `cuda::prefill::ROUTER_F32_DEFAULT`'s.
-    #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
-    prefill_router: PrefillRouter,
-    /// The prefill GEMMs' main loop: plain or lean (the same bits); the default is `cuda::gemm::GEMM_LEAN_DEFAULT`'s.
-    #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
-    gemm_main_loop: GemmMainLoop,
-    /// The prefill's norms write f32 rows that each GEMM converts to bf16 itself, instead of
-    /// writing the GEMMs' activations (the same bits; `Prefiller::fused_norm_acts`).
-    #[arg(long)]
-    prefill_norm_acts_apart: bool,
-    /// The grouped expert GEMMs' narrow tile on the lean loop at two blocks per SM instead of
-    /// three (the same bits; `CudaContext::set_gemm_grouped3`).
-    #[arg(long)]
-    gemm_grouped2: bool,
-    /// Launch the prefill's kernels without programmatic dependent launch (a full stream
-    /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
-    #[arg(long)]
-    prefill_no_pdl: bool,
-    /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
-    /// other bits, the same rounding class; `CudaContext::set_gemm_splitk`).
-    #[arg(long)]
-    gemm_no_splitk: bool,
+    #[command(flatten)]
+    prefill_flags: PrefillFlags,
     /// Also time decode (first decode context) with the input projections launched as
     /// `KS:BLOCKS` (K split over 2^KS warps, BLOCKS blocks; `CudaContext::set_in_proj_grid`),
     /// each entry in turn, between two rows as configured, in this process.
@@ -341,29 +354,8 @@ pub struct CudaCheckArgs {
     /// Largest prefill chunk in tokens (small values test chunk boundaries).
     #[arg(long, default_value_t = 64)]
     prefill_chunk: usize,
-    /// The batched prefill's MoE router, for this tool's prefiller and the engine's (as
-    /// `cuda-bench --prefill-router`).
-    #[arg(long, value_enum, default_value_t = PrefillRouter::DEFAULT)]
-    prefill_router: PrefillRouter,
-    /// The prefill GEMMs' main loop: plain or lean (the same bits); the default is `cuda::gemm::GEMM_LEAN_DEFAULT`'s.
-    #[arg(long, value_enum, default_value_t = GemmMainLoop::DEFAULT)]
-    gemm_main_loop: GemmMainLoop,
-    /// The prefill's norms write f32 rows that each GEMM converts to bf16 itself, instead of
-    /// writing the GEMMs' activations (the same bits; `Prefiller::fused_norm_acts`).
-    #[arg(long)]
-    prefill_norm_acts_apart: bool,
-    /// The grouped expert GEMMs' narrow tile on the lean loop at two blocks per SM instead of
-    /// three (the same bits; `CudaContext::set_gemm_grouped3`).
-    #[arg(long)]
-    gemm_grouped2: bool,
-    /// Launch the prefill's kernels without programmatic dependent launch (a full stream
-    /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
-    #[arg(long)]
-    prefill_no_pdl: bool,
-    /// Never split the prefill's dense GEMMs over K (short prompts split them by default;
-    /// other bits, the same rounding class; `CudaContext::set_gemm_splitk`).
-    #[arg(long)]
-    gemm_no_splitk: bool,
+    #[command(flatten)]
+    prefill_flags: PrefillFlags,
     /// Capture the decode step with programmatic dependent launch.
     #[arg(long)]
     pdl: bool,
@@ -652,16 +644,18 @@ fn step_timeline(
 /// `calla cuda-bench`.
 /// The prefill options shared by `cuda-bench` and `cuda-check`, set process-wide (for the
 /// prefillers and contexts created afterwards, the engine's accelerator included) and on `cx`.
-fn set_prefill_options(cx: &CudaContext, router: PrefillRouter, main_loop: GemmMainLoop, norm_acts_apart: bool, grouped2: bool, no_pdl: bool, no_splitk: bool) {
-    cuda::prefill::set_default_eager_pdl(!no_pdl);
-    cuda::gemm::set_default_splitk(!no_splitk);
-    cx.set_gemm_splitk(!no_splitk);
-    cuda::prefill::set_default_router_f32(router == PrefillRouter::F32);
-    cuda::gemm::set_default_gemm_lean(main_loop == GemmMainLoop::Lean);
-    cx.set_gemm_lean(main_loop == GemmMainLoop::Lean);
-    cuda::prefill::set_default_fused_norm_acts(!norm_acts_apart);
-    cuda::gemm::set_default_gemm_grouped3(!grouped2);
-    cx.set_gemm_grouped3(!grouped2);
+fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
+    cuda::prefill::set_default_eager_pdl(!f.prefill_no_pdl);
+    cuda::gemm::set_default_splitk(!f.gemm_no_splitk);
+    cx.set_gemm_splitk(!f.gemm_no_splitk);
+    cuda::gemm::set_default_fit_n(!f.gemm_full_n);
+    cx.set_gemm_fit_n(!f.gemm_full_n);
+    cuda::prefill::set_default_router_f32(f.prefill_router == PrefillRouter::F32);
+    cuda::gemm::set_default_gemm_lean(f.gemm_main_loop == GemmMainLoop::Lean);
+    cx.set_gemm_lean(f.gemm_main_loop == GemmMainLoop::Lean);
+    cuda::prefill::set_default_fused_norm_acts(!f.prefill_norm_acts_apart);
+    cuda::gemm::set_default_gemm_grouped3(!f.gemm_grouped2);
+    cx.set_gemm_grouped3(!f.gemm_grouped2);
 }
 
 pub fn bench(a: CudaBenchArgs) -> Result<()> {
@@ -696,7 +690,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         "graph" => false,
         other => bail!("--prefill must be batched or graph, found {other}"),
     };
-    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl, a.gemm_no_splitk);
+    set_prefill_options(&cx, &a.prefill_flags);
     let mut pf = if batched { Some(Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?) } else { None };
     let vocab = m.cfg.vocab_size.min(p::VOCAB_REAL);
     let mut prefill_profile = Vec::new();
@@ -722,10 +716,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+            let mut ms: [Vec<f64>; 11] = Default::default();
             let pdl = pf.eager_pdl;
             let route_fused = cx.moe_route_fused();
             let splitk = cx.gemm_splitk();
+            let fit_n = cx.gemm_fit_n();
             let router_f32 = pf.router_f32;
             let fused = pf.fused_norm_acts;
             let grouped3 = cx.gemm_grouped3();
@@ -737,21 +732,24 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 // or not); the GEMMs on the other main loop; the norms writing the GEMMs'
                 // activations or not; the grouped expert GEMMs at three blocks per SM or not;
                 // the kernels launched with programmatic dependent launch or not; the routing as
-                // two launches or four; the dense GEMMs split over K for short prompts or not
-                let (r, g, l, f, g3, pd, rf, sk) = (router_f32, group_major, lean, fused, grouped3, pdl, route_fused, splitk);
+                // two launches or four; the dense GEMMs split over K for short prompts or not;
+                // the MMAs fitted to each tile's tokens or at the full tile width
+                let (r, g, l, f, g3, pd, rf, sk, fit) = (router_f32, group_major, lean, fused, grouped3, pdl, route_fused, splitk, fit_n);
                 let cases = [
-                    (true, r, g, l, f, g3, pd, rf, sk),
-                    (false, r, g, l, f, g3, pd, rf, sk),
-                    (true, !r, g, l, f, g3, pd, rf, sk),
-                    (true, r, !g, l, f, g3, pd, rf, sk),
-                    (true, r, g, !l, f, g3, pd, rf, sk),
-                    (true, r, g, l, !f, g3, pd, rf, sk),
-                    (true, r, g, l, f, !g3, pd, rf, sk),
-                    (true, r, g, l, f, g3, !pd, rf, sk),
-                    (true, r, g, l, f, g3, pd, !rf, sk),
-                    (true, r, g, l, f, g3, pd, rf, !sk),
+                    (true, r, g, l, f, g3, pd, rf, sk, fit),
+                    (false, r, g, l, f, g3, pd, rf, sk, fit),
+                    (true, !r, g, l, f, g3, pd, rf, sk, fit),
+                    (true, r, !g, l, f, g3, pd, rf, sk, fit),
+                    (true, r, g, !l, f, g3, pd, rf, sk, fit),
+                    (true, r, g, l, !f, g3, pd, rf, sk, fit),
+                    (true, r, g, l, f, !g3, pd, rf, sk, fit),
+                    (true, r, g, l, f, g3, !pd, rf, sk, fit),
+                    (true, r, g, l, f, g3, pd, !rf, sk, fit),
+                    (true, r, g, l, f, g3, pd, rf, !sk, fit),
+                    (true, r, g, l, f, g3, pd, rf, sk, !fit),
                 ];
-                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2, split)) in cases.into_iter().enumerate() {
+                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2, split, fitted)) in cases.into_iter().enumerate() {
+                    pf.set_gemm_fit_n(&cx, fitted);
                     pf.set_gemm_splitk(&cx, split);
                     cx.set_moe_route_fused(route2);
                     pf.eager_pdl = eager_pdl;
@@ -779,7 +777,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             pf.eager_pdl = pdl;
             cx.set_moe_route_fused(route_fused);
             pf.set_gemm_splitk(&cx, splitk);
-            let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other, split_other] = ms.each_mut().map(|v| median(v));
+            pf.set_gemm_fit_n(&cx, fit_n);
+            let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other, split_other, fit_other] = ms.each_mut().map(|v| median(v));
+            let fit_name = if fit_n { "MMAs at the full tile width" } else { "MMAs fitted to the tiles' tokens" };
             let split_name = if splitk { "dense GEMMs never split over K" } else { "dense GEMMs split over K" };
             let pdl_name = if pdl { "launches without PDL" } else { "launches with PDL" };
             let route_name = if route_fused { "routing in four launches" } else { "routing in two launches" };
@@ -789,7 +789,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
             let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
             eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%); {route_name} {route_other:>8.2} ms ({:+.1}%); {split_name} {split_other:>8.2} ms ({:+.1}%)",
+                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%); {route_name} {route_other:>8.2} ms ({:+.1}%); {split_name} {split_other:>8.2} ms ({:+.1}%); {fit_name} {fit_other:>8.2} ms ({:+.1}%)",
                 100.0 * (off / on - 1.0),
                 100.0 * (other / on - 1.0),
                 100.0 * (layout / on - 1.0),
@@ -798,7 +798,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 100.0 * (g3 / on - 1.0),
                 100.0 * (pdl_other / on - 1.0),
                 100.0 * (route_other / on - 1.0),
-                100.0 * (split_other / on - 1.0)
+                100.0 * (split_other / on - 1.0),
+                100.0 * (fit_other / on - 1.0)
             );
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
             row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
@@ -809,6 +810,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             row[if pdl { "no_pdl_ms" } else { "pdl_ms" }] = serde_json::json!(pdl_other);
             row[if route_fused { "routing_four_launches_ms" } else { "routing_two_launches_ms" }] = serde_json::json!(route_other);
             row[if splitk { "no_splitk_ms" } else { "splitk_ms" }] = serde_json::json!(split_other);
+            row[if fit_n { "full_n_ms" } else { "fit_n_ms" }] = serde_json::json!(fit_other);
             prefill_compare.push(row);
         }
     }
@@ -1209,12 +1211,14 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
-    out["prefill_router"] = serde_json::json!(format!("{:?}", a.prefill_router));
-    out["gemm_main_loop"] = serde_json::json!(format!("{:?}", a.gemm_main_loop));
-    out["prefill_norm_acts"] = serde_json::json!(if a.prefill_norm_acts_apart { "apart" } else { "fused" });
-    out["gemm_grouped3"] = serde_json::json!(!a.gemm_grouped2);
-    out["prefill_eager_pdl"] = serde_json::json!(!a.prefill_no_pdl);
-    out["gemm_splitk"] = serde_json::json!(!a.gemm_no_splitk);
+    let f = &a.prefill_flags;
+    out["prefill_router"] = serde_json::json!(format!("{:?}", f.prefill_router));
+    out["gemm_main_loop"] = serde_json::json!(format!("{:?}", f.gemm_main_loop));
+    out["prefill_norm_acts"] = serde_json::json!(if f.prefill_norm_acts_apart { "apart" } else { "fused" });
+    out["gemm_grouped3"] = serde_json::json!(!f.gemm_grouped2);
+    out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
+    out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
+    out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
@@ -1314,7 +1318,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
     // the engine's accelerator below creates its own prefiller: the same router for both
-    set_prefill_options(&cx, a.prefill_router, a.gemm_main_loop, a.prefill_norm_acts_apart, a.gemm_grouped2, a.prefill_no_pdl, a.gemm_no_splitk);
+    set_prefill_options(&cx, &a.prefill_flags);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
     let mut worst_rel = 0f64;
     let mut failures = 0usize;

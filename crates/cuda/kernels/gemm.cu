@@ -39,6 +39,10 @@
 // * WG = true: wgmma.mma_async m64nBNk16, A from registers (the dequantized fragments), B from
 //   the swizzled shared tile through a descriptor. Asynchronous: the dequantization of the next
 //   64-row slice overlaps the running MMAs; two A register buffers, wgmma.wait_group 1.
+//   The MMAs are only as wide as the block's tokens need (fitted width: the narrowest of
+//   {16, 32, 48, 64} for BN 64, {16, 32} for BN 32, {64, 96, 128} for BN 128 that covers cnt;
+//   mode flag MODE_FULL_N keeps BN): a grouped expert tile averaging ~32 of its 64 entries
+//   (a 1k-token prompt) no longer multiplies the padding. Same bits either way.
 // * WG = false: mma.sync m16n8k16, B fragments with ldmatrix from the same shared layout.
 // Both leave the accumulators in the same layout (per 8-token chunk j: rows g and g+8, tokens
 // 8j + 2c and 8j + 2c + 1), so the epilogues are shared.
@@ -77,6 +81,15 @@ constexpr int THREADS = 256;
 
 // MODE_BENCH: dense mapping, nothing stored (benchmarks of the main loop alone).
 enum { MODE_DENSE = 0, MODE_SWIGLU = 1, MODE_MOE_GATE_UP = 2, MODE_MOE_DOWN = 3, MODE_BENCH = 4 };
+// Flag ORed into the mode: the wgmma loop multiplies the tile's full BN token columns even when
+// fewer tokens (routed entries) fill the block's tile (the measured twin of the fitted width).
+constexpr int MODE_FULL_N = 16;
+
+// A compile-time MMA width handed to the generic main loop.
+template <int N>
+struct Width {
+    static constexpr int value = N;
+};
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
@@ -182,6 +195,49 @@ __device__ __forceinline__ void wgmma_n32(float* d, const u32* a, u64 desc) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
+// D[64 x 16] += A[64 x 16] (registers, bf16) * B[16 x 16] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n16(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 48] += A[64 x 16] (registers, bf16) * B[16 x 48] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n48(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23}, "
+        "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 96] += A[64 x 16] (registers, bf16) * B[16 x 96] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n96(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+        "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
 // D[64 x 128] += A[64 x 16] (registers, bf16) * B[16 x 128] (shared memory, K-major, 128B swizzle)
 __device__ __forceinline__ void wgmma_n128(float* d, const u32* a, u64 desc) {
     asm volatile(
@@ -211,9 +267,15 @@ constexpr u64 DESC_SW128 = (1ull << 62) | (64ull << 32) | (1ull << 16);
 template <int BN>
 __device__ __forceinline__ void wgmma_bn(float* d, const u32* a, u64 desc);
 template <>
+__device__ __forceinline__ void wgmma_bn<16>(float* d, const u32* a, u64 desc) { wgmma_n16(d, a, desc); }
+template <>
 __device__ __forceinline__ void wgmma_bn<32>(float* d, const u32* a, u64 desc) { wgmma_n32(d, a, desc); }
 template <>
+__device__ __forceinline__ void wgmma_bn<48>(float* d, const u32* a, u64 desc) { wgmma_n48(d, a, desc); }
+template <>
 __device__ __forceinline__ void wgmma_bn<64>(float* d, const u32* a, u64 desc) { wgmma_n64(d, a, desc); }
+template <>
+__device__ __forceinline__ void wgmma_bn<96>(float* d, const u32* a, u64 desc) { wgmma_n96(d, a, desc); }
 template <>
 __device__ __forceinline__ void wgmma_bn<128>(float* d, const u32* a, u64 desc) { wgmma_n128(d, a, desc); }
 
@@ -251,6 +313,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
+    const bool full_n = (mode & MODE_FULL_N) != 0;
+    mode &= ~MODE_FULL_N;
 
     // ---- work item: which W rows, which tokens (or routed entries)
     const bool moe = mode == MODE_MOE_GATE_UP || mode == MODE_MOE_DOWN;
@@ -524,41 +588,66 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     auto next_tile = [&]() { rs = rs + 1 == C::STAGES ? 0 : rs + 1; };
 
     if constexpr (WG) {
-        auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
-            const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
-            wgmma_fence();
+        // The main loop with MMAs NN tokens wide (NN <= BN, a multiple of 16): the block's
+        // first NN B rows. Token columns are independent in a product, so a tile of cnt <= NN
+        // tokens gets the same bits from any width; the accumulators past NN stay zero and
+        // belong to no token (the epilogues skip them).
+        auto main_loop = [&](auto width) {
+            constexpr int NN = decltype(width)::value;
+            static_assert(NN % 16 == 0 && NN <= BN, "MMA width");
+            auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
+                const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
+                wgmma_fence();
 #pragma unroll
-            for (int s = 0; s < 4; ++s) wgmma_bn<BN>(acc[m], A[s], desc + 2 * s);
-            wgmma_commit();
+                for (int s = 0; s < 4; ++s) wgmma_bn<NN>(acc[m], A[s], desc + 2 * s);
+                wgmma_commit();
+            };
+            if constexpr (MS == 2) {
+                for (int t = 0; t < KT; ++t) {
+                    begin_tile(t);
+                    dequant(rs, t, 0, A0);
+                    issue(rs, 0, A0);
+                    wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
+                    keep_alive(A1);
+                    dequant(rs, t, 1, A1);
+                    issue(rs, 1, A1);
+                    wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
+                    keep_alive(A0);
+                    next_tile();
+                }
+            } else {
+                for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
+                    begin_tile(t);
+                    dequant(rs, t, 0, A0);
+                    issue(rs, 0, A0);
+                    wgmma_wait<1>();  // tile t-1 done: A1 is free
+                    keep_alive(A1);
+                    next_tile();
+                    begin_tile(t + 1);
+                    dequant(rs, t + 1, 0, A1);
+                    issue(rs, 0, A1);
+                    wgmma_wait<1>();  // tile t done: A0 is free
+                    keep_alive(A0);
+                    next_tile();
+                }
+            }
         };
-        if constexpr (MS == 2) {
-            for (int t = 0; t < KT; ++t) {
-                begin_tile(t);
-                dequant(rs, t, 0, A0);
-                issue(rs, 0, A0);
-                wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
-                keep_alive(A1);
-                dequant(rs, t, 1, A1);
-                issue(rs, 1, A1);
-                wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
-                keep_alive(A0);
-                next_tile();
-            }
+        // Fitted width: the narrowest of the tile's widths that covers the block's cnt tokens
+        // (routed entries), unless the launch asks for the full width (MODE_FULL_N, the twin).
+        const int need = full_n ? BN : cnt;
+        if constexpr (BN == 128) {
+            if (need > 96) main_loop(Width<128>{});
+            else if (need > 64) main_loop(Width<96>{});
+            else main_loop(Width<64>{});
+        } else if constexpr (BN == 64) {
+            if (need > 48) main_loop(Width<64>{});
+            else if (need > 32) main_loop(Width<48>{});
+            else if (need > 16) main_loop(Width<32>{});
+            else main_loop(Width<16>{});
         } else {
-            for (int t = 0; t < KT; t += 2) {  // KT is even (the host checks K % 128 == 0)
-                begin_tile(t);
-                dequant(rs, t, 0, A0);
-                issue(rs, 0, A0);
-                wgmma_wait<1>();  // tile t-1 done: A1 is free
-                keep_alive(A1);
-                next_tile();
-                begin_tile(t + 1);
-                dequant(rs, t + 1, 0, A1);
-                issue(rs, 0, A1);
-                wgmma_wait<1>();  // tile t done: A0 is free
-                keep_alive(A0);
-                next_tile();
-            }
+            static_assert(BN == 32, "tile widths");
+            if (need > 16) main_loop(Width<32>{});
+            else main_loop(Width<16>{});
         }
         wgmma_wait<0>();
         keep_alive(A0);

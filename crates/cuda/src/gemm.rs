@@ -79,6 +79,20 @@ pub fn set_default_splitk(on: bool) {
     SPLITK_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+static FIT_N_DEFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_fit_n`] on (on unless
+/// [`set_default_fit_n`] said otherwise).
+pub fn default_fit_n() -> bool {
+    FIT_N_DEFAULT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`default_fit_n`] for contexts created afterwards (`calla cuda-bench | cuda-check
+/// --gemm-full-n`).
+pub fn set_default_fit_n(on: bool) {
+    FIT_N_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a new [`CudaContext`] runs [`CudaContext::moe_route`] as two launches (routing,
 /// counts and scan fused in `qgemm_moe_route_hist`, then the placement) instead of four
 /// ([`CudaContext::set_moe_route_fused`]).
@@ -359,6 +373,8 @@ const MODE_SWIGLU: i32 = 1;
 const MODE_MOE_GATE_UP: i32 = 2;
 const MODE_MOE_DOWN: i32 = 3;
 const MODE_BENCH: i32 = 4;
+/// Flag ORed into the mode: MMAs over the tile's full token width (`MODE_FULL_N` in `gemm.cu`).
+const MODE_FULL_N: i32 = 16;
 
 /// Raw arguments of one GEMM launch (device pointers; 0 = unused).
 struct GemmArgs {
@@ -785,6 +801,22 @@ impl CudaContext {
         self.gemm_splitk.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the wgmma GEMMs on this context fit their MMAs to the tokens (routed entries) of
+    /// each block's tile (`on`, the default: [`default_fit_n`]): a tile holding `cnt` of its
+    /// `BN` tokens multiplies only the narrowest of its widths that covers `cnt` (multiples of
+    /// 16 up to 64; 64, 96 or 128 on the big tile), instead of all `BN` (`off`, the measured
+    /// twin). The same bits: a product's token columns do not depend on each other. What it
+    /// saves is the padding of the grouped expert products, whose tiles hold a few dozen entries
+    /// at short prompts (~32 of 64 per expert at 1k tokens), and of every last token tile.
+    pub fn set_gemm_fit_n(&self, on: bool) {
+        self.gemm_fit_n.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaContext::set_gemm_fit_n`] is on.
+    pub fn gemm_fit_n(&self) -> bool {
+        self.gemm_fit_n.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The tile for a dense product: the one whose grid finishes first, counting whole waves
     /// (1 big or 2 tall/small blocks per SM) and the per-block efficiency measured on the H200
     /// (tall ≈ 0.9, small ≈ 0.76 of big at the same work).
@@ -846,6 +878,7 @@ impl CudaContext {
         let t = check_i32("t", a.t)?;
         let ldy = check_i32("ldy", a.ldy)?;
         let topk = p::TOP_K as i32;
+        let mode = if self.gemm_fit_n() { a.mode } else { a.mode | MODE_FULL_N };
         let mut b = self.kernel(f);
         b.arg(&pp)
             .arg(&ps)
@@ -863,7 +896,7 @@ impl CudaContext {
             .arg(&n_rows)
             .arg(&k)
             .arg(&t)
-            .arg(&a.mode)
+            .arg(&mode)
             .arg(&ldy)
             .arg(&topk);
         let cfg = LaunchConfig {

@@ -535,6 +535,9 @@ pub struct CudaContext {
     pub(crate) moe_route_fused: std::sync::atomic::AtomicBool,
     /// Dense GEMMs may split over K ([`CudaContext::set_gemm_splitk`]).
     pub(crate) gemm_splitk: std::sync::atomic::AtomicBool,
+    /// The wgmma GEMMs fit their MMA width to the tokens of each tile
+    /// ([`CudaContext::set_gemm_fit_n`]).
+    pub(crate) gemm_fit_n: std::sync::atomic::AtomicBool,
     /// The partial-sum slabs of GEMMs split over K, allocated on first use (each context its
     /// own: they are used on the context's stream only).
     pub(crate) splitk_part: std::sync::OnceLock<CudaSlice<f32>>,
@@ -669,6 +672,7 @@ impl CudaContext {
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             gemm_splitk: std::sync::atomic::AtomicBool::new(gemm::default_splitk()),
+            gemm_fit_n: std::sync::atomic::AtomicBool::new(gemm::default_fit_n()),
             splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
@@ -726,6 +730,7 @@ impl CudaContext {
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             gemm_splitk: copy(&self.gemm_splitk),
+            gemm_fit_n: copy(&self.gemm_fit_n),
             splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,

@@ -284,6 +284,14 @@ impl Prefiller {
         self.side.cx.set_gemm_grouped3(on);
     }
 
+    /// Sets [`CudaContext::set_gemm_fit_n`] on `cx` (which this prefiller was made with) and on
+    /// the shared expert's stream: the same bits; for measurement (`calla cuda-bench
+    /// --prefill-compare`).
+    pub fn set_gemm_fit_n(&self, cx: &CudaContext, on: bool) {
+        cx.set_gemm_fit_n(on);
+        self.side.cx.set_gemm_fit_n(on);
+    }
+
     /// Lets the prefill's dense GEMMs, on `cx` and on the shared expert's stream, split a
     /// product over K when its grid would leave SMs idle (`CudaContext::set_gemm_splitk`,
     /// default on): other bits, the same rounding class; for measurement (`calla cuda-bench

@@ -573,6 +573,30 @@ fn dense(s: &mut Suite) {
                 }
             }
             cx.set_gemm_group_major(true);
+            // MMAs fitted to each tile's tokens (CudaContext::set_gemm_fit_n, the default) against
+            // the full tile width: the same bits on every wgmma tile and main loop (T = 7 and 300
+            // leave partial last tiles of every width)
+            if t == 7 || t == 300 {
+                for v in ALL_VARIANTS.iter().filter(|v| v.engine != GemmEngine::MmaSync) {
+                    let mut outs = Vec::new();
+                    for fit in [true, false] {
+                        cx.set_gemm_fit_n(fit);
+                        scratch.force = Some(*v);
+                        let mut yd = guarded(cx, t * out_cols);
+                        let rv = rd.slice(..);
+                        run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dmc, &xd.slice(..), Some(&rv), case.epi, t);
+                        outs.push(cx.download_f32(&yd).unwrap());
+                    }
+                    cx.set_gemm_fit_n(true);
+                    let c = match guards_and_finite(&outs[0], t * out_cols) {
+                        Err(e) => failed(e),
+                        Ok(()) => check_bits(&outs[0][GUARD..GUARD + t * out_cols], &outs[1][GUARD..GUARD + t * out_cols], "outputs"),
+                    };
+                    let label = format!("q{} {} [{n}x{k}] T={t} {} gm codes", case.bits, case.label, vname(Some(*v)));
+                    s.record(SEC, &format!("{label}: fitted MMA width = full width, bit for bit"), &c, "");
+                }
+                scratch.force = None;
+            }
             // short prompts split the product over K (CudaContext::set_gemm_splitk, the default above):
             // the same product unsplit, against the same references
             if t <= 64 {
@@ -893,6 +917,32 @@ fn lean_equals_plain(s: &mut Suite, label: &str, runs: &[(GemmVariant, MoeOut)])
     }
 }
 
+/// Records whether a MoE result with the MMAs fitted to each tile's entries
+/// ([`CudaContext::set_gemm_fit_n`], the default) equals the one at the full tile width bit for
+/// bit (a product's entry columns do not depend on each other).
+fn fit_equals_full(s: &mut Suite, label: &str, fitted: &MoeOut, full: &MoeOut) {
+    let c = if fitted.act == full.act { check_bits(&fitted.out, &full.out, "outputs") } else { failed("act differs".into()) };
+    s.record(SEC, &format!("{label}: fitted MMA width = full width, act and out bit for bit"), &c, "");
+}
+
+/// [`moe_case`] at the full tile width ([`CudaContext::set_gemm_fit_n`] off), then on again.
+#[allow(clippy::too_many_arguments)]
+fn moe_case_full_n(
+    s: &mut Suite,
+    w: &MoeWeights,
+    bits: u32,
+    t: usize,
+    force: Option<GemmVariant>,
+    scratch: &mut GemmScratch,
+    routing: &mut MoeRouting,
+    inp: &MoeInputs,
+) -> MoeOut {
+    s.cx.set_gemm_fit_n(false);
+    let r = moe_case(s, w, bits, t, force, scratch, routing, inp);
+    s.cx.set_gemm_fit_n(true);
+    r
+}
+
 fn moe_checks(s: &mut Suite) -> MoeWeights {
     let cx = s.cx;
     let mut scratch = cx.gemm_scratch(2048).unwrap();
@@ -900,7 +950,12 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
     let w4 = moe_weights(cx, 4, 0x3E4);
     for &t in &TS {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
-        moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+        let fitted = moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+        if t >= 64 {
+            // 64 / 300 / 2048 tokens: ~2 / ~9 / 64 entries per expert, tiles of every width
+            let full = moe_case_full_n(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+            fit_equals_full(s, &format!("moe q4 T={t} auto"), &fitted, &full);
+        }
         if t == 300 {
             for v in ALL_VARIANTS {
                 moe_case(s, &w4, 4, t, Some(v), &mut scratch, &mut routing, &inp);
@@ -927,6 +982,17 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
         let runs: Vec<(GemmVariant, MoeOut)> =
             ALL_VARIANTS.iter().map(|&v| (v, moe_case(s, &w4c, 4, 300, Some(v), &mut scratch, &mut routing, &inp))).collect();
         lean_equals_plain(s, "moe q4 T=300 gm codes", &runs);
+        for (v, fitted) in runs.iter().filter(|(v, _)| v.engine != GemmEngine::MmaSync) {
+            let full = moe_case_full_n(s, &w4c, 4, 300, Some(*v), &mut scratch, &mut routing, &inp);
+            fit_equals_full(s, &format!("moe q4 T=300 gm codes {}", vname(Some(*v))), fitted, &full);
+        }
+        // 2048 tokens (64 entries per expert on average): the tall tiles of every width
+        let inp = moe_inputs(2048, 0x77 ^ 2048);
+        for v in [ALL_VARIANTS[9], ALL_VARIANTS[8]] {
+            let fitted = moe_case(s, &w4c, 4, 2048, Some(v), &mut scratch, &mut routing, &inp);
+            let full = moe_case_full_n(s, &w4c, 4, 2048, Some(v), &mut scratch, &mut routing, &inp);
+            fit_equals_full(s, &format!("moe q4 T=2048 gm codes {}", vname(Some(v))), &fitted, &full);
+        }
     }
     let mut w8 = moe_weights(cx, 8, 0x3E8);
     let inp = moe_inputs(300, 0x88);
@@ -1092,25 +1158,29 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             if cuda::gemm::MOE_ROUTE_FUSED { "four" } else { "two" }
         );
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
-        // (variant, group-major scales and biases, group-major codes)
-        for (v, gm, codes) in [
-            (None, true, false),
-            (None, false, false),
-            (None, true, true),
-            (Some(ALL_VARIANTS[0]), true, false),
-            (Some(ALL_VARIANTS[1]), true, false),
-            (Some(ALL_VARIANTS[3]), true, false),
-            (Some(ALL_VARIANTS[0]), true, true),
-            (Some(ALL_VARIANTS[1]), true, true),
-            (Some(ALL_VARIANTS[3]), true, true),
-            (Some(LEAN_VARIANTS[0]), true, true),
-            (Some(LEAN_VARIANTS[1]), true, true),
-            (Some(LEAN_VARIANTS[2]), true, true),
-            (Some(LEAN_VARIANTS[3]), true, true),
-            (Some(LEAN3_VARIANTS[0]), true, true),
-            (Some(LEAN3_VARIANTS[1]), true, true),
+        // (variant, group-major scales and biases, group-major codes, MMAs fitted to the entries)
+        for (v, gm, codes, fit) in [
+            (None, true, false, true),
+            (None, false, false, true),
+            (None, true, true, true),
+            (Some(ALL_VARIANTS[0]), true, false, true),
+            (Some(ALL_VARIANTS[1]), true, false, true),
+            (Some(ALL_VARIANTS[3]), true, false, true),
+            (Some(ALL_VARIANTS[0]), true, true, true),
+            (Some(ALL_VARIANTS[1]), true, true, true),
+            (Some(ALL_VARIANTS[3]), true, true, true),
+            (Some(LEAN_VARIANTS[0]), true, true, true),
+            (Some(LEAN_VARIANTS[1]), true, true, true),
+            (Some(LEAN_VARIANTS[2]), true, true, true),
+            (Some(LEAN_VARIANTS[3]), true, true, true),
+            (Some(LEAN3_VARIANTS[0]), true, true, true),
+            (Some(LEAN3_VARIANTS[1]), true, true, true),
+            (None, true, true, false),
+            (Some(LEAN_VARIANTS[1]), true, true, false),
+            (Some(LEAN3_VARIANTS[0]), true, true, false),
         ] {
             cx.set_gemm_group_major(gm);
+            cx.set_gemm_fit_n(fit);
             routing.force = v;
             let (gu, dn) = if codes { (&gu_codes, &dn_codes) } else { (&w4.dgu, &w4.ddn) };
             let a = s.time_graph(reps, || cx.moe_gate_up_grouped(gu, &scratch, &mut routing, t).unwrap());
@@ -1120,16 +1190,17 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             });
             println!(
                 "{SEC:<10}   {:<12} gate_up grouped {:>7.1} us ({:>5.1} TFLOP/s eff.), down grouped + combine {:>7.1} us ({:>5.1} TFLOP/s eff.)",
-                format!("{}{}{}", vname(v), sb_suffix(cx), if codes { " gm codes" } else { "" }),
+                format!("{}{}{}{}", vname(v), sb_suffix(cx), if codes { " gm codes" } else { "" }, if fit { "" } else { " full width" }),
                 a * 1e6,
                 f_gu / a / 1e12,
                 b * 1e6,
                 f_dn / b / 1e12
             );
-            if v.is_none() && gm && !codes {
+            if v.is_none() && gm && !codes && fit {
                 (t_gu, t_dn) = (a, b);
             }
         }
+        cx.set_gemm_fit_n(true);
         cx.set_gemm_group_major(true);
         routing.force = None;
         // the whole MoE block of one layer
