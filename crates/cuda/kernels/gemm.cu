@@ -882,70 +882,35 @@ extern "C" __global__ void qgemm_x_to_bf16(const float* __restrict__ x, unsigned
 
 // One warp per token: softmax over the N_EXPERTS router logits (f32), the TOP_K largest
 // probabilities (ties: lower id), weights renormalised over the k (summed in choice order, as
-// the CPU does), shared-expert weight sigmoid(logit[N_EXPERTS]).
+// the CPU does), shared-expert weight sigmoid(logit[N_EXPERTS]); the softmax and the picks are
+// calla_router_topk (prelude.cuh), which the decode MoE kernels run too.
 // logits: [t, N_EXPERTS + 1]; ids, wts: [t, TOP_K] (descending weight); shared_w: [t].
 // The routing of token `tok` by one warp; returns the expert of slot `lane` (lanes < TOP_K;
 // the others return an unspecified id).
 __device__ __forceinline__ int moe_route_token(const float* __restrict__ logits, int tok, int lane,
                                                int* __restrict__ ids, float* __restrict__ wts,
                                                float* __restrict__ shared_w) {
-    constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32, TK = CALLA_TOP_K;
-    static_assert(NE % 32 == 0 && TK <= 32, "router layout");
+    constexpr int NE = CALLA_N_EXPERTS, TK = CALLA_TOP_K;
     const float* row = logits + (size_t)tok * (NE + 1);
-    float p[PER];
-    float mx = __int_as_float(0xff800000);  // -inf
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        p[i] = row[lane + 32 * i];
-        mx = fmaxf(mx, p[i]);
-    }
-    mx = calla_warp_max(mx);
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        p[i] = expf(p[i] - mx);
-        s += p[i];
-    }
-    s = calla_warp_sum(s);
-    const float inv = 1.0f / s;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) p[i] *= inv;
-    unsigned taken = 0;
+    const float gate_logit = row[NE];
+    int pick[TK];
+    float ps[TK];
+    calla_router_topk(row, lane, pick, ps);
+    float sum = 0.f, my_p = 0.f;
     int my_id = 0;
-    float my_p = 0.f;
+#pragma unroll
     for (int r = 0; r < TK; ++r) {
-        float bv = -1.f;
-        int bi = NE;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int e = lane + 32 * i;
-            if (!((taken >> i) & 1u) && (p[i] > bv || (p[i] == bv && e < bi))) {
-                bv = p[i];
-                bi = e;
-            }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+        sum += ps[r];
         if (lane == r) {
-            my_id = bi;
-            my_p = bv;
+            my_id = pick[r];
+            my_p = ps[r];
         }
     }
-    float sum = 0.f;
-    for (int r = 0; r < TK; ++r) sum += __shfl_sync(0xffffffffu, my_p, r);
     if (lane < TK) {
         ids[tok * TK + lane] = my_id;
         wts[tok * TK + lane] = my_p / sum;
     }
-    if (lane == 0) shared_w[tok] = 1.0f / (1.0f + expf(-row[NE]));
+    if (lane == 0) shared_w[tok] = 1.0f / (1.0f + expf(-gate_logit));
     return my_id;
 }
 

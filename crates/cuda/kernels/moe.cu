@@ -94,12 +94,6 @@ static_assert(EG % DN_KS == 0 && DN_GPW % 2 == 0, "K split (quantize_group: two 
 // ---------------------------------------------------------------------------------------------
 // helpers (the tile products and digits: kernels/qtile.cuh)
 
-__device__ __forceinline__ int warp_max_s32(int v) {
-    int r;
-    asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;\n" : "=r"(r) : "r"(v));
-    return r;
-}
-
 // Runtime options of a step (kernel argument `flags`, the same for the three launches):
 constexpr int F_TOPK_IN_ROUTER = 1;  // the router's last block does the top-k (else every gate/up block does)
 constexpr int F_PREFETCH_DOWN = 2;   // gate/up blocks prefetch the down kernel's tiles into L2
@@ -169,49 +163,10 @@ __device__ __forceinline__ float router_part(uint4 w, unsigned sbw, const float*
 // Matches crates/model: softmax_inplace (max, exp, sum, multiply by 1/sum) and top_k_renorm
 // (descending p, sum of the k in that order, p / sum).
 __device__ __forceinline__ void router_topk(const float* __restrict__ logits, int* sel_ids, float* sel_w, int lane) {
-    constexpr int PER = NE / 32;  // lane l holds ids PER*l .. PER*l + PER-1 (lowest lane = lowest id)
-    float l[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) l[i] = logits[lane * PER + i];
     const float gate_logit = logits[NE];
-    float m = l[0];
-#pragma unroll
-    for (int i = 1; i < PER; ++i) m = fmaxf(m, l[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float e[PER], s = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        e[i] = expf(l[i] - m);
-        s += e[i];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    const float inv = 1.0f / s;
-    int key[PER];  // bits of p >= 0 order like p; -1 = taken
-#pragma unroll
-    for (int i = 0; i < PER; ++i) key[i] = __float_as_int(e[i] * inv);
     int ids[TOPK];
     float ps[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) {
-        int best = -1, bi = 0;
-#pragma unroll
-        for (int i = 0; i < PER; ++i)
-            if (key[i] > best) {
-                best = key[i];
-                bi = i;
-            }
-        const int wbest = warp_max_s32(best);
-        const int src = __ffs(__ballot_sync(0xffffffffu, best == wbest)) - 1;  // lowest lane = lowest id
-        ids[k] = __shfl_sync(0xffffffffu, lane * PER + bi, src);
-        ps[k] = __int_as_float(wbest);
-        if (lane == src) {
-#pragma unroll
-            for (int i = 0; i < PER; ++i)
-                if (i == bi) key[i] = -1;
-        }
-    }
+    calla_router_topk(logits, lane, ids, ps);
     if (lane == 0) {
         float sum = 0.f;
 #pragma unroll

@@ -213,6 +213,62 @@ __device__ __forceinline__ float calla_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+// Maximum over a full warp in one instruction (redux.sync).
+__device__ __forceinline__ int calla_warp_max_s32(int v) {
+    int r;
+    asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;\n" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// MoE routing of one token by one warp (MODEL.md 3.7): softmax over the CALLA_N_EXPERTS router
+// logits at `logits` (max, exp, sum, multiply by 1/sum, as crates/model's softmax_inplace), then
+// the CALLA_TOP_K largest probabilities in descending order, ties to the lower id (as
+// model::top_k_renorm). Every lane returns the same ids[k] and p[k] (unnormalised; the callers
+// renormalise over the k in this order). Lane l holds ids l*PER .. l*PER+PER-1, so the lowest
+// lane holding the warp's best key holds the lowest id; a key is p's bits (p >= 0 orders like
+// its bits), -1 once taken; per pick one redux.sync and one ballot instead of a butterfly.
+__device__ __forceinline__ void calla_router_topk(const float* __restrict__ logits, int lane, int (&ids)[CALLA_TOP_K],
+                                                  float (&ps)[CALLA_TOP_K]) {
+    constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32;
+    static_assert(NE % 32 == 0 && CALLA_TOP_K <= 32, "router layout");
+    float l[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) l[i] = logits[lane * PER + i];
+    float m = l[0];
+#pragma unroll
+    for (int i = 1; i < PER; ++i) m = fmaxf(m, l[i]);
+    m = calla_warp_max(m);
+    float e[PER], s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        e[i] = expf(l[i] - m);
+        s += e[i];
+    }
+    s = calla_warp_sum(s);
+    const float inv = 1.0f / s;
+    int key[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) key[i] = __float_as_int(e[i] * inv);
+#pragma unroll
+    for (int k = 0; k < CALLA_TOP_K; ++k) {
+        int best = -1, bi = 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (key[i] > best) {
+                best = key[i];
+                bi = i;
+            }
+        const int wbest = calla_warp_max_s32(best);
+        const int src = __ffs(__ballot_sync(0xffffffffu, best == wbest)) - 1;  // lowest lane = lowest id
+        ids[k] = __shfl_sync(0xffffffffu, lane * PER + bi, src);
+        ps[k] = __int_as_float(wbest);
+        if (lane == src) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+                if (i == bi) key[i] = -1;
+        }
+    }
+}
 
 // Eight consecutive columns c0 .. c0+7 (c0 = 8 * lane, inside one quantization group) of row
 // `id` of an MLX-quantized [n_rows, CALLA_D_MODEL] matrix, dequantized exactly as
