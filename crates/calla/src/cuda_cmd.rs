@@ -102,7 +102,6 @@ impl GemmMainLoop {
     const DEFAULT: GemmMainLoop = if cuda::gemm::GEMM_LEAN_DEFAULT { GemmMainLoop::Lean } else { GemmMainLoop::Plain };
 }
 
-/// Arguments of `calla cuda-bench`.
 /// The batched prefill's options shared by `cuda-bench` and `cuda-check` (set process-wide by
 /// `set_prefill_options`, so the engine's accelerator gets them too).
 #[derive(Args, Debug, Clone)]
@@ -136,6 +135,7 @@ pub struct PrefillFlags {
     gemm_full_n: bool,
 }
 
+/// Arguments of `calla cuda-bench`.
 #[derive(Args)]
 pub struct CudaBenchArgs {
     /// MLX-layout quantized snapshot (e.g. `calla synth --bits 4`).
@@ -641,7 +641,6 @@ fn step_timeline(
     }))
 }
 
-/// `calla cuda-bench`.
 /// The prefill options shared by `cuda-bench` and `cuda-check`, set process-wide (for the
 /// prefillers and contexts created afterwards, the engine's accelerator included) and on `cx`.
 fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
@@ -658,6 +657,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_grouped3(!f.gemm_grouped2);
 }
 
+/// `calla cuda-bench`.
 pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.timeline {
         cuda::timeline::enable();

@@ -287,6 +287,7 @@ impl Prefiller {
     /// Sets [`CudaContext::set_gemm_fit_n`] on `cx` (which this prefiller was made with) and on
     /// the shared expert's stream: the same bits; for measurement (`calla cuda-bench
     /// --prefill-compare`).
+    #[doc(hidden)]
     pub fn set_gemm_fit_n(&self, cx: &CudaContext, on: bool) {
         cx.set_gemm_fit_n(on);
         self.side.cx.set_gemm_fit_n(on);

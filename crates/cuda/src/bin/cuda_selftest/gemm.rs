@@ -437,7 +437,7 @@ fn dense(s: &mut Suite) {
     let cases = [
         DenseCase { label: "gdn in_proj", n: GDN_PROJ, k: p::D_MODEL, bits: 4, epi: Epi::Store, ts: &TS },
         DenseCase { label: "attn q|k|v", n: ATTN_PROJ, k: p::D_MODEL, bits: 4, epi: Epi::Store, ts: &[64, 2048] },
-        DenseCase { label: "o_proj +resid", n: p::D_MODEL, k: ATTN_OUT, bits: 4, epi: Epi::Residual, ts: &TS },
+        DenseCase { label: "o_proj +resid", n: p::D_MODEL, k: ATTN_OUT, bits: 4, epi: Epi::Residual, ts: &[1, 7, 64, 300, 350, 2048] },
         DenseCase {
             label: "router|shared gate",
             n: p::N_EXPERTS + 1,
@@ -456,7 +456,7 @@ fn dense(s: &mut Suite) {
         },
         DenseCase { label: "shared down", n: p::D_MODEL, k: p::D_SHARED_EXPERT, bits: 4, epi: Epi::Store, ts: &TS },
         DenseCase { label: "gdn in_proj", n: GDN_PROJ, k: p::D_MODEL, bits: 8, epi: Epi::Store, ts: &[7, 300] },
-        DenseCase { label: "o_proj +resid", n: p::D_MODEL, k: ATTN_OUT, bits: 8, epi: Epi::Residual, ts: &[7, 300] },
+        DenseCase { label: "o_proj +resid", n: p::D_MODEL, k: ATTN_OUT, bits: 8, epi: Epi::Residual, ts: &[7, 300, 350] },
         DenseCase {
             label: "shared gate|up swiglu",
             n: 2 * p::D_SHARED_EXPERT,
@@ -574,9 +574,10 @@ fn dense(s: &mut Suite) {
             }
             cx.set_gemm_group_major(true);
             // MMAs fitted to each tile's tokens (CudaContext::set_gemm_fit_n, the default) against
-            // the full tile width: the same bits on every wgmma tile and main loop (T = 7 and 300
-            // leave partial last tiles of every width)
-            if t == 7 || t == 300 {
+            // the full tile width: the same bits on every wgmma tile and main loop (the last tiles
+            // of T = 7, 300 and 350 take widths 16 / 48 and 32 on the 64-wide tiles, 16 and 32 on
+            // the narrow one, 64 / 128 and 96 on the big one)
+            if t == 7 || t == 300 || t == 350 {
                 for v in ALL_VARIANTS.iter().filter(|v| v.engine != GemmEngine::MmaSync) {
                     let mut outs = Vec::new();
                     for fit in [true, false] {
@@ -588,7 +589,7 @@ fn dense(s: &mut Suite) {
                         outs.push(cx.download_f32(&yd).unwrap());
                     }
                     cx.set_gemm_fit_n(true);
-                    let c = match guards_and_finite(&outs[0], t * out_cols) {
+                    let c = match guards_and_finite(&outs[0], t * out_cols).and(guards_and_finite(&outs[1], t * out_cols)) {
                         Err(e) => failed(e),
                         Ok(()) => check_bits(&outs[0][GUARD..GUARD + t * out_cols], &outs[1][GUARD..GUARD + t * out_cols], "outputs"),
                     };
@@ -862,7 +863,7 @@ fn moe_case(
         ra_em.extend(refs[ji].1.iter().map(|&v| f64::from(v)));
     }
     let codes = if w.dgu.group_major_codes.is_some() || w.dgu.codes_group_major { " gm codes" } else { "" };
-    let label = format!("moe q{bits} T={t} {}{}{codes}", vname(force), sb_suffix(cx));
+    let label = format!("moe q{bits} T={t} {}{}{codes}{}", vname(force), sb_suffix(cx), if cx.gemm_fit_n() { "" } else { " full width" });
     let finite_act = act.iter().all(|&b| f32::from_bits(u32::from(b) << 16).is_finite());
     let c = if finite_act { check(&ga, &ra_ex, TOL_ACT_EXACT, String::new()) } else { failed("non-finite act".into()) };
     s.record(SEC, &format!("{label} act vs f32"), &c, "");
@@ -925,21 +926,12 @@ fn fit_equals_full(s: &mut Suite, label: &str, fitted: &MoeOut, full: &MoeOut) {
     s.record(SEC, &format!("{label}: fitted MMA width = full width, act and out bit for bit"), &c, "");
 }
 
-/// [`moe_case`] at the full tile width ([`CudaContext::set_gemm_fit_n`] off), then on again.
-#[allow(clippy::too_many_arguments)]
-fn moe_case_full_n(
-    s: &mut Suite,
-    w: &MoeWeights,
-    bits: u32,
-    t: usize,
-    force: Option<GemmVariant>,
-    scratch: &mut GemmScratch,
-    routing: &mut MoeRouting,
-    inp: &MoeInputs,
-) -> MoeOut {
-    s.cx.set_gemm_fit_n(false);
-    let r = moe_case(s, w, bits, t, force, scratch, routing, inp);
-    s.cx.set_gemm_fit_n(true);
+/// Runs `f` with the MMAs at the full tile width ([`CudaContext::set_gemm_fit_n`] off), then
+/// turns the fitted width on again.
+fn full_width<R>(cx: &CudaContext, f: impl FnOnce() -> R) -> R {
+    cx.set_gemm_fit_n(false);
+    let r = f();
+    cx.set_gemm_fit_n(true);
     r
 }
 
@@ -953,7 +945,7 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
         let fitted = moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
         if t >= 64 {
             // 64 / 300 / 2048 tokens: ~2 / ~9 / 64 entries per expert, tiles of every width
-            let full = moe_case_full_n(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+            let full = full_width(cx, || moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp));
             fit_equals_full(s, &format!("moe q4 T={t} auto"), &fitted, &full);
         }
         if t == 300 {
@@ -983,14 +975,14 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
             ALL_VARIANTS.iter().map(|&v| (v, moe_case(s, &w4c, 4, 300, Some(v), &mut scratch, &mut routing, &inp))).collect();
         lean_equals_plain(s, "moe q4 T=300 gm codes", &runs);
         for (v, fitted) in runs.iter().filter(|(v, _)| v.engine != GemmEngine::MmaSync) {
-            let full = moe_case_full_n(s, &w4c, 4, 300, Some(*v), &mut scratch, &mut routing, &inp);
+            let full = full_width(cx, || moe_case(s, &w4c, 4, 300, Some(*v), &mut scratch, &mut routing, &inp));
             fit_equals_full(s, &format!("moe q4 T=300 gm codes {}", vname(Some(*v))), fitted, &full);
         }
         // 2048 tokens (64 entries per expert on average): the tall tiles of every width
         let inp = moe_inputs(2048, 0x77 ^ 2048);
         for v in [ALL_VARIANTS[9], ALL_VARIANTS[8]] {
             let fitted = moe_case(s, &w4c, 4, 2048, Some(v), &mut scratch, &mut routing, &inp);
-            let full = moe_case_full_n(s, &w4c, 4, 2048, Some(v), &mut scratch, &mut routing, &inp);
+            let full = full_width(cx, || moe_case(s, &w4c, 4, 2048, Some(v), &mut scratch, &mut routing, &inp));
             fit_equals_full(s, &format!("moe q4 T=2048 gm codes {}", vname(Some(v))), &fitted, &full);
         }
     }
