@@ -749,16 +749,16 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                     (true, r, g, l, f, g3, pd, rf, sk, !fit),
                 ];
                 for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2, split, fitted)) in cases.into_iter().enumerate() {
-                    pf.set_gemm_fit_n(&cx, fitted);
-                    pf.set_gemm_splitk(&cx, split);
+                    pf.on_contexts(&cx, |c| c.set_gemm_fit_n(fitted));
+                    pf.on_contexts(&cx, |c| c.set_gemm_splitk(split));
                     cx.set_moe_route_fused(route2);
                     pf.eager_pdl = eager_pdl;
-                    pf.set_gemm_grouped3(&cx, three);
+                    pf.on_contexts(&cx, |c| c.set_gemm_grouped3(three));
                     pf.overlap_shared_expert = overlap;
                     pf.router_f32 = f32_router;
                     pf.fused_norm_acts = fused_acts;
-                    pf.set_group_major_copies(&cx, gm_copies);
-                    pf.set_gemm_lean(&cx, lean_loop);
+                    pf.on_contexts(&cx, |c| c.set_gemm_group_major(gm_copies));
+                    pf.on_contexts(&cx, |c| c.set_gemm_lean(lean_loop));
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
@@ -770,14 +770,14 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             }
             pf.overlap_shared_expert = true;
             pf.router_f32 = router_f32;
-            pf.set_group_major_copies(&cx, group_major);
-            pf.set_gemm_lean(&cx, lean);
+            pf.on_contexts(&cx, |c| c.set_gemm_group_major(group_major));
+            pf.on_contexts(&cx, |c| c.set_gemm_lean(lean));
             pf.fused_norm_acts = fused;
-            pf.set_gemm_grouped3(&cx, grouped3);
+            pf.on_contexts(&cx, |c| c.set_gemm_grouped3(grouped3));
             pf.eager_pdl = pdl;
             cx.set_moe_route_fused(route_fused);
-            pf.set_gemm_splitk(&cx, splitk);
-            pf.set_gemm_fit_n(&cx, fit_n);
+            pf.on_contexts(&cx, |c| c.set_gemm_splitk(splitk));
+            pf.on_contexts(&cx, |c| c.set_gemm_fit_n(fit_n));
             let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other, split_other, fit_other] = ms.each_mut().map(|v| median(v));
             let fit_name = if fit_n { "MMAs at the full tile width" } else { "MMAs fitted to the tiles' tokens" };
             let split_name = if splitk { "dense GEMMs never split over K" } else { "dense GEMMs split over K" };
@@ -1477,12 +1477,12 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         let mut logits = Vec::new();
         for on in [fused, !fused] {
             pf.fused_norm_acts = on;
-            pf.set_gemm_grouped3(&cx, if on == fused { three } else { !three });
+            pf.on_contexts(&cx, |c| c.set_gemm_grouped3(if on == fused { three } else { !three }));
             sess.start_batched(&cx, &gm, &mut pf, &prompt)?;
             logits.push(sess.logits(&cx)?);
         }
         pf.fused_norm_acts = fused;
-        pf.set_gemm_grouped3(&cx, three);
+        pf.on_contexts(&cx, |c| c.set_gemm_grouped3(three));
         let what = format!(
             "batched prompt {:>4}: logits with the fused norms and three-per-SM narrow GEMMs {} = without",
             prompt.len(),

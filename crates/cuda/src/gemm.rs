@@ -418,7 +418,7 @@ impl CudaContext {
     /// layout (`false`; a matrix whose codes are group-major in place,
     /// [`DeviceQMat::codes_group_major`], reads group-major either way). The same bits: for measuring
     /// both in one process (`cuda_selftest --only gemm`, `calla cuda-bench --prefill-compare`
-    /// through [`crate::prefill::Prefiller::set_group_major_copies`]). A
+    /// through [`crate::prefill::Prefiller::on_contexts`]). A
     /// [`CudaContext::sibling`] copies the setting when it is made and has its own afterwards.
     /// It applies to GEMMs launched afterwards; a graph captured earlier keeps what it captured
     /// (the decode step's graphs hold no GEMM of this file, so they are not captured again).

@@ -252,55 +252,15 @@ impl Prefiller {
         })
     }
 
-    /// Lets the prefill's GEMMs, on `cx` and on the shared expert's stream, read the
-    /// group-major codes, scales and biases where a matrix has copies of them (`true`, the
-    /// default: the dense projections) or the MLX layout (`false`): the same bits; for
-    /// measurement (`calla cuda-bench --prefill-compare`). The experts' prefill copies hold
-    /// their codes group-major in place and read that layout either way. `cx` must be the
-    /// context the prefill runs on.
+    /// Applies a context setting `f` to `cx` (the context this prefiller runs on) and to the
+    /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
+    /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of
+    /// [`CudaContext`] (`set_gemm_group_major`, `set_gemm_lean`, `set_gemm_grouped3`,
+    /// `set_gemm_fit_n`, `set_gemm_splitk`; `calla cuda-bench --prefill-compare`).
     #[doc(hidden)]
-    pub fn set_group_major_copies(&self, cx: &CudaContext, on: bool) {
-        cx.set_gemm_group_major(on);
-        self.side.cx.set_gemm_group_major(on);
-    }
-
-    /// Lets the prefill's GEMMs, on `cx` and on the shared expert's stream, take the lean
-    /// main loop where the automatic choice has one (`CudaContext::set_gemm_lean`): the
-    /// same bits; for measurement (`calla cuda-bench --prefill-compare`). `cx` must be the
-    /// context the prefill runs on.
-    #[doc(hidden)]
-    pub fn set_gemm_lean(&self, cx: &CudaContext, on: bool) {
-        cx.set_gemm_lean(on);
-        self.side.cx.set_gemm_lean(on);
-    }
-
-    /// Lets the grouped expert GEMMs, on `cx` and on the shared expert's stream, take the
-    /// three-blocks-per-SM entry points (`CudaContext::set_gemm_grouped3`): the same bits; for
-    /// measurement (`calla cuda-bench --prefill-compare`). `cx` must be the context the prefill
-    /// runs on.
-    #[doc(hidden)]
-    pub fn set_gemm_grouped3(&self, cx: &CudaContext, on: bool) {
-        cx.set_gemm_grouped3(on);
-        self.side.cx.set_gemm_grouped3(on);
-    }
-
-    /// Sets [`CudaContext::set_gemm_fit_n`] on `cx` (which this prefiller was made with) and on
-    /// the shared expert's stream: the same bits; for measurement (`calla cuda-bench
-    /// --prefill-compare`).
-    #[doc(hidden)]
-    pub fn set_gemm_fit_n(&self, cx: &CudaContext, on: bool) {
-        cx.set_gemm_fit_n(on);
-        self.side.cx.set_gemm_fit_n(on);
-    }
-
-    /// Lets the prefill's dense GEMMs, on `cx` and on the shared expert's stream, split a
-    /// product over K when its grid would leave SMs idle (`CudaContext::set_gemm_splitk`,
-    /// default on): other bits, the same rounding class; for measurement (`calla cuda-bench
-    /// --prefill-compare`, `--gemm-no-splitk`). `cx` must be the context the prefill runs on.
-    #[doc(hidden)]
-    pub fn set_gemm_splitk(&self, cx: &CudaContext, on: bool) {
-        cx.set_gemm_splitk(on);
-        self.side.cx.set_gemm_splitk(on);
+    pub fn on_contexts(&self, cx: &CudaContext, f: impl Fn(&CudaContext)) {
+        f(cx);
+        f(&self.side.cx);
     }
 
     /// Largest chunk in tokens.
