@@ -133,6 +133,10 @@ pub struct PrefillFlags {
     /// width that covers its tokens (the same bits; `CudaContext::set_gemm_fit_n`).
     #[arg(long)]
     gemm_full_n: bool,
+    /// The grouped MoE down GEMM stores each routed entry's row as f32 for the combine instead
+    /// of bf16 (other bits: one rounding fewer; `CudaContext::set_moe_slot_bf16`).
+    #[arg(long)]
+    moe_slot_f32: bool,
 }
 
 /// Arguments of `calla cuda-bench`.
@@ -655,7 +659,92 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cuda::prefill::set_default_fused_norm_acts(!f.prefill_norm_acts_apart);
     cuda::gemm::set_default_gemm_grouped3(!f.gemm_grouped2);
     cx.set_gemm_grouped3(!f.gemm_grouped2);
+    cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
+    cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
+
+/// The prefill settings `cuda-bench --prefill-compare` flips, one per case.
+#[derive(Clone, Copy)]
+struct PrefillKnobs {
+    overlap_shared_expert: bool,
+    router_f32: bool,
+    group_major: bool,
+    lean: bool,
+    fused_acts: bool,
+    grouped3: bool,
+    eager_pdl: bool,
+    route_fused: bool,
+    splitk: bool,
+    fit_n: bool,
+    slot_bf16: bool,
+}
+
+impl PrefillKnobs {
+    /// The settings as `pf` and its contexts hold them now.
+    fn read(cx: &CudaContext, pf: &Prefiller) -> Self {
+        PrefillKnobs {
+            overlap_shared_expert: pf.overlap_shared_expert,
+            router_f32: pf.router_f32,
+            group_major: cx.gemm_group_major(),
+            lean: cx.gemm_lean(),
+            fused_acts: pf.fused_norm_acts,
+            grouped3: cx.gemm_grouped3(),
+            eager_pdl: pf.eager_pdl,
+            route_fused: cx.moe_route_fused(),
+            splitk: cx.gemm_splitk(),
+            fit_n: cx.gemm_fit_n(),
+            slot_bf16: cx.moe_slot_bf16(),
+        }
+    }
+
+    /// Sets `pf` and both of its streams' contexts to these settings.
+    fn apply(&self, cx: &CudaContext, pf: &mut Prefiller) {
+        pf.overlap_shared_expert = self.overlap_shared_expert;
+        pf.router_f32 = self.router_f32;
+        pf.fused_norm_acts = self.fused_acts;
+        pf.eager_pdl = self.eager_pdl;
+        cx.set_moe_route_fused(self.route_fused);
+        pf.on_contexts(cx, |c| {
+            c.set_gemm_group_major(self.group_major);
+            c.set_gemm_lean(self.lean);
+            c.set_gemm_grouped3(self.grouped3);
+            c.set_gemm_splitk(self.splitk);
+            c.set_gemm_fit_n(self.fit_n);
+            c.set_moe_slot_bf16(self.slot_bf16);
+        });
+    }
+
+    /// These settings with one flipped.
+    fn flipped(mut self, knob: fn(&mut PrefillKnobs) -> &mut bool) -> Self {
+        let v = knob(&mut self);
+        *v = !*v;
+        self
+    }
+}
+
+/// One `--prefill-compare` case: the setting it flips, and what the flipped run is called
+/// (printed, and its JSON key) when the setting was on / off as configured.
+struct PrefillCase {
+    knob: fn(&mut PrefillKnobs) -> &mut bool,
+    off_name: &'static str,
+    off_key: &'static str,
+    on_name: &'static str,
+    on_key: &'static str,
+}
+
+const PREFILL_CASES: [PrefillCase; 11] = [
+    PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
+    PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
+    PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
+    PrefillCase { knob: |k| &mut k.lean, off_name: "GEMMs on the plain loop", off_key: "gemm_plain_ms", on_name: "GEMMs on the lean loop", on_key: "gemm_lean_ms" },
+    PrefillCase { knob: |k| &mut k.fused_acts, off_name: "norms and GEMM conversions apart", off_key: "norm_acts_apart_ms", on_name: "norms writing the GEMMs' activations", on_key: "norm_acts_fused_ms" },
+    PrefillCase { knob: |k| &mut k.grouped3, off_name: "grouped GEMMs at two blocks per SM", off_key: "grouped_two_per_sm_ms", on_name: "grouped GEMMs at three blocks per SM", on_key: "grouped_three_per_sm_ms" },
+    PrefillCase { knob: |k| &mut k.eager_pdl, off_name: "launches without PDL", off_key: "no_pdl_ms", on_name: "launches with PDL", on_key: "pdl_ms" },
+    PrefillCase { knob: |k| &mut k.route_fused, off_name: "routing in four launches", off_key: "routing_four_launches_ms", on_name: "routing in two launches", on_key: "routing_two_launches_ms" },
+    PrefillCase { knob: |k| &mut k.splitk, off_name: "dense GEMMs never split over K", off_key: "no_splitk_ms", on_name: "dense GEMMs split over K", on_key: "splitk_ms" },
+    PrefillCase { knob: |k| &mut k.fit_n, off_name: "MMAs at the full tile width", off_key: "full_n_ms", on_name: "MMAs fitted to the tiles' tokens", on_key: "fit_n_ms" },
+    PrefillCase { knob: |k| &mut k.slot_bf16, off_name: "MoE down rows in f32", off_key: "slot_f32_ms", on_name: "MoE down rows in bf16", on_key: "slot_bf16_ms" },
+];
 
 /// `calla cuda-bench`.
 pub fn bench(a: CudaBenchArgs) -> Result<()> {
@@ -714,103 +803,36 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     }
     let mut prefill_compare = Vec::new();
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
+        let base = PrefillKnobs::read(&cx, pf);
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
-            let mut ms: [Vec<f64>; 11] = Default::default();
-            let pdl = pf.eager_pdl;
-            let route_fused = cx.moe_route_fused();
-            let splitk = cx.gemm_splitk();
-            let fit_n = cx.gemm_fit_n();
-            let router_f32 = pf.router_f32;
-            let fused = pf.fused_norm_acts;
-            let grouped3 = cx.gemm_grouped3();
-            let group_major = cx.gemm_group_major();
-            let lean = cx.gemm_lean();
+            // as configured, then each case with its one setting flipped; rounds interleaved,
+            // round 0 warms up, medians of the other five
+            let mut ms: Vec<Vec<f64>> = vec![Vec::new(); PREFILL_CASES.len() + 1];
             for round in 0..6 {
-                // as configured; the shared expert on the main stream; the other router; the
-                // dense projections' GEMMs on the other layout (their group-major copies used
-                // or not); the GEMMs on the other main loop; the norms writing the GEMMs'
-                // activations or not; the grouped expert GEMMs at three blocks per SM or not;
-                // the kernels launched with programmatic dependent launch or not; the routing as
-                // two launches or four; the dense GEMMs split over K for short prompts or not;
-                // the MMAs fitted to each tile's tokens or at the full tile width
-                let (r, g, l, f, g3, pd, rf, sk, fit) = (router_f32, group_major, lean, fused, grouped3, pdl, route_fused, splitk, fit_n);
-                let cases = [
-                    (true, r, g, l, f, g3, pd, rf, sk, fit),
-                    (false, r, g, l, f, g3, pd, rf, sk, fit),
-                    (true, !r, g, l, f, g3, pd, rf, sk, fit),
-                    (true, r, !g, l, f, g3, pd, rf, sk, fit),
-                    (true, r, g, !l, f, g3, pd, rf, sk, fit),
-                    (true, r, g, l, !f, g3, pd, rf, sk, fit),
-                    (true, r, g, l, f, !g3, pd, rf, sk, fit),
-                    (true, r, g, l, f, g3, !pd, rf, sk, fit),
-                    (true, r, g, l, f, g3, pd, !rf, sk, fit),
-                    (true, r, g, l, f, g3, pd, rf, !sk, fit),
-                    (true, r, g, l, f, g3, pd, rf, sk, !fit),
-                ];
-                for (j, (overlap, f32_router, gm_copies, lean_loop, fused_acts, three, eager_pdl, route2, split, fitted)) in cases.into_iter().enumerate() {
-                    pf.on_contexts(&cx, |c| c.set_gemm_fit_n(fitted));
-                    pf.on_contexts(&cx, |c| c.set_gemm_splitk(split));
-                    cx.set_moe_route_fused(route2);
-                    pf.eager_pdl = eager_pdl;
-                    pf.on_contexts(&cx, |c| c.set_gemm_grouped3(three));
-                    pf.overlap_shared_expert = overlap;
-                    pf.router_f32 = f32_router;
-                    pf.fused_norm_acts = fused_acts;
-                    pf.on_contexts(&cx, |c| c.set_gemm_group_major(gm_copies));
-                    pf.on_contexts(&cx, |c| c.set_gemm_lean(lean_loop));
+                for (j, knobs) in std::iter::once(base).chain(PREFILL_CASES.iter().map(|c| base.flipped(c.knob))).enumerate() {
+                    knobs.apply(&cx, pf);
                     cx.synchronize()?;
                     let t = Instant::now();
                     sess.start_batched(&cx, &gm, pf, &prompt)?;
                     cx.synchronize()?;
                     if round > 0 {
-                        ms[j].push(t.elapsed().as_secs_f64() * 1e3); // round 0 warms up
+                        ms[j].push(t.elapsed().as_secs_f64() * 1e3);
                     }
                 }
             }
-            pf.overlap_shared_expert = true;
-            pf.router_f32 = router_f32;
-            pf.on_contexts(&cx, |c| c.set_gemm_group_major(group_major));
-            pf.on_contexts(&cx, |c| c.set_gemm_lean(lean));
-            pf.fused_norm_acts = fused;
-            pf.on_contexts(&cx, |c| c.set_gemm_grouped3(grouped3));
-            pf.eager_pdl = pdl;
-            cx.set_moe_route_fused(route_fused);
-            pf.on_contexts(&cx, |c| c.set_gemm_splitk(splitk));
-            pf.on_contexts(&cx, |c| c.set_gemm_fit_n(fit_n));
-            let [on, off, other, layout, main_loop, acts, g3, pdl_other, route_other, split_other, fit_other] = ms.each_mut().map(|v| median(v));
-            let fit_name = if fit_n { "MMAs at the full tile width" } else { "MMAs fitted to the tiles' tokens" };
-            let split_name = if splitk { "dense GEMMs never split over K" } else { "dense GEMMs split over K" };
-            let pdl_name = if pdl { "launches without PDL" } else { "launches with PDL" };
-            let route_name = if route_fused { "routing in four launches" } else { "routing in two launches" };
-            let g3_name = if grouped3 { "grouped GEMMs at two blocks per SM" } else { "grouped GEMMs at three blocks per SM" };
-            let acts_name = if fused { "norms and GEMM conversions apart" } else { "norms writing the GEMMs' activations" };
-            let loop_name = if lean { "GEMMs on the plain loop" } else { "GEMMs on the lean loop" };
-            let other_name = if router_f32 { "integer-product router" } else { "f32-chain router" };
-            let layout_name = if group_major { "dense GEMMs on the MLX layout" } else { "dense GEMMs group-major" };
-            eprintln!(
-                "prefill compare {n:>6}: as configured {on:>8.2} ms; shared expert on the main stream {off:>8.2} ms ({:+.1}%); {other_name} {other:>8.2} ms ({:+.1}%); {layout_name} {layout:>8.2} ms ({:+.1}%); {loop_name} {main_loop:>8.2} ms ({:+.1}%); {acts_name} {acts:>8.2} ms ({:+.1}%); {g3_name} {g3:>8.2} ms ({:+.1}%); {pdl_name} {pdl_other:>8.2} ms ({:+.1}%); {route_name} {route_other:>8.2} ms ({:+.1}%); {split_name} {split_other:>8.2} ms ({:+.1}%); {fit_name} {fit_other:>8.2} ms ({:+.1}%)",
-                100.0 * (off / on - 1.0),
-                100.0 * (other / on - 1.0),
-                100.0 * (layout / on - 1.0),
-                100.0 * (main_loop / on - 1.0),
-                100.0 * (acts / on - 1.0),
-                100.0 * (g3 / on - 1.0),
-                100.0 * (pdl_other / on - 1.0),
-                100.0 * (route_other / on - 1.0),
-                100.0 * (split_other / on - 1.0),
-                100.0 * (fit_other / on - 1.0)
-            );
-            let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on, "serial_ms": off});
-            row[if router_f32 { "router_digits_ms" } else { "router_f32_ms" }] = serde_json::json!(other);
-            row[if group_major { "dense_mlx_layout_ms" } else { "dense_group_major_ms" }] = serde_json::json!(layout);
-            row[if lean { "gemm_plain_ms" } else { "gemm_lean_ms" }] = serde_json::json!(main_loop);
-            row[if fused { "norm_acts_apart_ms" } else { "norm_acts_fused_ms" }] = serde_json::json!(acts);
-            row[if grouped3 { "grouped_two_per_sm_ms" } else { "grouped_three_per_sm_ms" }] = serde_json::json!(g3);
-            row[if pdl { "no_pdl_ms" } else { "pdl_ms" }] = serde_json::json!(pdl_other);
-            row[if route_fused { "routing_four_launches_ms" } else { "routing_two_launches_ms" }] = serde_json::json!(route_other);
-            row[if splitk { "no_splitk_ms" } else { "splitk_ms" }] = serde_json::json!(split_other);
-            row[if fit_n { "full_n_ms" } else { "fit_n_ms" }] = serde_json::json!(fit_other);
+            base.apply(&cx, pf);
+            let times: Vec<f64> = ms.iter_mut().map(|v| median(v)).collect();
+            let on = times[0];
+            let mut line = format!("prefill compare {n:>6}: as configured {on:>8.2} ms");
+            let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on});
+            for (c, &t) in PREFILL_CASES.iter().zip(&times[1..]) {
+                let was = *(c.knob)(&mut base.clone());
+                let (name, key) = if was { (c.off_name, c.off_key) } else { (c.on_name, c.on_key) };
+                line.push_str(&format!("; {name} {t:>8.2} ms ({:+.1}%)", 100.0 * (t / on - 1.0)));
+                row[key] = serde_json::json!(t);
+            }
+            eprintln!("{line}");
             prefill_compare.push(row);
         }
     }

@@ -60,6 +60,9 @@
 //   2 MoE gate/up    act[entry, j] (bf16, permuted layout) = silu(G_e x) * (U_e x) for the
 //                    entries (token*k + slot) routed to expert e; W rows e*n_rows ..
 //   3 MoE down       y[entry, n] = D_e act[entry]                     W rows e*n_rows ..
+//   5 MoE down, bf16 the same rows rounded to bf16 (y holds u16), staged in shared memory and
+//                    written with 16-byte stores: half the bytes of mode 3 for the combine to
+//                    read back (the prefill's default; mode 3 is its measured twin)
 // In the SwiGLU modes a warp's 16-row slice holds gate rows j..j+7 (rows 0-7) and the matching
 // up rows (rows 8-15), so both values of an output meet in the same thread (c0/c2 registers).
 // In the MoE modes blockIdx.y indexes the tiles of BN entries of all experts
@@ -80,7 +83,7 @@ constexpr int KTILE = CALLA_QUANT_GROUP;
 constexpr int THREADS = 256;
 
 // MODE_BENCH: dense mapping, nothing stored (benchmarks of the main loop alone).
-enum { MODE_DENSE = 0, MODE_SWIGLU = 1, MODE_MOE_GATE_UP = 2, MODE_MOE_DOWN = 3, MODE_BENCH = 4 };
+enum { MODE_DENSE = 0, MODE_SWIGLU = 1, MODE_MOE_GATE_UP = 2, MODE_MOE_DOWN = 3, MODE_BENCH = 4, MODE_MOE_DOWN_B16 = 5 };
 // Flag ORed into the mode: the wgmma loop multiplies the tile's full BN token columns even when
 // fewer tokens (routed entries) fill the block's tile (the measured twin of the fitted width).
 constexpr int MODE_FULL_N = 16;
@@ -128,6 +131,12 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
     return d;
 }
 // Two f32 to one bf16x2 (round to nearest even): lo in bits 0-15, hi in bits 16-31.
+// One f32 to bf16 (round to nearest even; NaN stays NaN).
+__device__ __forceinline__ u16 to_bf16(float x) {
+    u16 d;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(x));
+    return d;
+}
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
@@ -296,6 +305,8 @@ struct Cfg {
     static constexpr int SPT = BM * 2 / THREADS;        // 4-byte scale/bias copies per thread
     static_assert(XPT >= 1 && WPT >= 1 && SPT >= 1, "tile too small for the block");
     static_assert(BN * (BM / 2) * 2 <= STAGES * STAGE, "MoE epilogue staging must fit the ring");
+    static constexpr int DSP = BM + 8;  // bf16 down staging: row stride (16 bytes of padding)
+    static_assert(BN * DSP * 2 <= STAGES * STAGE, "MoE down staging must fit the ring");
 };
 
 template <int BITS, int MS, int BN, bool WG, bool LEAN>
@@ -317,7 +328,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     mode &= ~MODE_FULL_N;
 
     // ---- work item: which W rows, which tokens (or routed entries)
-    const bool moe = mode == MODE_MOE_GATE_UP || mode == MODE_MOE_DOWN;
+    const bool moe = mode == MODE_MOE_GATE_UP || mode == MODE_MOE_DOWN || mode == MODE_MOE_DOWN_B16;
     int expert = 0, tok0, cnt;
     if (moe) {
         const int tile = blockIdx.y;
@@ -742,15 +753,25 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         if (sum == 1234.5f) y[0] = sum;
         return;
     }
-    // dense / MoE down
+    // dense / MoE down. MoE down in bf16 (mode 5): the [BN entries][BM rows] tile is staged in
+    // shared memory (rows padded to DSP: the four entries of one store land 32 bytes apart in
+    // the banks), then written with 16-byte stores; every output row exists (n_rows is a
+    // multiple of BM for the experts' down matrices).
+    const bool b16 = mode == MODE_MOE_DOWN_B16;
+    u16* stg = reinterpret_cast<u16*>(sptr);
 #pragma unroll
     for (int m = 0; m < MS; ++m)
 #pragma unroll
         for (int j = 0; j < C::NJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int n = blockIdx.x * C::BM + rbase + m * 64 + (e >> 1) * 8;
-                const int orow = s_orow[8 * j + 2 * c + (e & 1)];
+                const int nl = rbase + m * 64 + (e >> 1) * 8, tl = 8 * j + 2 * c + (e & 1);
+                if (b16) {
+                    stg[tl * C::DSP + nl] = to_bf16(acc[m][4 * j + e]);
+                    continue;
+                }
+                const int n = blockIdx.x * C::BM + nl;
+                const int orow = s_orow[tl];
                 if (n < n_rows && orow >= 0) {
                     const size_t o = (size_t)orow * ldy + n;
                     float v = acc[m][4 * j + e];
@@ -758,6 +779,15 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                     y[o] = v;
                 }
             }
+    if (!b16) return;
+    __syncthreads();
+    u16* yb = reinterpret_cast<u16*>(y) + (size_t)blockIdx.x * C::BM;
+    for (int idx = tid; idx < BN * (C::BM / 8); idx += THREADS) {
+        const int tok = idx / (C::BM / 8), ch = idx % (C::BM / 8);
+        const int orow = s_orow[tok];
+        if (orow >= 0)
+            *reinterpret_cast<uint4*>(yb + (size_t)orow * ldy + ch * 8) = *reinterpret_cast<const uint4*>(stg + tok * C::DSP + ch * 8);
+    }
 }
 
 }  // namespace calla_qgemm
@@ -1077,11 +1107,54 @@ extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __r
     moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, count_into);
 }
 
+// The placement of one chunk's entries by one warp (pos: the warp's NE ints of shared memory).
+// ids and base are read through L2 (__ldcg): in qgemm_moe_route_hist other blocks of the same
+// grid wrote the ids, and an earlier layer's routing may sit in this SM's L1.
+__device__ __forceinline__ void moe_place_chunk(const int* ids, int n_entries, int n_chunks, const int* base,
+                                                int* __restrict__ sorted, int chunk, int lane, int* pos) {
+    constexpr int NE = CALLA_N_EXPERTS;
+    // every load of the warp issued before the first is used: the chunk's base column and its
+    // 256 entries' experts (8 rounds of 32)
+    constexpr int ROUNDS = SORT_CHUNK / 32;
+    int b[NE / 32];
+#pragma unroll
+    for (int j = 0; j < NE / 32; ++j) b[j] = __ldcg(base + (lane + 32 * j) * n_chunks + chunk);
+    const int end = min((chunk + 1) * SORT_CHUNK, n_entries);
+    int ex[ROUNDS];
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int i = chunk * SORT_CHUNK + 32 * r + lane;
+        ex[r] = i < end ? __ldcg(ids + i) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < NE / 32; ++j) pos[lane + 32 * j] = b[j];
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int i = chunk * SORT_CHUNK + 32 * r + lane;
+        const int e = ex[r];
+        const unsigned m = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) sorted[pos[e] + __popc(m & ((1u << lane) - 1u))] = i;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(m) - 1) pos[e] += __popc(m);
+        __syncwarp();
+    }
+}
+
+// Warps of qgemm_moe_route_hist's last block that place the entries (a chunk each, in turn):
+// the host asks for that only up to MOE_PLACE_IN_SCAN_MAX_CHUNKS (src/gemm.rs) = this many
+// chunks. Measured (H200): one SM placing 16 chunks or more takes longer than a
+// qgemm_moe_place launch spread over the SMs (its scattered stores queue behind one SM).
+constexpr int PLACE_WARPS = 4;
+
 // qgemm_moe_route + qgemm_moe_hist + qgemm_moe_scan in one launch: block c (1024 threads) routes
 // the 32 tokens of entry chunk c (warp w: token 32c + w), counts the chunk's entries per expert
 // in shared memory and writes its hist column; the block that finishes last (an arrival counter,
-// `done`, back to 0 when it leaves) runs the scan. The same outputs as the three kernels: the
-// routing is the same code, a chunk's counts are counts, the scan the same function.
+// `done`, back to 0 when it leaves) runs the scan, and with `sorted` non-null the placement of
+// every chunk too (warp w < PLACE_WARPS: chunks w, w + PLACE_WARPS, ...; the host asks for it
+// for few chunks, where a qgemm_moe_place launch costs more than the last block's pass). The same outputs as the
+// separate kernels: the routing is the same code, a chunk's counts are counts, the scan and the
+// placement the same functions.
 // Grid: n_chunks = ceil(t · TOP_K / SORT_CHUNK) blocks.
 static_assert(SORT_CHUNK == 32 * CALLA_TOP_K, "one token per warp of a 1024-thread block");
 extern "C" __global__ void __launch_bounds__(1024)
@@ -1089,12 +1162,13 @@ extern "C" __global__ void __launch_bounds__(1024)
                          float* __restrict__ shared_w, int n_chunks, int* hist, int* __restrict__ base,
                          int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tiles64,
                          int* __restrict__ tiles128, int* __restrict__ tiles32, int* __restrict__ count_into,
-                         unsigned* __restrict__ done) {
+                         unsigned* __restrict__ done, int* __restrict__ sorted) {
     constexpr int NE = CALLA_N_EXPERTS, TK = CALLA_TOP_K;
     static_assert(NE <= 1024, "one thread per expert");
     __shared__ int cnt[NE];
     __shared__ int s_ids[SORT_CHUNK];
     __shared__ bool s_last;
+    __shared__ int s_pos[PLACE_WARPS][NE];  // the last block's placement, a row per placing warp
     calla_pdl_wait();
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int chunk = blockIdx.x, tok = chunk * 32 + warp;
@@ -1115,6 +1189,10 @@ extern "C" __global__ void __launch_bounds__(1024)
     __threadfence();
     moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, count_into);
     if (tid == 0) *done = 0u;
+    if (sorted == nullptr) return;
+    __syncthreads();  // this block's base stores are visible to the whole block
+    if (warp < PLACE_WARPS)
+        for (int c = warp; c < n_chunks; c += PLACE_WARPS) moe_place_chunk(ids, t * TK, n_chunks, base, sorted, c, lane, s_pos[warp]);
 }
 
 extern "C" __global__ void __launch_bounds__(256) qgemm_moe_place(const int* __restrict__ ids, int n_entries,
@@ -1126,39 +1204,16 @@ extern "C" __global__ void __launch_bounds__(256) qgemm_moe_place(const int* __r
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunk = blockIdx.x * 8 + warp;
     if (chunk >= n_chunks) return;  // whole warps
-    // every load of the warp issued before the first is used: the chunk's base column and its
-    // 256 entries' experts (8 rounds of 32)
-    constexpr int ROUNDS = SORT_CHUNK / 32;
-    int b[NE / 32];
-#pragma unroll
-    for (int j = 0; j < NE / 32; ++j) b[j] = base[(lane + 32 * j) * n_chunks + chunk];
-    const int end = min((chunk + 1) * SORT_CHUNK, n_entries);
-    int ex[ROUNDS];
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-        const int i = chunk * SORT_CHUNK + 32 * r + lane;
-        ex[r] = i < end ? ids[i] : -1;
-    }
-#pragma unroll
-    for (int j = 0; j < NE / 32; ++j) pos[warp][lane + 32 * j] = b[j];
-    __syncwarp();
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-        const int i = chunk * SORT_CHUNK + 32 * r + lane;
-        const int e = ex[r];
-        const unsigned m = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) sorted[pos[warp][e] + __popc(m & ((1u << lane) - 1u))] = i;
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(m) - 1) pos[warp][e] += __popc(m);
-        __syncwarp();
-    }
+    moe_place_chunk(ids, n_entries, n_chunks, base, sorted, chunk, lane, pos[warp]);
 }
 
 // out[tok] = resid[tok] + (sum_slot w[tok, slot] * slot_out[tok*k + slot] + shared_w[tok] * shared[tok])
-// over D_MODEL columns; one block per token. out may alias resid.
-extern "C" __global__ void qgemm_moe_combine(float* out, const float* resid, const float* __restrict__ slot_out,
-                                       const float* __restrict__ wts, const float* __restrict__ shared,
-                                       const float* __restrict__ shared_w, int t) {
+// over D_MODEL columns; one block per token. out may alias resid. slot_out f32 (mode 3) or bf16
+// (mode 5: qgemm_moe_combine_b16).
+template <typename Slot>
+__device__ __forceinline__ void moe_combine_body(float* out, const float* resid, const Slot* __restrict__ slot_out,
+                                                 const float* __restrict__ wts, const float* __restrict__ shared,
+                                                 const float* __restrict__ shared_w, int t) {
     constexpr int D = CALLA_D_MODEL, TK = CALLA_TOP_K;
     calla_pdl_wait();
     const int tok = blockIdx.x;
@@ -1173,4 +1228,15 @@ extern "C" __global__ void qgemm_moe_combine(float* out, const float* resid, con
         reinterpret_cast<float4*>(out + (size_t)tok * D)[d4] =
             calla_moe_combine4<TK>(slot_out + (size_t)tok * TK * D, D, d4, w, sw, sh, r);
     }
+}
+extern "C" __global__ void qgemm_moe_combine(float* out, const float* resid, const float* __restrict__ slot_out,
+                                             const float* __restrict__ wts, const float* __restrict__ shared,
+                                             const float* __restrict__ shared_w, int t) {
+    moe_combine_body(out, resid, slot_out, wts, shared, shared_w, t);
+}
+extern "C" __global__ void qgemm_moe_combine_b16(float* out, const float* resid,
+                                                 const unsigned short* __restrict__ slot_out,
+                                                 const float* __restrict__ wts, const float* __restrict__ shared,
+                                                 const float* __restrict__ shared_w, int t) {
+    moe_combine_body(out, resid, slot_out, wts, shared, shared_w, t);
 }

@@ -139,17 +139,27 @@ __device__ __forceinline__ unsigned short calla_f32_to_bf16(float f) {
     return (unsigned short)(u >> 16);
 }
 
+// Four consecutive values (index d4 of a row) of a slot row, as floats: f32 rows or bf16 rows.
+__device__ __forceinline__ float4 calla_slot4(const float* __restrict__ row, int d4) {
+    return reinterpret_cast<const float4*>(row)[d4];
+}
+__device__ __forceinline__ float4 calla_slot4(const unsigned short* __restrict__ row, int d4) {
+    const uint2 v = reinterpret_cast<const uint2*>(row)[d4];
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
+}
+
 // One float4 (index d4 of the row) of the prefill's MoE combine for one token:
 // resid + (Σ_slot w[slot]·slot_row[slot] + sw·shared), slots in order (fmaf chain); slot rows of
-// `stride` floats from `slot_rows`. Shared by gemm.cu's qgemm_moe_combine and rms_norm.cu's
-// moe_combine_norm_acts, which must agree bit for bit.
-template <int TK>
-__device__ __forceinline__ float4 calla_moe_combine4(const float* __restrict__ slot_rows, size_t stride, int d4,
+// `stride` values (f32, or bf16 from the down GEMM's mode 5) from `slot_rows`. Shared by gemm.cu's
+// qgemm_moe_combine* and rms_norm.cu's moe_combine_norm_acts*, which must agree bit for bit.
+template <int TK, typename Slot>
+__device__ __forceinline__ float4 calla_moe_combine4(const Slot* __restrict__ slot_rows, size_t stride, int d4,
                                                      const float (&w)[TK], float sw, float4 sh, float4 r) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int s = 0; s < TK; ++s) {
-        const float4 v = reinterpret_cast<const float4*>(slot_rows + s * stride)[d4];
+        const float4 v = calla_slot4(slot_rows + s * stride, d4);
         acc.x = fmaf(w[s], v.x, acc.x);
         acc.y = fmaf(w[s], v.y, acc.y);
         acc.z = fmaf(w[s], v.z, acc.z);

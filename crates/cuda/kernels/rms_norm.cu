@@ -88,11 +88,12 @@ rms_norm_acts_d_model(float* __restrict__ y, unsigned* __restrict__ xb, const fl
 // stored as f32 (the residual stream; out may alias resid), then rms_norm_acts_d_model of out
 // with norm_w into xb (bf16 GEMM activations, nothing else): bit for bit the combine followed
 // by that norm.
-extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
-moe_combine_norm_acts(float* out, const float* resid, const float* __restrict__ slot_out,
-                      const float* __restrict__ wts, const float* __restrict__ shared,
-                      const float* __restrict__ shared_w, const float* __restrict__ norm_w,
-                      unsigned* __restrict__ xb, float eps, int t) {
+template <typename Slot>
+__device__ __forceinline__ void moe_combine_norm_acts_body(float* out, const float* resid, const Slot* __restrict__ slot_out,
+                                                           const float* __restrict__ wts, const float* __restrict__ shared,
+                                                           const float* __restrict__ shared_w,
+                                                           const float* __restrict__ norm_w, unsigned* __restrict__ xb,
+                                                           float eps, int t) {
     constexpr int D = CALLA_D_MODEL, TK = CALLA_TOP_K;
     const int tok = blockIdx.x, th = threadIdx.x;
     const float4* nw = reinterpret_cast<const float4*>(norm_w) + 2 * th;
@@ -116,4 +117,19 @@ moe_combine_norm_acts(float* out, const float* resid, const float* __restrict__ 
     orow[0] = o[0];
     orow[1] = o[1];
     calla_norm::rms_norm_tail<D>(nullptr, o[0], o[1], wa, wb, eps, xb);
+}
+extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
+moe_combine_norm_acts(float* out, const float* resid, const float* __restrict__ slot_out,
+                      const float* __restrict__ wts, const float* __restrict__ shared,
+                      const float* __restrict__ shared_w, const float* __restrict__ norm_w,
+                      unsigned* __restrict__ xb, float eps, int t) {
+    moe_combine_norm_acts_body(out, resid, slot_out, wts, shared, shared_w, norm_w, xb, eps, t);
+}
+// The same over bf16 slot rows (the down GEMM's mode 5, the prefill's default).
+extern "C" __global__ void __launch_bounds__(CALLA_D_MODEL / 8)
+moe_combine_norm_acts_b16(float* out, const float* resid, const unsigned short* __restrict__ slot_out,
+                          const float* __restrict__ wts, const float* __restrict__ shared,
+                          const float* __restrict__ shared_w, const float* __restrict__ norm_w,
+                          unsigned* __restrict__ xb, float eps, int t) {
+    moe_combine_norm_acts_body(out, resid, slot_out, wts, shared, shared_w, norm_w, xb, eps, t);
 }

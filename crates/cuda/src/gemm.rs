@@ -93,10 +93,31 @@ pub fn set_default_fit_n(on: bool) {
     FIT_N_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+static MOE_SLOT_BF16_DEFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_moe_slot_bf16`] on (on unless
+/// [`set_default_moe_slot_bf16`] said otherwise).
+pub fn default_moe_slot_bf16() -> bool {
+    MOE_SLOT_BF16_DEFAULT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`default_moe_slot_bf16`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --moe-slot-f32`).
+pub fn set_default_moe_slot_bf16(on: bool) {
+    MOE_SLOT_BF16_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a new [`CudaContext`] runs [`CudaContext::moe_route`] as two launches (routing,
 /// counts and scan fused in `qgemm_moe_route_hist`, then the placement) instead of four
 /// ([`CudaContext::set_moe_route_fused`]).
 pub const MOE_ROUTE_FUSED: bool = true;
+
+/// Up to how many chunks of 256 routed entries (128 tokens) the fused routing launch places the
+/// entries itself ([`CudaContext::set_moe_place_in_scan`]; `PLACE_WARPS` in `gemm.cu`, a chunk
+/// per warp of its last block). Measured on the H200 (`cuda_selftest --only route`): one launch
+/// 12.3 / 15.1 µs against two 13.1 / 16.0 at 16 / 128 tokens, but with the last block placing
+/// every chunk 19.6 / 28.0 / 44.1 against 17.4 / 18.3 / 20.4 at 512 / 1,024 / 2,048.
+pub const MOE_PLACE_IN_SCAN_MAX_CHUNKS: usize = 4;
 
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_grouped3`] on (the
 /// process default, [`set_default_gemm_grouped3`]; on unless set).
@@ -287,7 +308,9 @@ pub struct MoeRouting {
     /// `[T·TOP_K, D_EXPERT]` bf16 bits: `silu(G_e·x) ⊙ (U_e·x)` per entry, in the permuted
     /// column order of `gemm.cu` (use [`unpermute_row`] to read it).
     pub act: CudaSlice<u16>,
-    /// `[T·TOP_K, D_MODEL]` f32: `D_e·act` per entry (before the weights).
+    /// `D_e·act` per entry (before the weights): `[T·TOP_K, D_MODEL]` bf16 bits in its first
+    /// half with [`CudaContext::set_moe_slot_bf16`] on (the default), else f32. Allocated as
+    /// f32 so that either fits.
     pub slot_out: CudaSlice<f32>,
     /// `[N_EXPERTS, chunks]` i32: entries of each 256-entry chunk routed to each expert.
     hist: CudaSlice<i32>,
@@ -373,6 +396,8 @@ const MODE_SWIGLU: i32 = 1;
 const MODE_MOE_GATE_UP: i32 = 2;
 const MODE_MOE_DOWN: i32 = 3;
 const MODE_BENCH: i32 = 4;
+/// MoE down with its rows stored as bf16 (`MODE_MOE_DOWN_B16` in `gemm.cu`).
+const MODE_MOE_DOWN_B16: i32 = 5;
 /// Flag ORed into the mode: MMAs over the tile's full token width (`MODE_FULL_N` in `gemm.cu`).
 const MODE_FULL_N: i32 = 16;
 
@@ -912,7 +937,8 @@ impl CudaContext {
     }
 
     /// Allocates the routing and grouped-GEMM buffers for up to `max_t` tokens (the largest is
-    /// `slot_out`, `max_t · TOP_K · D_MODEL` f32: 512 MiB at 8192 tokens).
+    /// `slot_out`, `max_t · TOP_K · D_MODEL` f32: 512 MiB at 8192 tokens, of which bf16 rows
+    /// use half).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] when `max_t` is 0 or too large for i32 offsets; driver errors.
@@ -980,15 +1006,24 @@ impl CudaContext {
         let chunks = n_entries.div_ceil(SORT_CHUNK);
         let (ne_i, ch_i) = (n_entries as i32, chunks as i32);
         let warp_blocks = (chunks.div_ceil(8) as u32, 1, 1);
-        if self.moe_route_fused() {
+        let fused = self.moe_route_fused();
+        // the placement in the fused launch's last block (no qgemm_moe_place launch)
+        let place_in_scan = fused && self.moe_place_in_scan() && chunks <= MOE_PLACE_IN_SCAN_MAX_CHUNKS;
+        if fused {
             let mut b = self.kernel(self.func("qgemm_moe_route_hist")?);
             b.ptr(logits).arg(&ti).ptr_mut(&mut routing.ids).ptr_mut(&mut routing.weights).ptr_mut(&mut routing.shared_weight);
             b.arg(&ch_i).ptr_mut(&mut routing.hist).ptr_mut(&mut routing.base).ptr_mut(&mut routing.counts);
             b.ptr_mut(&mut routing.offsets).ptr_mut(&mut routing.tiles64).ptr_mut(&mut routing.tiles128);
             b.ptr_mut(&mut routing.tiles32).arg(&routing.count_into).ptr_mut(&mut routing.done);
+            if place_in_scan {
+                b.ptr_mut(&mut routing.sorted);
+            } else {
+                b.arg(&0u64);
+            }
             let cfg = LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: logits [t, N_EXPERTS+1]; ids/weights hold max_t*TOP_K >= t*TOP_K,
-            // shared_weight max_t; hist/base N_EXPERTS * chunks(max_t); done one word, 0.
+            // shared_weight max_t; hist/base N_EXPERTS * chunks(max_t); done one word, 0;
+            // sorted (or null) max_t*TOP_K.
             unsafe { b.launch(cfg) }?;
         } else {
             {
@@ -1030,7 +1065,7 @@ impl CudaContext {
                 unsafe { b.launch(cfg) }?;
             }
         }
-        {
+        if !place_in_scan {
             let (pi, _g1) = routing.ids.device_ptr(stream);
             let (pb, _g2) = routing.base.device_ptr(stream);
             let (ps, _g3) = routing.sorted.device_ptr_mut(stream);
@@ -1044,11 +1079,39 @@ impl CudaContext {
         Ok(())
     }
 
+    /// Whether [`CudaContext::moe_down_grouped`] stores the routed entries' down rows
+    /// (`MoeRouting::slot_out`) as bf16 (`on`, the default: [`default_moe_slot_bf16`]) or as
+    /// f32 for the combine to read back. bf16 halves that round trip (67 MB written and read
+    /// per layer at 1,024 tokens in f32); each expert's output is rounded once more, to bf16,
+    /// before the weighted sum, which stays f32 (transformers' reference rounds it too and
+    /// sums in bf16). f32 is the measured twin.
+    pub fn set_moe_slot_bf16(&self, on: bool) {
+        self.moe_slot_bf16.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaContext::set_moe_slot_bf16`] is on.
+    pub fn moe_slot_bf16(&self) -> bool {
+        self.moe_slot_bf16.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Runs [`CudaContext::moe_route`]'s routing, per-chunk counts and scan as one launch
     /// (`on`, the default: [`MOE_ROUTE_FUSED`]) or as three: the same outputs; for measurement
     /// and the self-test.
     pub fn set_moe_route_fused(&self, on: bool) {
         self.moe_route_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the fused routing launch also places the entries in its last block when the
+    /// prompt has at most [`MOE_PLACE_IN_SCAN_MAX_CHUNKS`] chunks of 256 entries (`on`, the
+    /// default: one launch instead of two up to 128 tokens), or always leaves that to a
+    /// `qgemm_moe_place` launch: the same outputs; for measurement and the self-test.
+    pub fn set_moe_place_in_scan(&self, on: bool) {
+        self.moe_place_in_scan.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`CudaContext::set_moe_place_in_scan`] is on.
+    pub fn moe_place_in_scan(&self) -> bool {
+        self.moe_place_in_scan.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`CudaContext::set_moe_route_fused`] is on.
@@ -1150,7 +1213,8 @@ impl CudaContext {
     }
 
     /// Grouped expert down GEMM and the MoE combine (MODEL.md §3.7 steps 3 and 5):
-    /// `routing.slot_out[entry] = D_e·act[entry]` for every routed entry (one launch), then
+    /// `routing.slot_out[entry] = D_e·act[entry]` for every routed entry (one launch; rounded
+    /// to bf16 unless [`Self::set_moe_slot_bf16`] is off), then
     /// `out[tok] = resid[tok] + Σ_slot w[tok, slot]·slot_out[tok·TOP_K + slot]
     ///             + shared_weight[tok]·shared[tok]` (one launch, f32, slots in order).
     /// `down`: one [`DeviceQMat`] `[N_EXPERTS·D_MODEL, D_EXPERT]` (expert `e`'s rows at
@@ -1239,6 +1303,9 @@ impl CudaContext {
         let v = routing.force.unwrap_or_else(|| self.choose_grouped(t));
         let bn = v.tile.tokens();
         let max_tiles = (t * p::TOP_K + p::N_EXPERTS * (bn - 1)) / bn;
+        // bf16 rows: the kernel's 16-byte stores cover whole row tiles
+        let bf16_slots = self.moe_slot_bf16();
+        debug_assert_eq!(d % v.tile.rows(), 0, "D_MODEL is a multiple of every tile's rows");
         let stream = self.stream();
         {
             let (pact, _g0) = routing.act.device_ptr(stream);
@@ -1262,7 +1329,7 @@ impl CudaContext {
                 n_rows: d,
                 k: p::D_EXPERT,
                 t,
-                mode: MODE_MOE_DOWN,
+                mode: if bf16_slots { MODE_MOE_DOWN_B16 } else { MODE_MOE_DOWN },
                 ldy: d,
                 grid: ((d / v.tile.rows()) as u32, max_tiles as u32),
                 ksplit: 1,
@@ -1281,7 +1348,7 @@ impl CudaContext {
         let ti = t as i32;
         match norm_acts {
             None => {
-                let mut b = self.kernel(self.func("qgemm_moe_combine")?);
+                let mut b = self.kernel(self.func(if bf16_slots { "qgemm_moe_combine_b16" } else { "qgemm_moe_combine" })?);
                 b.arg(&po).arg(&pr).arg(&pslot).arg(&pw).arg(&psh).arg(&psw).arg(&ti);
                 let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 // SAFETY: all buffers [t, D_MODEL] (checked), slot_out/weights sized for max_t >= t.
@@ -1289,7 +1356,7 @@ impl CudaContext {
             }
             Some((nw, acts)) => {
                 {
-                    let f = self.func("moe_combine_norm_acts")?;
+                    let f = self.func(if bf16_slots { "moe_combine_norm_acts_b16" } else { "moe_combine_norm_acts" })?;
                     let xb = acts.fill("moe_down_grouped_acts", t, d)?;
                     let (pxb, _g6) = xb.device_ptr_mut(stream);
                     let (pnw, _g7) = nw.device_ptr(stream);

@@ -188,12 +188,13 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_splitk_reduce",
             "qgemm_moe_place",
             "qgemm_moe_combine",
+            "qgemm_moe_combine_b16",
         ],
     },
     KernelSource {
         name: "rms_norm",
         src: include_str!("../kernels/rms_norm.cu"),
-        entries: &["rms_norm_d_model", "rms_norm_acts_d_model", "moe_combine_norm_acts"],
+        entries: &["rms_norm_d_model", "rms_norm_acts_d_model", "moe_combine_norm_acts", "moe_combine_norm_acts_b16"],
     },
     KernelSource {
         name: "gdn",
@@ -533,11 +534,17 @@ pub struct CudaContext {
     /// [`CudaContext::moe_route`] runs the routing, the per-chunk counts and the scan as one
     /// launch ([`CudaContext::set_moe_route_fused`]).
     pub(crate) moe_route_fused: std::sync::atomic::AtomicBool,
+    /// The fused routing launch places the entries of short prompts itself
+    /// ([`CudaContext::set_moe_place_in_scan`]).
+    pub(crate) moe_place_in_scan: std::sync::atomic::AtomicBool,
     /// Dense GEMMs may split over K ([`CudaContext::set_gemm_splitk`]).
     pub(crate) gemm_splitk: std::sync::atomic::AtomicBool,
     /// The wgmma GEMMs fit their MMA width to the tokens of each tile
     /// ([`CudaContext::set_gemm_fit_n`]).
     pub(crate) gemm_fit_n: std::sync::atomic::AtomicBool,
+    /// The grouped MoE down GEMM stores its per-entry rows as bf16 for the combine
+    /// ([`CudaContext::set_moe_slot_bf16`]).
+    pub(crate) moe_slot_bf16: std::sync::atomic::AtomicBool,
     /// The partial-sum slabs of GEMMs split over K, allocated on first use (each context its
     /// own: they are used on the context's stream only).
     pub(crate) splitk_part: std::sync::OnceLock<CudaSlice<f32>>,
@@ -671,8 +678,10 @@ impl CudaContext {
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
+            moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
             gemm_splitk: std::sync::atomic::AtomicBool::new(gemm::default_splitk()),
             gemm_fit_n: std::sync::atomic::AtomicBool::new(gemm::default_fit_n()),
+            moe_slot_bf16: std::sync::atomic::AtomicBool::new(gemm::default_moe_slot_bf16()),
             splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,
@@ -729,8 +738,10 @@ impl CudaContext {
             gemm_grouped3: copy(&self.gemm_grouped3),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
+            moe_place_in_scan: copy(&self.moe_place_in_scan),
             gemm_splitk: copy(&self.gemm_splitk),
             gemm_fit_n: copy(&self.gemm_fit_n),
+            moe_slot_bf16: copy(&self.moe_slot_bf16),
             splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
             step_scratch,

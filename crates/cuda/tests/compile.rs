@@ -9,7 +9,10 @@ fn every_kernel_compiles_for_sm_90a() {
         Err(e) => panic!("cannot compile the CUDA kernels: {e}"),
     };
     assert!(ma >= 13, "NVRTC {ma}.{mi}: CUDA 13 is required");
-    for k in cuda::KERNELS {
+    // development aid: CALLA_COMPILE_ONLY=gemm compiles that one source (with
+    // CALLA_PTXAS_VERBOSE, its ptxas report alone)
+    let only = std::env::var("CALLA_COMPILE_ONLY").ok();
+    for k in cuda::KERNELS.iter().filter(|k| only.as_deref().is_none_or(|o| o == k.name)) {
         let src = cuda::full_source(k);
         let cubin =
             cuda::nvrtc::compile_cubin(k.name, &src, cuda::ARCH).unwrap_or_else(|e| panic!("{e}"));

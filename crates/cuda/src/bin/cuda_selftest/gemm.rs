@@ -621,11 +621,16 @@ fn route_check(s: &mut Suite) {
     let cx = s.cx;
     let (ne, k) = (p::N_EXPERTS, p::TOP_K);
     let mut routing = cx.moe_routing(2048).unwrap();
-    // both forms of moe_route (the fused routing + counts + scan launch and the four launches),
-    // each against the CPU; every fused run after the first reuses the launch's arrival
-    // counter, which must have gone back to 0
-    for (fused, t) in [true, false].into_iter().flat_map(|f| TS.iter().chain([33].iter()).map(move |&t| (f, t))) {
+    // every form of moe_route (the fused routing + counts + scan launch placing the entries in
+    // its last block up to MOE_PLACE_IN_SCAN_MAX_CHUNKS chunks, the same launch followed by the
+    // placement launch, and the four launches), each against the CPU; every fused run after the
+    // first reuses the launch's arrival counter, which must have gone back to 0; `sorted` is
+    // filled with -1 before each run, so a placement that did not run cannot pass
+    let forms = [(true, true, ""), (true, false, " two launches"), (false, false, " four launches")];
+    for ((fused, in_scan, form), t) in forms.into_iter().flat_map(|f| TS.iter().chain([33, 128].iter()).map(move |&t| (f, t))) {
         cx.set_moe_route_fused(fused);
+        cx.set_moe_place_in_scan(in_scan);
+        cx.stream().memcpy_htod(&vec![-1i32; t * k], &mut routing.sorted.slice_mut(..t * k)).unwrap();
         let mut logits = rand_f32s(t * (ne + 1), 0x1061 ^ t as u64, 4.0);
         // every fifth token: logits on a coarse grid, so exact ties decide the top-k
         for tt in (3..t).step_by(5) {
@@ -699,9 +704,10 @@ fn route_check(s: &mut Suite) {
             msg.push_str(&format!("weight error {max_w:.2e}; "));
         }
         let c = Cmp { rel: max_w, max_over_rms: 0.0, ok, msg };
-        s.record(SEC, &format!("moe_route{} T={t} (rel = max weight error)", if fused { "" } else { " four launches" }), &c, "");
+        s.record(SEC, &format!("moe_route{form} T={t} (rel = max weight error)"), &c, "");
     }
     cx.set_moe_route_fused(cuda::gemm::MOE_ROUTE_FUSED);
+    cx.set_moe_place_in_scan(true);
 }
 
 /// CPU reference of one routed entry: (act exact, act emulated [bf16-rounded], y exact, y
@@ -863,7 +869,14 @@ fn moe_case(
         ra_em.extend(refs[ji].1.iter().map(|&v| f64::from(v)));
     }
     let codes = if w.dgu.group_major_codes.is_some() || w.dgu.codes_group_major { " gm codes" } else { "" };
-    let label = format!("moe q{bits} T={t} {}{}{codes}{}", vname(force), sb_suffix(cx), if cx.gemm_fit_n() { "" } else { " full width" });
+    let bf16_slots = cx.moe_slot_bf16();
+    let label = format!(
+        "moe q{bits} T={t} {}{}{codes}{}{}",
+        vname(force),
+        sb_suffix(cx),
+        if cx.gemm_fit_n() { "" } else { " full width" },
+        if bf16_slots { "" } else { " f32 slots" }
+    );
     let finite_act = act.iter().all(|&b| f32::from_bits(u32::from(b) << 16).is_finite());
     let c = if finite_act { check(&ga, &ra_ex, TOL_ACT_EXACT, String::new()) } else { failed("non-finite act".into()) };
     s.record(SEC, &format!("{label} act vs f32"), &c, "");
@@ -879,7 +892,10 @@ fn moe_case(
             let ji = jobs.iter().position(|&(a, b, _)| a == tt && b == j).unwrap();
             for i in 0..d {
                 ex[i] += f64::from(wt) * refs[ji].2[i];
-                em[i] += f64::from(wt) * refs[ji].3[i];
+                // the GPU rounds each entry's f32 row to bf16 before the weighted sum
+                // (set_moe_slot_bf16); the emulation rounds its f64 row the same way
+                let y = refs[ji].3[i];
+                em[i] += f64::from(wt) * if bf16_slots { f64::from(bf16::from_f64(y).to_f32()) } else { y };
             }
         }
         for i in 0..d {
@@ -947,6 +963,12 @@ fn moe_checks(s: &mut Suite) -> MoeWeights {
             // 64 / 300 / 2048 tokens: ~2 / ~9 / 64 entries per expert, tiles of every width
             let full = full_width(cx, || moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp));
             fit_equals_full(s, &format!("moe q4 T={t} auto"), &fitted, &full);
+        }
+        if t >= 300 {
+            // the measured twin: the down rows stored as f32 for the combine
+            cx.set_moe_slot_bf16(false);
+            moe_case(s, &w4, 4, t, None, &mut scratch, &mut routing, &inp);
+            cx.set_moe_slot_bf16(true);
         }
         if t == 300 {
             for v in ALL_VARIANTS {
@@ -1030,14 +1052,14 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             let x = rand_x(tmax * k, 0x7200 + si as u64);
             let xd = cx.upload_f32(&x).unwrap();
             let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
-            for t in [512usize, 2048, 8192] {
+            for t in [512usize, 1024, 2048, 8192] {
                 cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
                 // (variant, main loop only, group-major scales and biases, group-major codes)
                 let mut variants = vec![(None, false, true, false)];
                 if si == 0 && bits == 4 {
                     variants.extend([(None, false, false, false), (None, true, true, false), (None, true, false, false)]);
                     variants.extend([(None, false, true, true), (None, true, true, true)]);
-                    if t != 2048 {
+                    if t == 512 || t == 8192 {
                         variants.extend(ALL_VARIANTS.iter().map(|&v| (Some(v), false, true, false)));
                     }
                     // both main loops on the group-major codes the prefill reads
@@ -1150,8 +1172,10 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             if cuda::gemm::MOE_ROUTE_FUSED { "four" } else { "two" }
         );
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
-        // (variant, group-major scales and biases, group-major codes, MMAs fitted to the entries)
-        for (v, gm, codes, fit) in [
+        // (variant, group-major scales and biases, group-major codes, MMAs fitted to the
+        // entries; bf16 down rows unless the row says f32 below)
+        let f32_slot_rows = [(None, true, false, true), (None, true, true, true)];
+        for (i, (v, gm, codes, fit)) in [
             (None, true, false, true),
             (None, false, false, true),
             (None, true, true, true),
@@ -1170,7 +1194,13 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             (None, true, true, false),
             (Some(LEAN_VARIANTS[1]), true, true, false),
             (Some(LEAN3_VARIANTS[0]), true, true, false),
-        ] {
+        ]
+        .into_iter()
+        .chain(f32_slot_rows)
+        .enumerate()
+        {
+            let f32_slots = i >= 18;
+            cx.set_moe_slot_bf16(!f32_slots);
             cx.set_gemm_group_major(gm);
             cx.set_gemm_fit_n(fit);
             routing.force = v;
@@ -1182,16 +1212,24 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             });
             println!(
                 "{SEC:<10}   {:<12} gate_up grouped {:>7.1} us ({:>5.1} TFLOP/s eff.), down grouped + combine {:>7.1} us ({:>5.1} TFLOP/s eff.)",
-                format!("{}{}{}{}", vname(v), sb_suffix(cx), if codes { " gm codes" } else { "" }, if fit { "" } else { " full width" }),
+                format!(
+                    "{}{}{}{}{}",
+                    vname(v),
+                    sb_suffix(cx),
+                    if codes { " gm codes" } else { "" },
+                    if fit { "" } else { " full width" },
+                    if f32_slots { " f32 slots" } else { "" }
+                ),
                 a * 1e6,
                 f_gu / a / 1e12,
                 b * 1e6,
                 f_dn / b / 1e12
             );
-            if v.is_none() && gm && !codes && fit {
+            if v.is_none() && gm && !codes && fit && !f32_slots {
                 (t_gu, t_dn) = (a, b);
             }
         }
+        cx.set_moe_slot_bf16(true);
         cx.set_gemm_fit_n(true);
         cx.set_gemm_group_major(true);
         routing.force = None;
@@ -1585,8 +1623,8 @@ pub fn acts_checks(s: &mut Suite) {
     combine_acts_check(s, &w4, &mut scratch, &mut routing);
 }
 
-/// Section `route` (the only place `route_check` runs): both forms of `moe_route` against the
-/// CPU, and their times at prompt sizes (graph replay of the routing alone).
+/// Section `route` (the only place `route_check` runs): the three forms of `moe_route` against
+/// the CPU, and their times at prompt sizes (graph replay of the routing alone).
 pub fn route_section(s: &mut Suite) {
     route_check(s);
     let cx = s.cx;
@@ -1594,14 +1632,21 @@ pub fn route_section(s: &mut Suite) {
     for t in [16usize, 128, 512, 1024, 2048, 8192] {
         let lg = rand_f32s(t * (p::N_EXPERTS + 1), 0x7306 ^ t as u64, 2.0);
         let lgd = cx.upload_f32(&lg).unwrap();
-        let mut us = [0.0; 2];
-        for (i, fused) in [true, false].into_iter().enumerate() {
+        let mut us = [0.0; 3];
+        for (i, (fused, in_scan)) in [(true, true), (true, false), (false, false)].into_iter().enumerate() {
             cx.set_moe_route_fused(fused);
+            cx.set_moe_place_in_scan(in_scan);
             us[i] = 1e6 * s.time_graph(20, || cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap());
         }
-        println!("{SEC:<10} moe_route T={t}: two launches {:.1} us, four launches {:.1} us", us[0], us[1]);
+        let chunks = (t * p::TOP_K).div_ceil(256);
+        let first = if chunks <= cuda::gemm::MOE_PLACE_IN_SCAN_MAX_CHUNKS { "one launch (placed in the scan)" } else { "default (two launches)" };
+        println!(
+            "{SEC:<10} moe_route T={t}: {first} {:.1} us, two launches {:.1} us, four launches {:.1} us",
+            us[0], us[1], us[2]
+        );
     }
     cx.set_moe_route_fused(cuda::gemm::MOE_ROUTE_FUSED);
+    cx.set_moe_place_in_scan(true);
 }
 
 /// Runs the prefill GEMM checks and timings (the fused norms' checks are section `acts`,
