@@ -677,6 +677,7 @@ struct PrefillKnobs {
     splitk: bool,
     fit_n: bool,
     slot_bf16: bool,
+    side_splitk: bool,
 }
 
 impl PrefillKnobs {
@@ -694,6 +695,7 @@ impl PrefillKnobs {
             splitk: cx.gemm_splitk(),
             fit_n: cx.gemm_fit_n(),
             slot_bf16: cx.moe_slot_bf16(),
+            side_splitk: pf.side_splitk,
         }
     }
 
@@ -703,6 +705,7 @@ impl PrefillKnobs {
         pf.router_f32 = self.router_f32;
         pf.fused_norm_acts = self.fused_acts;
         pf.eager_pdl = self.eager_pdl;
+        pf.side_splitk = self.side_splitk;
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
             c.set_gemm_group_major(self.group_major);
@@ -732,7 +735,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 11] = [
+const PREFILL_CASES: [PrefillCase; 12] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -744,6 +747,7 @@ const PREFILL_CASES: [PrefillCase; 11] = [
     PrefillCase { knob: |k| &mut k.splitk, off_name: "dense GEMMs never split over K", off_key: "no_splitk_ms", on_name: "dense GEMMs split over K", on_key: "splitk_ms" },
     PrefillCase { knob: |k| &mut k.fit_n, off_name: "MMAs at the full tile width", off_key: "full_n_ms", on_name: "MMAs fitted to the tiles' tokens", on_key: "fit_n_ms" },
     PrefillCase { knob: |k| &mut k.slot_bf16, off_name: "MoE down rows in f32", off_key: "slot_f32_ms", on_name: "MoE down rows in bf16", on_key: "slot_bf16_ms" },
+    PrefillCase { knob: |k| &mut k.side_splitk, off_name: "shared expert never split over K", off_key: "side_no_splitk_ms", on_name: "shared expert split over K", on_key: "side_splitk_ms" },
 ];
 
 /// `calla cuda-bench`.

@@ -182,6 +182,13 @@ pub struct Prefiller {
     /// results; `false` for measurement (`calla cuda-bench --prefill-compare`, `--prefill-no-pdl`).
     /// Starts as [`set_default_eager_pdl`] last set (on unless set).
     pub eager_pdl: bool,
+    /// Let the shared expert's GEMMs on the side stream split over K like the main stream's
+    /// ([`CudaContext::set_gemm_splitk`]; `false`, the default: never). Split, a GEMM whose grid
+    /// leaves SMs idle fills them, but on the side stream those SMs belong to the router and the
+    /// routing beside it: at 1,024 tokens the shared gate/up split in two (and its reduction)
+    /// made the whole prefill 1.4-2.1% slower (`cuda-bench --prefill-compare`, session 29).
+    /// For measurement (`calla cuda-bench --prefill-compare`).
+    pub side_splitk: bool,
     routing: MoeRouting,
     gdn: GdnPrefillScratch,
     attn: AttnPrefillScratch,
@@ -244,6 +251,7 @@ impl Prefiller {
             router_f32: DEFAULT_ROUTER_F32.load(std::sync::atomic::Ordering::Relaxed),
             fused_norm_acts: DEFAULT_FUSED_NORM_ACTS.load(std::sync::atomic::Ordering::Relaxed),
             eager_pdl: DEFAULT_EAGER_PDL.load(std::sync::atomic::Ordering::Relaxed),
+            side_splitk: false,
             routing: cx.moe_routing(max_t)?,
             gdn: cx.gdn_prefill_scratch(max_t)?,
             attn: cx.attn_prefill_scratch(max_t)?,
@@ -293,14 +301,17 @@ impl Prefiller {
     /// Runs tokens `pos0 .. pos0 + t` of the session's history through every layer, updating
     /// its GDN state and KV cache; the chunk's last hidden state ends in row `t - 1` of `x`.
     /// The chunk's kernels are launched with programmatic dependent launch when
-    /// [`Prefiller::eager_pdl`] is on; the contexts' previous setting is restored afterwards.
+    /// [`Prefiller::eager_pdl`] is on, and the side stream's GEMMs split over K only with
+    /// [`Prefiller::side_splitk`]; the contexts' previous settings are restored afterwards.
     fn chunk(&mut self, cx: &CudaContext, m: &CudaModel, s: &mut CudaSession, pos0: usize, t: usize) -> Result<(), CudaError> {
-        let was = (cx.eager_pdl(), self.side.cx.eager_pdl());
+        let was = (cx.eager_pdl(), self.side.cx.eager_pdl(), self.side.cx.gemm_splitk());
         cx.set_eager_pdl(self.eager_pdl);
         self.side.cx.set_eager_pdl(self.eager_pdl);
+        self.side.cx.set_gemm_splitk(was.2 && self.side_splitk);
         let r = self.chunk_layers(cx, m, s, pos0, t);
         cx.set_eager_pdl(was.0);
         self.side.cx.set_eager_pdl(was.1);
+        self.side.cx.set_gemm_splitk(was.2);
         r
     }
 
