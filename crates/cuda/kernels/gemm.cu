@@ -130,13 +130,14 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
-// Two f32 to one bf16x2 (round to nearest even): lo in bits 0-15, hi in bits 16-31.
-// One f32 to bf16 (round to nearest even; NaN stays NaN).
+// One f32 to bf16 (round to nearest even; NaN stays NaN). One instruction, no branch: a branch
+// in an epilogue that reads the accumulators made ptxas serialize the main loop's wgmma.
 __device__ __forceinline__ u16 to_bf16(float x) {
     u16 d;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(x));
     return d;
 }
+// Two f32 to one bf16x2 (round to nearest even): lo in bits 0-15, hi in bits 16-31.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));

@@ -115,8 +115,9 @@ pub const MOE_ROUTE_FUSED: bool = true;
 /// Up to how many chunks of 256 routed entries (128 tokens) the fused routing launch places the
 /// entries itself ([`CudaContext::set_moe_place_in_scan`]; `PLACE_WARPS` in `gemm.cu`, a chunk
 /// per warp of its last block). Measured on the H200 (`cuda_selftest --only route`): one launch
-/// 12.3 / 15.1 µs against two 13.1 / 16.0 at 16 / 128 tokens, but with the last block placing
-/// every chunk 19.6 / 28.0 / 44.1 against 17.4 / 18.3 / 20.4 at 512 / 1,024 / 2,048.
+/// 12.1 / 15.4 µs against two 13.0 / 16.1 at 16 / 128 tokens; a version whose last block
+/// placed every chunk (32 warps) up to 64 chunks took 19.6 / 28.0 / 44.1 µs against 17.4 /
+/// 18.3 / 20.4 at 512 / 1,024 / 2,048.
 pub const MOE_PLACE_IN_SCAN_MAX_CHUNKS: usize = 4;
 
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_grouped3`] on (the
@@ -980,8 +981,9 @@ impl CudaContext {
     /// exclusive scans and the entry list sorted by expert (a stable counting sort over chunks of
     /// 256 entries). No host synchronisation; deterministic. Two launches
     /// (`qgemm_moe_route_hist`: routing, per-chunk counts and, in the block that finishes
-    /// last, the scan; `qgemm_moe_place`), or the four separate ones with
-    /// [`CudaContext::set_moe_route_fused`] off: the same outputs.
+    /// last, the scan; `qgemm_moe_place`), one up to [`MOE_PLACE_IN_SCAN_MAX_CHUNKS`] chunks
+    /// (that block places the entries too; [`CudaContext::set_moe_place_in_scan`]), or the four
+    /// separate ones with [`CudaContext::set_moe_route_fused`] off: the same outputs.
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for `t` = 0 or above `routing.max_t()`, or `logits.len()`

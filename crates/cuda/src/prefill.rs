@@ -186,7 +186,9 @@ pub struct Prefiller {
     /// ([`CudaContext::set_gemm_splitk`]; `false`, the default: never). Split, a GEMM whose grid
     /// leaves SMs idle fills them, but on the side stream those SMs belong to the router and the
     /// routing beside it: at 1,024 tokens the shared gate/up split in two (and its reduction)
-    /// made the whole prefill 1.4-2.1% slower (`cuda-bench --prefill-compare`, session 29).
+    /// made the whole prefill 2.5% slower than with this off (`cuda-bench --prefill-compare`,
+    /// session 29; +0.6-1.1% at 16-512 tokens, within noise from 2k). Only masks the side
+    /// context's [`CudaContext::set_gemm_splitk`]: with that off, nothing splits either way.
     /// For measurement (`calla cuda-bench --prefill-compare`).
     pub side_splitk: bool,
     routing: MoeRouting,
@@ -264,7 +266,9 @@ impl Prefiller {
     /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
     /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of
     /// [`CudaContext`] (`set_gemm_group_major`, `set_gemm_lean`, `set_gemm_grouped3`,
-    /// `set_gemm_fit_n`, `set_gemm_splitk`; `calla cuda-bench --prefill-compare`).
+    /// `set_gemm_fit_n`, `set_gemm_splitk`, `set_moe_slot_bf16`; `calla cuda-bench
+    /// --prefill-compare`). The side stream's split over K is further masked by
+    /// [`Prefiller::side_splitk`] while a chunk runs.
     #[doc(hidden)]
     pub fn on_contexts(&self, cx: &CudaContext, f: impl Fn(&CudaContext)) {
         f(cx);

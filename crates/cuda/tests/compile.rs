@@ -10,16 +10,23 @@ fn every_kernel_compiles_for_sm_90a() {
     };
     assert!(ma >= 13, "NVRTC {ma}.{mi}: CUDA 13 is required");
     // development aid: CALLA_COMPILE_ONLY=gemm compiles that one source (with
-    // CALLA_PTXAS_VERBOSE, its ptxas report alone)
+    // CALLA_PTXAS_VERBOSE, its ptxas report alone); a name that is no source fails
     let only = std::env::var("CALLA_COMPILE_ONLY").ok();
+    if let Some(o) = only.as_deref() {
+        assert!(cuda::KERNELS.iter().any(|k| k.name == o), "CALLA_COMPILE_ONLY={o}: no kernel source of that name");
+    }
     for k in cuda::KERNELS.iter().filter(|k| only.as_deref().is_none_or(|o| o == k.name)) {
         let src = cuda::full_source(k);
         let cubin =
             cuda::nvrtc::compile_cubin(k.name, &src, cuda::ARCH).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(&cubin[..4], b"\x7fELF", "{}: not an ELF cubin", k.name);
         for entry in k.entries {
+            // the symbol's whole name, NUL-delimited in the string table (a name that is a
+            // prefix of another entry's, such as qgemm_moe_combine of qgemm_moe_combine_b16,
+            // must be there itself)
+            let sym = format!("\0{entry}\0");
             assert!(
-                cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
+                cubin.windows(sym.len()).any(|w| w == sym.as_bytes()),
                 "{}: entry point {entry} missing from the cubin",
                 k.name
             );

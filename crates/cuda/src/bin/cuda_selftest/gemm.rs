@@ -1572,7 +1572,10 @@ fn combine_acts_check(s: &mut Suite, w: &MoeWeights, scratch: &mut GemmScratch, 
     let cx = s.cx;
     let d = p::D_MODEL;
     let nw = cx.upload_f32(&rand_f32s(d, 0x4E7, 0.5)).unwrap();
-    for t in [1usize, 300] {
+    // both forms of the down rows (bf16, the default, and the f32 twin): each has its own
+    // fused and unfused combine kernels
+    for (t, bf16_rows) in [(1usize, true), (300, true), (300, false)] {
+        cx.set_moe_slot_bf16(bf16_rows);
         let inp = moe_inputs(t, 0x4E8 ^ t as u64);
         let xd = cx.upload_f32(&inp.x).unwrap();
         let ld = cx.upload_f32(&inp.logits).unwrap();
@@ -1609,8 +1612,10 @@ fn combine_acts_check(s: &mut Suite, w: &MoeWeights, scratch: &mut GemmScratch, 
             c.ok = false;
         }
         c.msg.push_str(&format!("acts: {differ} of {} differ, {nans} NaN", acts[0].len()));
-        s.record(SEC, &format!("moe_down_grouped_acts T={t} = moe_down_grouped + rms_norm_acts, bit for bit"), &c, "");
+        let rows = if bf16_rows { "" } else { " (f32 down rows)" };
+        s.record(SEC, &format!("moe_down_grouped_acts T={t}{rows} = moe_down_grouped + rms_norm_acts, bit for bit"), &c, "");
     }
+    cx.set_moe_slot_bf16(true);
 }
 
 /// The fused norm checks of this file (`cuda_selftest --only acts`).
