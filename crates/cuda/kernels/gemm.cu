@@ -1153,9 +1153,9 @@ constexpr int PLACE_WARPS = 4;
 // in shared memory and writes its hist column; the block that finishes last (an arrival counter,
 // `done`, back to 0 when it leaves) runs the scan, and with `sorted` non-null the placement of
 // every chunk too (warp w < PLACE_WARPS: chunks w, w + PLACE_WARPS, ...; the host asks for it
-// for few chunks, where a qgemm_moe_place launch costs more than the last block's pass). The same outputs as the
-// separate kernels: the routing is the same code, a chunk's counts are counts, the scan and the
-// placement the same functions.
+// for few chunks, where a qgemm_moe_place launch costs more than the last block's pass). The
+// same outputs as the separate kernels: the routing is the same code, a chunk's counts are
+// counts, the scan and the placement the same functions.
 // Grid: n_chunks = ceil(t · TOP_K / SORT_CHUNK) blocks.
 static_assert(SORT_CHUNK == 32 * CALLA_TOP_K, "one token per warp of a 1024-thread block");
 extern "C" __global__ void __launch_bounds__(1024)
