@@ -397,8 +397,11 @@ const MODE_SWIGLU: i32 = 1;
 const MODE_MOE_GATE_UP: i32 = 2;
 const MODE_MOE_DOWN: i32 = 3;
 const MODE_BENCH: i32 = 4;
-/// MoE down with its rows stored as bf16 (`MODE_MOE_DOWN_B16` in `gemm.cu`).
+/// MoE down with its rows stored as bf16 (`MODE_MOE_DOWN_B16` in `gemm.cu`), whose epilogue
+/// writes whole tiles of 128 or 256 rows.
 const MODE_MOE_DOWN_B16: i32 = 5;
+#[allow(clippy::manual_is_multiple_of)] // the workspace's rust-version is 1.85 (see below)
+const _: () = assert!(p::D_MODEL % 256 == 0, "the bf16 MoE down rows are written a whole row tile at a time");
 /// Flag ORed into the mode: MMAs over the tile's full token width (`MODE_FULL_N` in `gemm.cu`).
 const MODE_FULL_N: i32 = 16;
 
@@ -1305,9 +1308,9 @@ impl CudaContext {
         let v = routing.force.unwrap_or_else(|| self.choose_grouped(t));
         let bn = v.tile.tokens();
         let max_tiles = (t * p::TOP_K + p::N_EXPERTS * (bn - 1)) / bn;
-        // bf16 rows: the kernel's 16-byte stores cover whole row tiles
+        // bf16 rows: the kernel's 16-byte stores cover whole row tiles (D_MODEL is a multiple of
+        // every tile's rows, asserted at compile time below MODE_MOE_DOWN_B16)
         let bf16_slots = self.moe_slot_bf16();
-        debug_assert_eq!(d % v.tile.rows(), 0, "D_MODEL is a multiple of every tile's rows");
         let stream = self.stream();
         {
             let (pact, _g0) = routing.act.device_ptr(stream);
