@@ -1173,9 +1173,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
         );
         let (mut t_gu, mut t_dn) = (0.0, 0.0);
         // (variant, group-major scales and biases, group-major codes, MMAs fitted to the
-        // entries; bf16 down rows unless the row says f32 below)
+        // entries), each with bf16 down rows; then the f32-row rows (the measured twin)
         let f32_slot_rows = [(None, true, false, true), (None, true, true, true)];
-        for (i, (v, gm, codes, fit)) in [
+        for (v, gm, codes, fit, f32_slots) in [
             (None, true, false, true),
             (None, false, false, true),
             (None, true, true, true),
@@ -1196,10 +1196,9 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             (Some(LEAN3_VARIANTS[0]), true, true, false),
         ]
         .into_iter()
-        .chain(f32_slot_rows)
-        .enumerate()
+        .map(|(v, gm, codes, fit)| (v, gm, codes, fit, false))
+        .chain(f32_slot_rows.into_iter().map(|(v, gm, codes, fit)| (v, gm, codes, fit, true)))
         {
-            let f32_slots = i >= 18;
             cx.set_moe_slot_bf16(!f32_slots);
             cx.set_gemm_group_major(gm);
             cx.set_gemm_fit_n(fit);
