@@ -285,37 +285,8 @@ struct RouterFold {
     double* racc;                   // [(N_EXPERTS + 2) * RF_STRIDE], zero on entry
 };
 
-// Router row r's codes of the 16 columns 16·tile.. (RB/4 words: w.x, w.y at 4 bits, all four at
-// 8) and their group's {scale | bias} word; r == N_EXPERTS is the shared-expert gate row.
-template <int BITS>
-__device__ __forceinline__ void rf_load_row(const unsigned char* packed, const unsigned* sb, int r, int tile, int k,
-                                            uint4& w, unsigned& sbw) {
-    const unsigned char* p = packed + (size_t)r * (k * BITS / 8) + tile * 2 * BITS;
-    if (BITS == 8) {
-        w = __ldg(reinterpret_cast<const uint4*>(p));
-    } else {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-        w = make_uint4(v.x, v.y, 0u, 0u);
-    }
-    sbw = __ldg(sb + (size_t)r * (k / GROUP) + tile * 16 / GROUP);
-}
-
-// Σ_c W[r, c] y_c over the 16 columns whose codes are w, y_c = h[c] · nw1[c] (nw1 = 1 + nw).
-template <int BITS>
-__device__ __forceinline__ float rf_part(uint4 w, unsigned sbw, const float* h, const float* nw1) {
-    constexpr unsigned MASK = (1u << BITS) - 1u;
-    constexpr int EPW = 32 / BITS;
-    const unsigned words[4] = {w.x, w.y, w.z, w.w};
-    float qy = 0.f, ys = 0.f;
-#pragma unroll
-    for (int c = 0; c < 16; ++c) {
-        const float y = h[c] * nw1[c];
-        const unsigned code = (words[c / EPW] >> ((c % EPW) * BITS)) & MASK;
-        qy = fmaf((float)code, y, qy);
-        ys += y;
-    }
-    return fmaf(__uint_as_float(sbw << 16), qy, __uint_as_float(sbw & 0xFFFF0000u) * ys);
-}
+using calla_qt::rf_load_row;
+using calla_qt::rf_part;
 
 // CHAIN: one GEMV of the persistent chain kernel below (gemv_chain_*): x comes from the
 // previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
