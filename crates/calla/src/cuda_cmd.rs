@@ -183,6 +183,12 @@ pub struct CudaBenchArgs {
     /// fused-norm GEMV and the step (measured faster).
     #[arg(long)]
     gdn_in_step: bool,
+    /// Run each GDN layer's step, output projection and router sums as one launch and its
+    /// experts after it (`CudaSession::set_gdn_out_split`; builds the split output projections
+    /// first: 8.9 MB per layer, ~2.2 G multiply-adds per layer on the CPU) instead of the step,
+    /// the output projection with the router folded in and the MoE cluster kernel.
+    #[arg(long)]
+    gdn_out_split: bool,
     /// Give the 4-bit input and output projections a staged copy (`CudaModel::stage_gemvs`, ~720 MB
     /// at full size) that the decode step's fused-norm input projections and router-fold output
     /// projections read by bulk copies (TMA) instead of per-thread copies of the MLX layout (the
@@ -299,6 +305,10 @@ pub struct CudaBenchArgs {
     /// other experts' pages each token costs.
     #[arg(long)]
     moe_pin_compare: bool,
+    /// Also time decode (first decode context) with the split output projection in every GDN
+    /// layer (`--gdn-out-split`'s step) between two rows as configured.
+    #[arg(long)]
+    gdn_out_split_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -320,6 +330,10 @@ struct FocusRow {
     gdn_pad: Option<u32>,
     /// The GDN step triggers at entry (`false`: as configured).
     gdn_early: bool,
+    /// GDN layers run the split output projection (`false`: as configured).
+    split: bool,
+    /// `CudaContext::set_gdn_out_flags` of the split output projection (measurement switches).
+    split_flags: u32,
     /// The MoE cluster kernels (before each input projection) also ask for the largest
     /// carve-out (`false`: as configured).
     moe_carve: bool,
@@ -372,6 +386,12 @@ pub struct CudaCheckArgs {
     /// fused-norm GEMV and the step (measured faster).
     #[arg(long)]
     gdn_in_step: bool,
+    /// Run each GDN layer's step, output projection and router sums as one launch and its
+    /// experts after it (`CudaSession::set_gdn_out_split`; builds the split output projections
+    /// first: 8.9 MB per layer, ~2.2 G multiply-adds per layer on the CPU) instead of the step,
+    /// the output projection with the router folded in and the MoE cluster kernel.
+    #[arg(long)]
+    gdn_out_split: bool,
     /// Give the 4-bit input and output projections a staged copy (`CudaModel::stage_gemvs`, ~720 MB
     /// at full size) that the decode step's fused-norm input projections and router-fold output
     /// projections read by bulk copies (TMA) instead of per-thread copies of the MLX layout (the
@@ -482,11 +502,17 @@ fn open(model: &std::path::Path, device: usize) -> Result<(Model, CudaContext, C
 }
 
 /// The device weights the measured step variants need (`--gdn-in-step`: the GDN input
-/// projections restacked; `--gemv-staged`: the projections' staged copies).
-fn upload_variants(m: &Model, cx: &CudaContext, gm: &mut CudaModel, gdn_in_step: bool, gemv_staged: bool) -> Result<()> {
+/// projections restacked; `--gemv-staged`: the projections' staged copies; `--gdn-out-split`:
+/// the GDN output projections split over the step's clusters).
+fn upload_variants(m: &Model, cx: &CudaContext, gm: &mut CudaModel, gdn_in_step: bool, gemv_staged: bool, gdn_out_split: bool) -> Result<()> {
     if gdn_in_step {
         let n = gm.upload_gdn_in_step(cx, &m.weights)?;
         eprintln!("GDN input projection + step as one launch in {n} layers");
+    }
+    if gdn_out_split {
+        let t = Instant::now();
+        let n = gm.upload_gdn_out_split(cx, &m.weights)?;
+        eprintln!("GDN output projection split over the step's clusters in {n} layers ({:.1} s)", t.elapsed().as_secs_f64());
     }
     if gemv_staged {
         let n = gm.stage_gemvs(cx, &m.weights)?;
@@ -756,7 +782,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cuda::timeline::enable();
     }
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
-    upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged)?;
+    upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split || a.gdn_out_split_compare)?;
     if a.carveout_before_gemv {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
@@ -777,6 +803,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     sess.set_fuse_norm(!a.no_fuse_norm);
     a.moe.apply(&mut sess, a.moe_down_r48);
     sess.set_gdn_in_step(a.gdn_in_step);
+    sess.set_gdn_out_split(a.gdn_out_split);
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -909,7 +936,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -1027,8 +1054,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, moe_carve: false, moe_pin: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -1055,8 +1082,16 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             if a.moe_pin_compare {
                 rows.push(FocusRow { moe_pin: true, ..row("MoE: fixed experts (timing only)".into(), None, false, false) });
             }
+            if a.gdn_out_split_compare {
+                rows.push(FocusRow { split: true, ..row("GDN split output projection".into(), None, false, false) });
+                // where its time goes (wrong outputs, timing only): without B, without B and
+                // the output projection's tiles; the weights through L2 without shared memory
+                for (f, what) in [(1, "no B"), (3, "neither"), (8, "weights via L2, no smem"), (9, "via L2, no B"), (11, "via L2, neither")] {
+                    rows.push(FocusRow { split: true, split_flags: f, ..row(format!("GDN split, {what}"), None, false, false) });
+                }
+            }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, moe_carve, moe_pin } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -1075,10 +1110,13 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 let gdn_early = gdn_early || a.gdn_early_trigger;
                 cx.set_gdn_step_early_trigger(gdn_early);
                 cx.set_moe_cluster_pin_experts(moe_pin);
+                let split = split || a.gdn_out_split;
+                sess.set_gdn_out_split(split);
+                cx.set_gdn_out_flags(split_flags);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin,
+                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -1089,6 +1127,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_gdn_step_smem_pad(a.gdn_pad);
             cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
             cx.set_moe_cluster_pin_experts(false);
+            sess.set_gdn_out_split(a.gdn_out_split);
+            cx.set_gdn_out_flags(0);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -1237,6 +1277,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
+    out["gdn_out_split"] = serde_json::json!(sess.gdn_out_split());
     let f = &a.prefill_flags;
     out["prefill_router"] = serde_json::json!(format!("{:?}", f.prefill_router));
     out["gemm_main_loop"] = serde_json::json!(format!("{:?}", f.gemm_main_loop));
@@ -1314,7 +1355,7 @@ fn top2_margin(v: &[f32]) -> f32 {
 /// choices, which is inherent to bf16 inference (transformers in bf16 does the same).
 pub fn check(a: CudaCheckArgs) -> Result<()> {
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
-    upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged)?;
+    upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split)?;
     if let Some(which) = a.attn_trigger_flip.as_deref() {
         let (split, combine) = match which {
             "split" => (true, false),
@@ -1343,6 +1384,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     sess.set_pdl(a.pdl);
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
+    sess.set_gdn_out_split(a.gdn_out_split);
     // the engine's accelerator below creates its own prefiller: the same router for both
     set_prefill_options(&cx, &a.prefill_flags);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;

@@ -204,12 +204,13 @@ __device__ __forceinline__ void step_loads(StepLoads<NT>& L, const StepAt& at, c
 // channel of its column (DK <= t < DK + COLS) or a (t == DK + COLS); yx = the k channel, z
 // of its column, or b. mbar (CLUSTER * 4 bytes expected) and ssq_s: this block's, initialised
 // before the cluster arrival; `waited`: the caller already passed calla_cluster_wait();
-// scratch: StepScratch<NT> in this block's shared memory (16-byte aligned).
+// scratch: StepScratch<NT> in this block's shared memory (16-byte aligned); y_keep: when not
+// null, threads t < C4 also leave their four outputs (columns c0 + 4t ..) there.
 template <int NT>
 __device__ __forceinline__ void step_core(const StepLoads<NT>& L, const StepAt& at, float xx, float yx,
                                           float* __restrict__ out, float* __restrict__ s,
                                           float* __restrict__ conv_state, unsigned long long* mbar, float* ssq_s,
-                                          bool waited, StepScratch<NT>& sc) {
+                                          bool waited, StepScratch<NT>& sc, float4* y_keep = nullptr) {
     using SH = StepShape<NT>;
     constexpr int RG = SH::RG, RPT = SH::RPT, WARPS = SH::WARPS;
     float* q_s = sc.q;
@@ -357,6 +358,7 @@ __device__ __forceinline__ void step_core(const StepLoads<NT>& L, const StepAt& 
         y.z = w.z * (o.z * rinv) * z.z;
         y.w = w.w * (o.w * rinv) * z.w;
         reinterpret_cast<float4*>(out + j * DV + c0)[t] = y;
+        if (y_keep != nullptr) *y_keep = y;
     }
 
     // --- q/k conv-state shift (each channel has one writer; every reader is done)
@@ -690,7 +692,287 @@ __device__ __forceinline__ void in_step(float* __restrict__ out, float* __restri
     mark(5);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The output projection and the MoE router's sums behind the step (gdn_step_out_r*_g*): one
+// launch per GDN layer instead of gdn_decode_step and the output projection with the router
+// folded in (kernels/gemv.cu gemv_resid_rf_*): the step's kernel boundary and the projection's
+// own dependent phase go away.
+//
+// h = x + W_o·o is linear in o, and so are the fold's router sums (kernels/gemv.cu RouterFold):
+// with W_r' = W_r·diag(1 + post_norm_w), Σ_c W_r'[e, c]·h_c = (W_r'·x)_e + ((W_r'·W_o)·o)_e. So
+// the cluster of QK head i, which holds o's K range [256i, 256i + 256) (the columns of its two
+// V-heads), adds its share of h and of every router sum while no block ever holds all of h:
+//  * the blocks exchange their 32 outputs (st.async into slot [rank] of every block, counted on
+//    an mbarrier) and each makes the range's four groups of digits (kernels/qtile.cuh);
+//  * block rank r multiplies them into rows 256r .. 256r + 255 of W_o (16 × 4 tiles of 16 × 64,
+//    4-bit, restacked by the host: crates/cuda/src/gdn.rs GdnOutSplit) and adds the rows into
+//    acc_h with f64 atomics (16 clusters per row);
+//  * and into rows 33r .. 33r + 32 of B = W_r'·W_o over the range (the router's rows, then the
+//    shared gate's; f32, made by the host from the dequantized weights: bf16 would move the
+//    logits by ~1e-3 of their spread, enough to flip a top-8 choice on most tokens of a
+//    random-weight model), f64 atomics into the fold's sums acc[e · RF_STRIDE];
+//  * the residual stream's part W_r'·x: block blk (= 8i + r) takes router rows blk, blk + 128,
+//    blk + 256 (the shared gate's row is 256), 16 columns per thread as RouterFold does.
+// Σ h² (the norm's factor) is not linear: the MoE cluster kernel after it
+// (moe_cluster_split_e4, kernels/moe.cu) makes h = x + acc_h and Σ h² itself. f64 atomics of
+// f32 shares: exact while they span fewer than ~29 binades, so the order of arrival does not
+// change the sums in practice (as RouterFold's).
+// Before the PDL wait: the step's loads, the router rows' codes (registers), and the bulk
+// copies of the block's tiles and B rows; x, like proj, after it.
+constexpr int OUT_D = CALLA_D_MODEL;
+constexpr int OUT_NE = CALLA_N_EXPERTS;
+constexpr int OUT_NR = OUT_NE + 1;                         // router rows, then the shared gate's
+constexpr int OUT_KC = CLUSTER * COLS;                     // o's K range of one cluster
+constexpr int OUT_G = OUT_KC / CALLA_QUANT_GROUP;          // its groups
+constexpr int OUT_RT = OUT_D / 16 / CLUSTER;               // 16-row tiles of h per block
+constexpr int OUT_TILES = OUT_RT * OUT_G;
+constexpr int OUT_BR = (OUT_NR + CLUSTER - 1) / CLUSTER;   // rows of B per block
+constexpr int OUT_NB = NV * COL_BLOCKS;                    // blocks
+constexpr int OUT_RR = (OUT_NR + OUT_NB - 1) / OUT_NB;     // rows of W_r'·x of block 0 (the most)
+constexpr int OUT_PASSES = (OUT_RR + 1) / 2;               // two rows per pass (a half-block each)
+constexpr int OUT_CH = OUT_D / 16;                         // 16-column pieces of a router row
+constexpr int OUT_RF_STRIDE = 16;                          // kernels/gemv.cu RF_STRIDE
+constexpr int OUT_ACC_H = (OUT_NE + 2) * OUT_RF_STRIDE;    // acc_h in a set (kernels/moe.cu RF_ACC_H)
+static_assert(OUT_G * CALLA_QUANT_GROUP == OUT_KC && OUT_G <= WARPS, "a warp per group of o's digits");
+static_assert(OUT_RT == 2 * WARPS, "two row tiles of h per warp");
+static_assert(THREADS == 2 * OUT_CH, "a half-block per router row of W_r'·x");
+static_assert(COLS == 4 * C4 && CLUSTER * C4 == 64 && OUT_KC == 8 * 32, "o's exchange and B's rows: 8 values per lane");
+
+// Dynamic shared memory of one block (host: gdn.rs out_block_bytes), the block's region of the
+// restacked weights as it lies in global memory: 4-bit codes [OUT_RT][OUT_G] tiles, their
+// {scale|bias} pairs [OUT_RT][OUT_G][8], then B's rows [OUT_BR][OUT_KC] f32.
+struct OutSmem {
+    static constexpr int CODES = OUT_TILES * 4 * 128;
+    static constexpr int SB = OUT_TILES * 64;
+    static constexpr int BROWS = OUT_BR * OUT_KC * 4;
+    static constexpr int BYTES = CODES + SB + BROWS;
+};
+static_assert(OutSmem::CODES % 16 == 0 && OutSmem::SB % 16 == 0 && OutSmem::BROWS % 16 == 0, "bulk copies of 16-byte multiples");
+
+template <int RB, int GB>
+__device__ __forceinline__ void step_out(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
+                                         const float* __restrict__ proj, const float* __restrict__ conv_w,
+                                         const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
+                                         const float* __restrict__ norm_w, const unsigned char* __restrict__ tiles,
+                                         const unsigned char* __restrict__ r_packed, const unsigned* __restrict__ r_sb,
+                                         const unsigned char* __restrict__ g_packed, const unsigned* __restrict__ g_sb,
+                                         const float* __restrict__ post_w, const float* x, double* acc, int flags) {
+    using namespace calla_qt;
+    using S = OutSmem;
+    // measurement switches (gdn.rs set_gdn_out_flags): leave B out, leave W_o's tiles out (both
+    // make the sums wrong), issue the bulk copies after the step; or no shared memory: the
+    // region only prefetched into L2 before the wait, read into registers after the step
+    const bool skip_b = flags & 1, skip_w = flags & 2, late_copy = flags & 4, l2_only = flags & 8;
+    const unsigned copy_bytes =
+        l2_only ? 0u : (skip_w ? 0u : (unsigned)(S::CODES + S::SB)) + (skip_b ? 0u : (unsigned)S::BROWS);
+    static_assert(S::BYTES + 5 * 1024 <= 227 * 1024, "shared memory of one block");
+    extern __shared__ __align__(128) unsigned char out_dyn[];
+    __shared__ float ssq_s[CLUSTER];                              // step_core: every block's Σ o²
+    __shared__ __align__(8) unsigned long long mbar;              // ... all arrived
+    __shared__ __align__(8) unsigned long long mbar_o;            // every block's outputs arrived
+    __shared__ __align__(8) unsigned long long mbar_w;            // the tiles and B rows arrived
+    __shared__ __align__(16) float s_o[OUT_KC];                   // o over the cluster's K range
+    __shared__ __align__(16) unsigned s_oq[OUT_G][CALLA_QUANT_GROUP];  // its digits (half-warp 0's)
+    __shared__ __align__(16) unsigned s_oq_scratch[OUT_G][CALLA_QUANT_GROUP];  // half-warp 1's
+    __shared__ __align__(8) float2 s_om[2][OUT_G];
+    __shared__ float s_rr[OUT_PASSES][WARPS];                     // W_r'·x: per warp and pass
+
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const StepAt at = step_at();
+    const int blk = at.i * CLUSTER + (int)at.rank;
+    const unsigned char* region = tiles + (size_t)blk * S::BYTES;
+    if (t == 0) {
+        calla_mbar_init_expect(&mbar, CLUSTER * sizeof(float));
+        calla_mbar_init_expect(&mbar_o, OUT_KC * sizeof(float));
+        calla_mbar_init_expect(&mbar_w, copy_bytes);
+    }
+    calla_cluster_arrive_relaxed();  // "started, mbarriers ready"; waited for before the first send
+    __syncthreads();                 // the mbarriers are initialised before anyone polls them
+
+    // --- before the PDL wait: the step's loads, the router rows' codes, then the bulk copies
+    StepLoads<THREADS> L;
+    step_loads<THREADS>(L, at, s, conv_state, conv_w, a_neg_exp, dt_bias, norm_w);
+    const int half = t / OUT_CH, piece = t % OUT_CH;
+    uint4 rw[OUT_PASSES];
+    unsigned rsb[OUT_PASSES];
+#pragma unroll
+    for (int p = 0; p < OUT_PASSES; ++p) {
+        const int row = blk + OUT_NB * (2 * p + half);
+        rw[p] = make_uint4(0u, 0u, 0u, 0u);
+        rsb[p] = 0u;
+        if (row < OUT_NE) rf_load_row<RB>(r_packed, r_sb, row, piece, OUT_D, rw[p], rsb[p]);
+        else if (row == OUT_NE) rf_load_row<GB>(g_packed, g_sb, 0, piece, OUT_D, rw[p], rsb[p]);
+    }
+    auto request = [&]() {
+        if (l2_only) {
+            if (warp == 0 && lane == 0 && !skip_w) calla_prefetch_l2(region, S::CODES + S::SB);
+            if (warp == 0 && lane == 1 && !skip_b) calla_prefetch_l2(region + S::CODES + S::SB, S::BROWS);
+            return;
+        }
+        if (warp == 0 && lane == 0 && !skip_w) calla_bulk_copy(out_dyn, region, S::CODES, &mbar_w);
+        if (warp == 0 && lane == 1 && !skip_w) calla_bulk_copy(out_dyn + S::CODES, region + S::CODES, S::SB, &mbar_w);
+        if (warp == 0 && lane == 2 && !skip_b)
+            calla_bulk_copy(out_dyn + S::CODES + S::SB, region + S::CODES + S::SB, S::BROWS, &mbar_w);
+    };
+    if (!late_copy) request();
+
+    calla_pdl_wait();
+
+    // --- the step (as step()), keeping this block's 32 outputs
+    float xx = 0.f, yx = 0.f;
+    if (t < DK) {
+        xx = ld_f(proj + L.ch);
+        yx = ld_f(proj + KEY_DIM + L.ch);
+    } else if (t < DK + COLS) {
+        xx = ld_f(proj + L.ch);
+        yx = ld_f(proj + Z_OFF + at.j * DV + at.c0 + (t - DK));
+    } else if (t == DK + COLS) {
+        xx = ld_f(proj + A_OFF + at.j);
+        yx = ld_f(proj + B_OFF + at.j);
+    }
+    const float4 xa = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece);
+    const float4 xb = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece + 1);
+    const float4 xc = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece + 2);
+    const float4 xd = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece + 3);
+    __shared__ __align__(16) StepScratch<THREADS> sc;
+    float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
+    step_core<THREADS>(L, at, xx, yx, out, s, conv_state, &mbar, ssq_s, false, sc, &y);
+    if (late_copy) request();
+
+    // --- the 32 outputs to every block of the cluster (step_core passed calla_cluster_wait()):
+    // lane l of warp 0 sends piece l % C4 (thread l % C4's float4) to blocks l / C4 + 4m
+    if (warp == 0) {
+        const int pc = lane % C4;
+        const uint4 v = make_uint4(__float_as_uint(__shfl_sync(0xffffffffu, y.x, pc)), __float_as_uint(__shfl_sync(0xffffffffu, y.y, pc)),
+                                   __float_as_uint(__shfl_sync(0xffffffffu, y.z, pc)), __float_as_uint(__shfl_sync(0xffffffffu, y.w, pc)));
+#pragma unroll
+        for (int dst = lane / C4; dst < CLUSTER; dst += 32 / C4)
+            calla_st_async_u4(&s_o[COLS * at.rank + 4 * pc], &mbar_o, (unsigned)dst, v);
+    }
+
+    // --- W_r'·x: this thread's 16 columns of its pass rows, then the half-block, in order
+    {
+        const float4 wa = __ldg(reinterpret_cast<const float4*>(post_w) + 4 * piece);
+        const float4 wb = __ldg(reinterpret_cast<const float4*>(post_w) + 4 * piece + 1);
+        const float4 wc = __ldg(reinterpret_cast<const float4*>(post_w) + 4 * piece + 2);
+        const float4 wd = __ldg(reinterpret_cast<const float4*>(post_w) + 4 * piece + 3);
+        const float hv[16] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w, xc.x, xc.y, xc.z, xc.w, xd.x, xd.y, xd.z, xd.w};
+        const float nw1[16] = {1.f + wa.x, 1.f + wa.y, 1.f + wa.z, 1.f + wa.w, 1.f + wb.x, 1.f + wb.y, 1.f + wb.z, 1.f + wb.w,
+                               1.f + wc.x, 1.f + wc.y, 1.f + wc.z, 1.f + wc.w, 1.f + wd.x, 1.f + wd.y, 1.f + wd.z, 1.f + wd.w};
+#pragma unroll
+        for (int p = 0; p < OUT_PASSES; ++p) {
+            const int row = blk + OUT_NB * (2 * p + half);
+            float v = 0.f;
+            if (row < OUT_NE) v = rf_part<RB>(rw[p], rsb[p], hv, nw1);
+            else if (row == OUT_NE) v = rf_part<GB>(rw[p], rsb[p], hv, nw1);
+            v = calla_warp_sum(v);
+            if (lane == 0) s_rr[p][warp] = v;
+        }
+    }
+    __syncthreads();
+    if (t < 2 * OUT_PASSES) {
+        const int p = t / 2, hf = t % 2;
+        const int row = blk + OUT_NB * (2 * p + hf);
+        if (row < OUT_NR) {
+            constexpr int WPH = WARPS / 2;  // warps per half-block
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < WPH; ++w) v += s_rr[p][hf * WPH + w];
+            atomicAdd(acc + row * OUT_RF_STRIDE, (double)v);
+        }
+    }
+
+    // --- o's digits: group g by warp g (both half-warps alike, into separate buffers)
+    calla_mbar_wait_phase0(&mbar_o);
+    if (warp < OUT_G) {
+        const int hh = lane >> 4;
+        quantize_group(s_o + warp * CALLA_QUANT_GROUP, lane & 15, hh == 0 ? s_oq[warp] : s_oq_scratch[warp],
+                       &s_om[hh][warp]);
+    }
+    __syncthreads();
+    calla_mbar_wait_phase0(&mbar_w);
+
+    // --- rows 256r .. of W_o over the range: warp w's row tiles 2w, 2w + 1, its groups in order
+    const uint4* sm_codes = reinterpret_cast<const uint4*>(out_dyn);
+    const uint2* sm_sb = reinterpret_cast<const uint2*>(out_dyn + S::CODES);
+    const int tq = lane & 3;
+    const float tmul = (tq & 1) ? 65536.0f : 1.0f, xmask = tq == 0 ? 1.0f : 0.0f;
+    double* acc_h = acc + OUT_ACC_H;
+#pragma unroll
+    for (int k = 0; k < (skip_w ? 0 : 2); ++k) {
+        const int rt = 2 * warp + k;
+        float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+        for (int g = 0; g < OUT_G; ++g) {
+            Tile<4> tl;
+            const int tile = rt * OUT_G + g;
+            if (l2_only)
+                tile_load<4>(tl, reinterpret_cast<const uint4*>(region) + tile * tile_u4<4>(),
+                             reinterpret_cast<const uint2*>(region + S::CODES) + tile * 8, lane);
+            else
+                tile_from_smem<4>(tl, sm_codes + tile * tile_u4<4>(), sm_sb + tile * 8, lane);
+            const uint4 b = lane < 16 ? reinterpret_cast<const uint4*>(s_oq[g])[lane] : make_uint4(0u, 0u, 0u, 0u);
+            tile_dot<4>(tl, b, s_om[0][g], tmul, xmask, acc0, acc1);
+        }
+        const float r0 = quad_sum(acc0), r1 = quad_sum(acc1);
+        if (tq == 0) {
+            const int row = (int)at.rank * OUT_RT * 16 + rt * 16 + (lane >> 2);
+            atomicAdd(acc_h + row, (double)r0);
+            atomicAdd(acc_h + row + 8, (double)r1);
+        }
+    }
+
+    // --- rows 33r .. of B over the range: warp w's rows w, w + 8, ..., 8 values per lane
+    // (columns 4·lane .. and 128 + 4·lane ..: conflict-free float4 reads)
+    const float* sm_b = reinterpret_cast<const float*>((l2_only ? region : out_dyn) + S::CODES + S::SB);
+    const float4 oa = reinterpret_cast<const float4*>(s_o)[lane];
+    const float4 ob = reinterpret_cast<const float4*>(s_o)[32 + lane];
+#pragma unroll
+    for (int br = warp; br < (skip_b ? 0 : OUT_BR); br += WARPS) {
+        const float4 wa = l2_only ? __ldcs(reinterpret_cast<const float4*>(sm_b + br * OUT_KC) + lane)
+                                  : reinterpret_cast<const float4*>(sm_b + br * OUT_KC)[lane];
+        const float4 wb = l2_only ? __ldcs(reinterpret_cast<const float4*>(sm_b + br * OUT_KC) + 32 + lane)
+                                  : reinterpret_cast<const float4*>(sm_b + br * OUT_KC)[32 + lane];
+        float v = wa.x * oa.x;
+        v = fmaf(wa.y, oa.y, v);
+        v = fmaf(wa.z, oa.z, v);
+        v = fmaf(wa.w, oa.w, v);
+        v = fmaf(wb.x, ob.x, v);
+        v = fmaf(wb.y, ob.y, v);
+        v = fmaf(wb.z, ob.z, v);
+        v = fmaf(wb.w, ob.w, v);
+        v = calla_warp_sum(v);
+        const int row = OUT_BR * (int)at.rank + br;
+        if (lane == 0 && row < OUT_NR) atomicAdd(acc + row * OUT_RF_STRIDE, (double)v);
+    }
+}
+
 }  // namespace calla_gdn
+
+// The step with the output projection and the router's sums behind it (see calla_gdn::step_out):
+// grid N_V * COL_BLOCKS blocks of THREADS in clusters of CLUSTER, OutSmem::BYTES of dynamic
+// shared memory. out: the step's output as gdn_decode_step's (also kept); tiles: the layer's
+// GdnOutSplit (gdn.rs); r_packed/r_sb, g_packed/g_sb: the router and the shared gate (MLX
+// layout, RB / GB bits); post_w: post_attention_layernorm (zero-centred); x: the residual stream
+// [D_MODEL] before the layer (16-byte aligned); acc: the layer's router-fold set (moe.rs RF_SET
+// f64; zero on entry), router sums at [e · 16], h − x at OUT_ACC_H; flags: measurement switches
+// (step_out, 0 normally).
+#define CALLA_GDN_STEP_OUT(NAME, RB, GB)                                                                          \
+    extern "C" __global__ void __cluster_dims__(calla_gdn::CLUSTER, 1, 1) __launch_bounds__(calla_gdn::THREADS)   \
+        NAME(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,                      \
+             const float* __restrict__ proj, const float* __restrict__ conv_w, const float* __restrict__ a_neg_exp, \
+             const float* __restrict__ dt_bias, const float* __restrict__ norm_w,                                \
+             const unsigned char* __restrict__ tiles, const unsigned char* __restrict__ r_packed,                 \
+             const unsigned* __restrict__ r_sb, const unsigned char* __restrict__ g_packed,                       \
+             const unsigned* __restrict__ g_sb, const float* __restrict__ post_w, const float* x, double* acc,    \
+             int flags) {                                                                                         \
+        calla_gdn::step_out<RB, GB>(out, s, conv_state, proj, conv_w, a_neg_exp, dt_bias, norm_w, tiles, r_packed, \
+                                    r_sb, g_packed, g_sb, post_w, x, acc, flags);                                 \
+    }
+CALLA_GDN_STEP_OUT(gdn_step_out_r4_g4, 4, 4)
+CALLA_GDN_STEP_OUT(gdn_step_out_r4_g8, 4, 8)
+CALLA_GDN_STEP_OUT(gdn_step_out_r8_g4, 8, 4)
+CALLA_GDN_STEP_OUT(gdn_step_out_r8_g8, 8, 8)
 
 // The decode step: grid N_V * COL_BLOCKS blocks of THREADS, clusters of CLUSTER blocks (the
 // column blocks of the V_PER_K V-heads of one QK head). flags: GDN_STEP_EARLY_TRIGGER (lib

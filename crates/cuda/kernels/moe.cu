@@ -425,21 +425,41 @@ __device__ __forceinline__ void gate_up_body(const uint4* __restrict__ codes_e, 
 constexpr int RF_STRIDE = 16;  // kernels/gemv.cu RF_STRIDE
 constexpr int RF_SS = NE + 1;  // racc index of Σ h²
 
-// inv · racc of the routed logits and the shared gate, then router_topk; one warp. racc was
-// written by the output projection, which has completed (see the callers).
-__device__ __forceinline__ void fold_topk(const double* __restrict__ racc, float eps, float* s_logits, int* s_ids,
-                                          float* s_w, int lane) {
+// racc index of acc_h in a set, the split output projection's sums of h − x (kernels/gdn.cu
+// step_out, OUT_ACC_H; moe.rs RF_ACC_H): D f64 after the router's sums.
+constexpr int RF_ACC_H = (NE + 2) * RF_STRIDE;
+
+// This lane's router sums (lanes · PER ..) and the shared gate's, as fold_topk_scaled takes them.
+struct FoldSums {
+    double lg[NE / 32];
+    double gate;
+};
+__device__ __forceinline__ FoldSums fold_sums_load(const double* __restrict__ racc, int lane) {
     constexpr int PER = NE / 32;
-    double lg[PER];
+    FoldSums f;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) lg[i] = __ldcg(racc + (lane * PER + i) * RF_STRIDE);
-    const double lg_gate = __ldcg(racc + NE * RF_STRIDE);
-    const float inv = rsqrtf((float)__ldcg(racc + RF_SS * RF_STRIDE) / float(D) + eps);
+    for (int i = 0; i < PER; ++i) f.lg[i] = __ldcg(racc + (lane * PER + i) * RF_STRIDE);
+    f.gate = __ldcg(racc + NE * RF_STRIDE);
+    return f;
+}
+// inv · the sums of the routed logits and the shared gate, then router_topk; one warp. The sums
+// were written by the output projection, which has completed (see the callers). inv: the
+// RMSNorm factor of h.
+__device__ __forceinline__ void fold_topk_scaled(const FoldSums& f, float inv, float* s_logits, int* s_ids, float* s_w,
+                                                 int lane) {
+    constexpr int PER = NE / 32;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) s_logits[lane * PER + i] = (float)lg[i] * inv;
-    if (lane == 0) s_logits[NE] = (float)lg_gate * inv;
+    for (int i = 0; i < PER; ++i) s_logits[lane * PER + i] = (float)f.lg[i] * inv;
+    if (lane == 0) s_logits[NE] = (float)f.gate * inv;
     __syncwarp();
     router_topk(s_logits, s_ids, s_w, lane);
+}
+// The same with inv from the output projection's Σ h² (racc[RF_SS]).
+__device__ __forceinline__ void fold_topk(const double* __restrict__ racc, float eps, float* s_logits, int* s_ids,
+                                          float* s_w, int lane) {
+    const FoldSums f = fold_sums_load(racc, lane);
+    const float inv = rsqrtf((float)__ldcg(racc + RF_SS * RF_STRIDE) / float(D) + eps);
+    fold_topk_scaled(f, inv, s_logits, s_ids, s_w, lane);
 }
 
 template <int BITS>
@@ -937,6 +957,10 @@ constexpr int CL_MARK_ISSUE = 2;
 // whatever the top-k chose, so every token reads the same pages; the output is wrong (moe.rs
 // CL_PIN_EXPERTS).
 constexpr int CL_PIN_EXPERTS = 4;
+// With the fold: block 0 also zeroes acc_h of the next layer's set (moe.rs CL_ZERO_ACC_H), for a
+// step whose GDN layers run the split output projection (kernels/gdn.cu step_out); always done
+// by moe_cluster_split_e4.
+constexpr int CL_ZERO_ACC_H = 8;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -977,7 +1001,11 @@ struct ClRoute {
     double* racc_zero;
 };
 
-template <int BITS, bool FOLD>
+// SPLIT (with FOLD): after the split output projection (kernels/gdn.cu step_out): h = resid +
+// acc_h (racc + RF_ACC_H, f64 sums) is made here, and Σ h² over the block (the four warps of
+// distinct K quarters, in order) gives the norm's factor instead of racc[RF_SS]; out may be
+// resid (every block reads its h before any block combines: see the combine below).
+template <int BITS, bool FOLD, bool SPLIT = false>
 __device__ __forceinline__ void cluster_body(float* out, const float* resid, const uint4* __restrict__ gu_e,
                                              const uint2* __restrict__ gu_sb_e, const uint4* __restrict__ gu_s,
                                              const uint2* __restrict__ gu_sb_s, const uint4* __restrict__ dn_e,
@@ -1008,6 +1036,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     __shared__ float s_w[NSLOT];
     __shared__ int s_ids[TOPK];
     __shared__ float s_logits[FOLD ? NE + 1 : 1];
+    __shared__ float s_ss[SPLIT ? GU_KS : 1];  // SPLIT: Σ h² of each K quarter
     __shared__ unsigned s_last;
 
     const uint4* sm_gu = reinterpret_cast<const uint4*>(cl_dyn);
@@ -1074,14 +1103,40 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
             const int c = (g0 + 2 * pp + hh) * GROUP + off;
             hx[pp] = __ldcg(reinterpret_cast<const float4*>(rt.h + c));
             hw[pp] = __ldg(reinterpret_cast<const float4*>(rt.norm_w + c));
+            if constexpr (SPLIT) {
+                const double2 a = __ldcg(reinterpret_cast<const double2*>(rt.racc + RF_ACC_H + c));
+                const double2 b = __ldcg(reinterpret_cast<const double2*>(rt.racc + RF_ACC_H + c + 2));
+                hx[pp] = make_float4(hx[pp].x + (float)a.x, hx[pp].y + (float)a.y, hx[pp].z + (float)b.x,
+                                     hx[pp].w + (float)b.y);
+            }
         }
-        const double ss = __ldcg(rt.racc + RF_SS * RF_STRIDE);
-        if (warp == 0) fold_topk(rt.racc, rt.eps, s_logits, s_ids, s_w, lane);
+        float inv = 0.f;
+        double ss_fold = 0.0;  // the fold's Σ h²: requested here, used after the copies are issued
+        if constexpr (!SPLIT) ss_fold = __ldcg(rt.racc + RF_SS * RF_STRIDE);
+        if constexpr (SPLIT) {
+            // warp 0's sums requested with h (one round trip), scaled once Σ h² is known
+            FoldSums fs{};
+            if (warp == 0) fs = fold_sums_load(rt.racc, lane);
+            float ss = 0.f;
+#pragma unroll
+            for (int pp = 0; pp < GU_GPW / 2; ++pp)
+                ss += hx[pp].x * hx[pp].x + hx[pp].y * hx[pp].y + hx[pp].z * hx[pp].z + hx[pp].w * hx[pp].w;
+            ss = calla_warp_sum(ss);
+            if (lane == 0 && warp < GU_KS) s_ss[warp] = ss;
+            __syncthreads();
+            float tot = 0.f;
+#pragma unroll
+            for (int k = 0; k < GU_KS; ++k) tot += s_ss[k];
+            inv = rsqrtf(tot / float(D) + rt.eps);
+            if (warp == 0) fold_topk_scaled(fs, inv, s_logits, s_ids, s_w, lane);
+        } else {
+            if (warp == 0) fold_topk(rt.racc, rt.eps, s_logits, s_ids, s_w, lane);
+        }
         __syncthreads();
         if (routed && warp == 0) request((flags & CL_PIN_EXPERTS) ? slot * (NE / TOPK) + 7 : s_ids[slot]);
         mark(2);  // bulk copies issued
         if (flags & CL_MARK_ISSUE) calla_tl_mark();
-        const float inv = rsqrtf((float)ss / float(D) + rt.eps);
+        if constexpr (!SPLIT) inv = rsqrtf((float)ss_fold / float(D) + rt.eps);
 #pragma unroll
         for (int pp = 0; pp < GU_GPW / 2; ++pp) {
             const float4 x = hx[pp], nw = hw[pp];
@@ -1101,6 +1156,8 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
             if (threadIdx.x < TOPK) rt.sel_ids[threadIdx.x] = s_ids[threadIdx.x];
             if (threadIdx.x < NSLOT) rt.sel_w[threadIdx.x] = s_w[threadIdx.x];
             if (threadIdx.x <= NE + 1) rt.racc_zero[threadIdx.x * RF_STRIDE] = 0.0;
+            if (SPLIT || (flags & CL_ZERO_ACC_H))
+                for (int i = threadIdx.x; i < D; i += CL_THREADS) rt.racc_zero[RF_ACC_H + i] = 0.0;
         }
     } else {
         const int e = routed && warp == 0 ? rt.sel_ids[slot] : 0;
@@ -1208,7 +1265,11 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         float m = 0.f;
 #pragma unroll
         for (int k = 0; k < NSLOT; ++k) m = fmaf(s_w[k], y[k], m);
-        out[row] = resid[row] + m;
+        // SPLIT: h as the digits were made from it. out may be resid: every block of every
+        // cluster read all of h before it sent its group's digits, and this block is past the
+        // arrival of every slot's block of rank r, each of which waited for its cluster's groups
+        const float hr = SPLIT ? resid[row] + (float)__ldcg(rt.racc + RF_ACC_H + row) : resid[row];
+        out[row] = hr + m;
     }
     if (threadIdx.x == 0) counts[r] = 0u;  // for the next launch (kernel boundaries order it)
     mark(10);  // the last block: combined
@@ -1357,6 +1418,22 @@ extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds
     const calla_moe::ClRoute rt = {sel_ids, sel_w, nullptr, nullptr, h, norm_w, eps, racc, racc_zero};
     calla_moe::cluster_body<4, true>(out, h, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part, counts,
                                      hist_row, probe, flags);
+}
+
+// The same after the split output projection (kernels/gdn.cu gdn_step_out_*): x is the
+// residual stream before it, updated in place (h = x + acc_h is made here: cluster_body's
+// SPLIT), acc its set of sums (router shares, then acc_h at RF_ACC_H), acc_zero the next layer's
+// set (zeroed here, acc_h included).
+extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds__(calla_moe::CL_THREADS, 1)
+    moe_cluster_split_e4(float* x, const uint4* __restrict__ gu_e, const uint2* __restrict__ gu_sb_e,
+                         const uint4* __restrict__ gu_s, const uint2* __restrict__ gu_sb_s, const uint4* __restrict__ dn_e,
+                         const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
+                         const uint2* __restrict__ dn_sb_s, int* sel_ids, float* sel_w, const float* __restrict__ norm_w,
+                         float eps, const double* acc, double* acc_zero, float* part, unsigned* counts, int* hist_row,
+                         unsigned long long* probe, int flags) {
+    const calla_moe::ClRoute rt = {sel_ids, sel_w, nullptr, nullptr, x, norm_w, eps, acc, acc_zero};
+    calla_moe::cluster_body<4, true, true>(x, x, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part,
+                                           counts, hist_row, probe, flags);
 }
 
 // Measurement only (cuda_selftest): n flag barriers (calla_flag_arrive + calla_flag_wait in

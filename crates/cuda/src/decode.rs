@@ -164,6 +164,7 @@ fn add_group_major(cx: &CudaContext, in_proj: &mut StackedQMat, out_proj: &mut D
 }
 
 /// One layer's token mixer on the device.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum DeviceMixer {
     /// Gated DeltaNet: stacked `in_proj` (qkv | z | b | a), conv taps, gates, gated-norm
     /// weight, `out_proj`.
@@ -172,6 +173,9 @@ pub enum DeviceMixer {
         /// `in_proj`'s q|k, v, z rows restacked for [`CudaContext::gdn_in_step`]
         /// ([`CudaModel::upload_gdn_in_step`]; `None` until then).
         in_step: Option<crate::gdn::GdnInProj>,
+        /// `out_proj` split over the step's clusters with the router's `B` for
+        /// [`CudaContext::gdn_step_out`] ([`CudaModel::upload_gdn_out_split`]; `None` until then).
+        out_split: Option<crate::gdn::GdnOutSplit>,
         conv_w: CudaSlice<f32>,
         a_neg_exp: CudaSlice<f32>,
         dt_bias: CudaSlice<f32>,
@@ -348,6 +352,44 @@ impl CudaModel {
         Ok(n)
     }
 
+    /// Builds every GDN layer's output projection split over the step's clusters
+    /// ([`CudaContext::upload_gdn_out_split`], with `B` = [`crate::gdn::router_out_product`] of
+    /// the layer's router, shared gate, post-attention norm and `out_proj`) for
+    /// [`CudaSession::set_gdn_out_split`]: 8.9 MB per layer beside the weights the rest of the
+    /// model reads, and ~2.2 G multiply-adds per layer on the CPU. Layers whose `out_proj` is not
+    /// 4-bit are left out. Returns the layers that have it.
+    ///
+    /// # Errors
+    /// As [`CudaContext::upload_gdn_out_split`] and [`crate::gdn::router_out_product`];
+    /// [`CudaError::Unsupported`] when `w` has other layers than this model.
+    pub fn upload_gdn_out_split(&mut self, cx: &CudaContext, w: &Weights) -> Result<usize, CudaError> {
+        if w.layers.len() != self.layers.len() {
+            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
+        }
+        // sessions' captured graphs hold the old launches
+        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut n = 0;
+        for (i, (dl, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
+            if let (DeviceMixer::Gdn { out_split, .. }, Mixer::Gdn(g)) = (&mut dl.mixer, &lw.mixer) {
+                if out_split.is_some() {
+                    n += 1; // kept: replacing it would free a buffer graphs may still read
+                    continue;
+                }
+                let name = |s: &str| format!("model.layers.{i}.{s}");
+                let wo = quantized(&name("linear_attn.out_proj"), &g.out_proj)?;
+                if wo.spec.bits != Bits::B4 {
+                    continue;
+                }
+                let router = quantized(&name("mlp.gate"), &lw.moe.router)?;
+                let shared_gate = quantized(&name("mlp.shared_expert_gate"), &lw.moe.shared_gate)?;
+                let b = crate::gdn::router_out_product(router, shared_gate, &lw.post_norm, wo)?;
+                *out_split = Some(cx.upload_gdn_out_split(wo, &b)?);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     /// Uploads a loaded model's weights (an MLX-layout quantized checkpoint, as loaded by
     /// `model::Model::open`).
     ///
@@ -377,6 +419,7 @@ impl CudaModel {
                     DeviceMixer::Gdn {
                         in_proj,
                         in_step: None,
+                        out_split: None,
                         conv_w: f(&g.conv1d)?,
                         a_neg_exp: f(&g.a_neg_exp)?,
                         dt_bias: f(&g.dt_bias)?,
@@ -525,6 +568,9 @@ pub struct CudaSession {
     /// Each GDN layer's input projection and step as one launch ([`Self::set_gdn_in_step`];
     /// with fused norms, for layers that have [`DeviceMixer::Gdn`]'s `in_step`).
     pub(crate) gdn_in_step: bool,
+    /// GDN layers run [`CudaContext::gdn_step_out`] + [`CudaContext::moe_split_cluster`]
+    /// ([`Self::set_gdn_out_split`]).
+    pub(crate) gdn_out_split: bool,
     /// On-device sampling ([`Self::set_sampling`]): the device state and the parameters the
     /// next sequence starts with; `None`: the greedy pick (`argmax_step`).
     pub(crate) sampling: Option<(crate::sample::SampleState, sampler::SamplingParams)>,
@@ -594,6 +640,7 @@ impl CudaSession {
             moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
             router_fold: cluster,
             gdn_in_step: false,
+            gdn_out_split: false,
             sampling: None,
             graph_model: None,
             graph_gen: 0,
@@ -646,6 +693,27 @@ impl CudaSession {
         let cluster_all = self.moe_flags.cluster
             && !self.moe_flags.fused
             && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
+        let n_layers = m.layers.len();
+        // the router folded into the output projection: no router launch (fused norms, not
+        // the fused MoE kernel)
+        // (a single layer would read and zero one accumulator set: not folded)
+        // (with gate/up and down as two kernels, not with gate/up left out by the ablation:
+        // down's top-k before its wait relies on gate/up's wait having seen the output
+        // projection complete)
+        let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && (cluster_all || on(ablate::MOE_GATE_UP));
+        // the split output projection in every GDN layer (gdn_step_out + moe_split_cluster),
+        // all or none: every MoE launch then also zeroes the next set's h − x
+        let split_all = self.gdn_out_split
+            && fold
+            && cluster_all
+            && self.skip == 0
+            && m.layers.iter().all(|l| match &l.mixer {
+                DeviceMixer::Gdn { out_split, in_step, in_proj, .. } => {
+                    out_split.is_some() && !(self.gdn_in_step && in_step.is_some() && in_proj.runs.len() == 1)
+                }
+                DeviceMixer::Attn { .. } => true,
+            });
+        self.moe_scratch.zero_acc_h = split_all;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;
@@ -677,6 +745,29 @@ impl CudaSession {
                 }
             }
             match (&lw.mixer, ls) {
+                (DeviceMixer::Gdn { conv_w, a_neg_exp, dt_bias, norm, out_split: Some(w), .. }, DeviceLayerState::Gdn { conv, s })
+                    if split_all =>
+                {
+                    cx.gdn_step_out(
+                        w,
+                        &lw.moe,
+                        &lw.post_norm.slice(..),
+                        &self.x.slice(..),
+                        &self.proj.slice(..n_in),
+                        &conv_w.slice(..),
+                        &a_neg_exp.slice(..),
+                        &dt_bias.slice(..),
+                        &norm.slice(..),
+                        &mut conv.slice_mut(..),
+                        &mut s.slice_mut(..),
+                        &mut self.moe_scratch,
+                        crate::moe::fold_set(i, n_layers),
+                        &mut self.mix.slice_mut(..n_out),
+                    )?;
+                    let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
+                    cx.moe_split_cluster(&lw.moe, &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
+                    continue;
+                }
                 (DeviceMixer::Gdn { conv_w, a_neg_exp, dt_bias, norm, .. }, DeviceLayerState::Gdn { conv, s }) => {
                     if let (Some((w, stacked)), true) = (in_step, on(ablate::MIXER)) {
                         cx.gdn_in_step(
@@ -724,14 +815,6 @@ impl CudaSession {
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),
             }
-            // the router folded into the output projection: no router launch (fused norms, not
-            // the fused MoE kernel)
-            // (a single layer would read and zero one accumulator set: not folded)
-            let n_layers = m.layers.len();
-            // (with gate/up and down as two kernels, not with gate/up left out by the ablation:
-            // down's top-k before its wait relies on gate/up's wait having seen the output
-            // projection complete)
-            let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && (cluster_all || on(ablate::MOE_GATE_UP));
             let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
             if on(ablate::OUT_PROJ) {
                 if fold {
@@ -937,6 +1020,25 @@ impl CudaSession {
             self.gdn_scratch.in_l2_first = on;
             self.drop_graphs();
         }
+    }
+
+    /// Runs each GDN layer's step, output projection and router sums as one launch
+    /// ([`CudaContext::gdn_step_out`]) and its experts as [`CudaContext::moe_split_cluster`],
+    /// instead of the step, the output projection with the router folded in and
+    /// [`CudaContext::moe_fold_cluster`] (`false`, the default). Applies when the step runs the
+    /// fold with the cluster kernels, no class is ablated, and every GDN layer has its split
+    /// weights ([`CudaModel::upload_gdn_out_split`]); the step graphs are captured again on the
+    /// next [`Self::start`] when this changes.
+    pub fn set_gdn_out_split(&mut self, on: bool) {
+        if on != self.gdn_out_split {
+            self.gdn_out_split = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Whether GDN layers run the split output projection ([`Self::set_gdn_out_split`]).
+    pub fn gdn_out_split(&self) -> bool {
+        self.gdn_out_split
     }
 
     /// Whether GDN layers run their input projection and step as one launch

@@ -129,6 +129,91 @@ impl GdnInProj {
     }
 }
 
+/// 16-row tiles of `h` per block of [`CudaContext::gdn_step_out`] (`OUT_RT`): rows
+/// `256·rank ..` of the output projection.
+const OUT_RT: usize = p::D_MODEL / TILE_ROWS / CLUSTER;
+/// The output projection's K range of one cluster (`OUT_KC`): the columns of its V-heads.
+const OUT_KC: usize = CLUSTER * COLS;
+/// Groups of that range (`OUT_G`).
+const OUT_G: usize = OUT_KC / QUANT_GROUP;
+/// Router rows and the shared gate's (`OUT_NR`).
+const OUT_NR: usize = p::N_EXPERTS + 1;
+/// Rows of `B = W_r'·W_o` per block (`OUT_BR`).
+const OUT_BR: usize = OUT_NR.div_ceil(CLUSTER);
+/// Blocks of [`CudaContext::gdn_step_out`].
+const OUT_BLOCKS: usize = p::N_V_HEADS * COL_BLOCKS;
+
+/// u32 words of one block's region of [`GdnOutSplit`] (`OutSmem` in `kernels/gdn.cu`): the
+/// 4-bit codes of its `OUT_RT × OUT_G` tiles, their `{scale|bias}` pairs (16 words per tile),
+/// then its `OUT_BR` rows of `B` over the cluster's K range (f32).
+fn out_block_words() -> usize {
+    OUT_RT * OUT_G * (tile_words(Bits::B4) + 16) + OUT_BR * OUT_KC
+}
+
+/// One GDN layer's output projection split over the step's clusters, for
+/// [`CudaContext::gdn_step_out`]: block `(i, r)` (cluster = QK head `i`, rank `r`) holds rows
+/// `256r .. 256r + 255` of `out_proj` over the K range of the cluster's two V-heads
+/// (`[256i, 256i + 256)`), restacked as the MoE kernels' 16 × 64 tiles (`moe.rs pack_tile`), and
+/// rows `33r .. 33r + 32` of `B = W_r·diag(1 + post_norm)·W_o` over the same range (the
+/// router's 256 rows, then the shared gate's; f32). 4.7 MB of tiles and 4.2 MB of `B`.
+pub struct GdnOutSplit {
+    words: CudaSlice<u32>,
+}
+
+impl GdnOutSplit {
+    /// Bytes one application reads.
+    pub fn stored_bytes(&self) -> usize {
+        4 * self.words.len()
+    }
+}
+
+/// `B = W_r·diag(1 + post_norm)·W_o` (`[N_EXPERTS + 1, N_V·D_V]`, row-major f32): the router's
+/// rows (then the shared gate's row) times the RMSNorm's weights times the output projection,
+/// from the dequantized weights (`quant::dequantize`), summed in f64 over the `D_MODEL` terms.
+/// With `h = x + W_o·o` the fold's router sums are `W_r·((1 + w) ⊙ h) = W_r·((1 + w) ⊙ x) +
+/// B·o` (kernels/gdn.cu `step_out`). About 2.2 G multiply-adds per layer (rayon over rows).
+///
+/// # Errors
+/// [`CudaError::Unsupported`] naming the weight whose shape differs.
+pub fn router_out_product(router: QMatRef<'_>, shared_gate: QMatRef<'_>, post_norm: &[f32], out_proj: QMatRef<'_>) -> Result<Vec<f32>, CudaError> {
+    let (d, k) = (p::D_MODEL, GDN_OUT);
+    for (what, m, want_rows, want_cols) in
+        [("mlp.gate", &router, p::N_EXPERTS, d), ("mlp.shared_expert_gate", &shared_gate, 1, d), ("linear_attn.out_proj", &out_proj, d, k)]
+    {
+        if (m.rows, m.cols) != (want_rows, want_cols) {
+            return Err(CudaError::Unsupported(format!("{what} is [{}, {}], expected [{want_rows}, {want_cols}]", m.rows, m.cols)));
+        }
+        quant::validate(m).map_err(|e| CudaError::Unsupported(format!("{what}: {e}")))?;
+    }
+    if post_norm.len() != d {
+        return Err(CudaError::Unsupported(format!("post_attention_layernorm has {} weights, expected {d}", post_norm.len())));
+    }
+    let mut wo = vec![0f32; d * k];
+    wo.par_chunks_mut(k).enumerate().for_each(|(n, row)| quant::dequantize(out_proj.slice_rows(n, n + 1), row));
+    let mut b = vec![0f32; OUT_NR * k];
+    b.par_chunks_mut(k).enumerate().for_each(|(e, brow)| {
+        let mut wr = vec![0f32; d];
+        if e < p::N_EXPERTS {
+            quant::dequantize(router.slice_rows(e, e + 1), &mut wr);
+        } else {
+            quant::dequantize(shared_gate, &mut wr);
+        }
+        let mut acc = vec![0f64; k];
+        for (n, w) in wr.iter().enumerate() {
+            let c = f64::from(*w) * (1.0 + f64::from(post_norm[n]));
+            if c != 0.0 {
+                for (a, v) in acc.iter_mut().zip(&wo[n * k..(n + 1) * k]) {
+                    *a += c * f64::from(*v);
+                }
+            }
+        }
+        for (o, a) in brow.iter_mut().zip(&acc) {
+            *o = *a as f32;
+        }
+    });
+    Ok(b)
+}
+
 /// Scratch of [`CudaContext::gdn_decode_step`]. The fused kernel needs none (blocks exchange
 /// the gated norm's partial sums through cluster shared memory); the type keeps the API stable
 /// should a variant need device scratch. Allocate once with [`CudaContext::gdn_scratch`].
@@ -205,6 +290,66 @@ impl CudaContext {
             }
         });
         Ok(GdnInProj { bits, tiles: self.stream().clone_htod(&host)? })
+    }
+
+    /// Restacks one GDN layer's `out_proj` (`[D_MODEL, N_V·D_V]`, 4-bit, group 64) and its
+    /// `B = W_r·diag(1 + post_norm)·W_o` ([`router_out_product`], `[N_EXPERTS + 1, N_V·D_V]`) for
+    /// [`Self::gdn_step_out`] ([`GdnOutSplit`]) and copies them to the device.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `out_proj` has another shape, width or group size, or `b`
+    /// another length; [`CudaError::Driver`] on allocation.
+    pub fn upload_gdn_out_split(&self, out_proj: QMatRef<'_>, b: &[f32]) -> Result<GdnOutSplit, CudaError> {
+        quant::validate(&out_proj).map_err(|e| CudaError::Unsupported(format!("linear_attn.out_proj: {e}")))?;
+        if out_proj.rows != p::D_MODEL || out_proj.cols != GDN_OUT || out_proj.spec.group_size != QUANT_GROUP || out_proj.spec.bits != Bits::B4 {
+            return Err(CudaError::Unsupported(format!(
+                "linear_attn.out_proj is [{}, {}] at {} bits, group {}; the split output projection is built for [{}, {GDN_OUT}] at 4 bits, group {QUANT_GROUP}",
+                out_proj.rows,
+                out_proj.cols,
+                out_proj.spec.bits.bits(),
+                out_proj.spec.group_size,
+                p::D_MODEL
+            )));
+        }
+        if b.len() != OUT_NR * GDN_OUT {
+            return Err(CudaError::Unsupported(format!("B has {} elements, expected {}", b.len(), OUT_NR * GDN_OUT)));
+        }
+        let tw = tile_words(Bits::B4);
+        let groups = GDN_OUT / QUANT_GROUP;
+        // every 16-row tile of the matrix, all its groups (pack_tile), then scattered by block
+        let row_tiles = p::D_MODEL / TILE_ROWS;
+        let mut packed = vec![0u32; row_tiles * groups * (tw + 16)];
+        packed.par_chunks_mut(groups * (tw + 16)).enumerate().for_each(|(rt, chunk)| {
+            let rows: [(QMatRef<'_>, usize); TILE_ROWS] = std::array::from_fn(|rho| (out_proj, rt * TILE_ROWS + rho));
+            let (codes, sb) = chunk.split_at_mut(groups * tw);
+            pack_tile(&rows, codes, sb);
+        });
+        let per_block = out_block_words();
+        let mut host = vec![0u32; OUT_BLOCKS * per_block];
+        host.par_chunks_mut(per_block).enumerate().for_each(|(blk, region)| {
+            let (i, r) = (blk / CLUSTER, blk % CLUSTER);
+            let (codes, rest) = region.split_at_mut(OUT_RT * OUT_G * tw);
+            let (sb, brows) = rest.split_at_mut(OUT_RT * OUT_G * 16);
+            for lt in 0..OUT_RT {
+                let src = &packed[(r * OUT_RT + lt) * groups * (tw + 16)..][..groups * (tw + 16)];
+                let (src_codes, src_sb) = src.split_at(groups * tw);
+                for g in 0..OUT_G {
+                    let (tile, sg) = (lt * OUT_G + g, i * OUT_G + g);
+                    codes[tile * tw..(tile + 1) * tw].copy_from_slice(&src_codes[sg * tw..(sg + 1) * tw]);
+                    sb[tile * 16..(tile + 1) * 16].copy_from_slice(&src_sb[sg * 16..(sg + 1) * 16]);
+                }
+            }
+            for br in 0..OUT_BR {
+                let e = OUT_BR * r + br;
+                if e < OUT_NR {
+                    let src = &b[e * GDN_OUT + i * OUT_KC..][..OUT_KC];
+                    for (o, v) in brows[br * OUT_KC..(br + 1) * OUT_KC].iter_mut().zip(src) {
+                        *o = v.to_bits();
+                    }
+                }
+            }
+        });
+        Ok(GdnOutSplit { words: self.stream().clone_htod(&host)? })
     }
 
     /// Scratch for [`Self::gdn_decode_step`] (currently no device memory).
@@ -440,12 +585,120 @@ impl CudaContext {
     }
 }
 
-/// Allows `gdn_in_step_q4|q8` their dynamic shared memory (more than the default 48 KB); called
-/// once at context creation.
+/// Allows `gdn_in_step_q4|q8` and `gdn_step_out_*` their dynamic shared memory (more than the
+/// default 48 KB); called once at context creation.
 pub(crate) fn in_step_smem_allow(cx: &CudaContext) -> Result<(), CudaError> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     for (name, bits) in [("gdn_in_step_q4", Bits::B4), ("gdn_in_step_q8", Bits::B8)] {
         cx.func(name)?.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, in_step_smem_bytes(bits) as i32)?;
     }
+    for rb in [4, 8] {
+        for gb in [4, 8] {
+            cx.func(&format!("gdn_step_out_r{rb}_g{gb}"))?
+                .set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (4 * out_block_words()) as i32)?;
+        }
+    }
     Ok(())
+}
+
+impl CudaContext {
+    /// [`Self::gdn_decode_step`] with the layer's output projection and the MoE router's sums
+    /// behind it, one launch (`gdn_step_out_r*_g*`, kernels/gdn.cu `step_out`): the step's
+    /// output `o` goes to `out` as before, and each cluster adds its K range's share of
+    /// `W_o·o` into `h − x` and of the router fold's sums (`W_r·((1 + post_norm) ⊙ h)`, the
+    /// shared gate's too) into accumulator set `set` of `scratch`, `W_r·((1 + post_norm) ⊙ x)`
+    /// included; the set must be zero on entry. `Σ h²` is not summed:
+    /// [`Self::moe_split_cluster`] makes `h = x + (h − x)` and the norm itself. Replaces
+    /// [`Self::gdn_decode_step`] + [`Self::gemv_residual_router`] (within f32 rounding; the
+    /// f64 sums arrive in any order, exact in practice).
+    ///
+    /// * `w`: the layer's [`GdnOutSplit`]; `m`: its MoE (router and shared gate);
+    /// * `post_norm`: `[D_MODEL]` `post_attention_layernorm` (zero-centred), 16-byte aligned;
+    /// * `x`: `[D_MODEL]` the residual stream before the layer, 16-byte aligned;
+    /// * the rest as [`Self::gdn_decode_step`].
+    ///
+    /// # Errors
+    /// As [`Self::gdn_decode_step`]; [`CudaError::Unsupported`] for `post_norm` or `x` of
+    /// another length or alignment, or `set` ≥ [`crate::moe::FOLD_SETS`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_step_out(
+        &self,
+        w: &GdnOutSplit,
+        m: &crate::moe::DeviceMoe,
+        post_norm: &CudaView<'_, f32>,
+        x: &CudaView<'_, f32>,
+        proj: &CudaView<'_, f32>,
+        conv_w: &CudaView<'_, f32>,
+        a_neg_exp: &CudaView<'_, f32>,
+        dt_bias: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        conv_state: &mut CudaViewMut<'_, f32>,
+        s: &mut CudaViewMut<'_, f32>,
+        scratch: &mut crate::moe::MoeScratch,
+        set: usize,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let checks = [
+            ("post_norm", post_norm.len(), p::D_MODEL),
+            ("x", x.len(), p::D_MODEL),
+            ("proj", proj.len(), GDN_PROJ),
+            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
+            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
+            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
+            ("norm_w", norm_w.len(), p::D_V),
+            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
+            ("s", s.len(), GDN_STATE_LEN),
+            ("out", out.len(), GDN_OUT),
+        ];
+        check_lengths("gdn_step_out", &checks)?;
+        if w.words.len() != OUT_BLOCKS * out_block_words() {
+            return Err(CudaError::Unsupported(format!("gdn_step_out: the split weights hold {} words, expected {}", w.words.len(), OUT_BLOCKS * out_block_words())));
+        }
+        let stream = self.stream();
+        let aligned = [
+            ("post_norm", post_norm.device_ptr(stream).0),
+            ("x", x.device_ptr(stream).0),
+            ("s", s.device_ptr(stream).0),
+            ("conv_w", conv_w.device_ptr(stream).0),
+            ("out", out.device_ptr(stream).0),
+        ];
+        check_aligned16("gdn_step_out", &aligned)?;
+        let r = m.router_refs();
+        let name = format!("gdn_step_out_r{}_g{}", r.router_bits.bits(), r.gate_bits.bits());
+        let cfg = LaunchConfig {
+            grid_dim: (OUT_BLOCKS as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let flags = self.gdn_out_flags.load(std::sync::atomic::Ordering::Relaxed) as i32;
+        // (flag 8: the weights through L2 into registers, no shared memory)
+        let cfg = LaunchConfig { shared_mem_bytes: if flags & 8 == 0 { (4 * out_block_words()) as u32 } else { 0 }, ..cfg };
+        let mut acc = scratch.fold_set_mut(set)?;
+        let mut b = stream.launch_builder(self.func(&name)?);
+        b.arg(out)
+            .arg(s)
+            .arg(conv_state)
+            .arg(proj)
+            .arg(conv_w)
+            .arg(a_neg_exp)
+            .arg(dt_bias)
+            .arg(norm_w)
+            .arg(&w.words)
+            .arg(r.router_packed)
+            .arg(r.router_sb)
+            .arg(r.gate_packed)
+            .arg(r.gate_sb)
+            .arg(post_norm)
+            .arg(x)
+            .arg(&mut acc)
+            .arg(&flags);
+        // SAFETY: argument order and types match `gdn_step_out_r*_g*` (kernels/gdn.cu); lengths
+        // and alignment checked above, the split weights hold one region per block
+        // (upload_gdn_out_split), the router rows are [N_EXPERTS, D_MODEL] and [1, D_MODEL] in
+        // the MLX layout at the entry point's widths (upload_moe_refs), acc is one whole set
+        // (RF_SET f64). The dynamic shared memory was allowed at context creation
+        // (in_step_smem_allow); the cluster shape is the kernel's __cluster_dims__.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
 }

@@ -203,6 +203,10 @@ pub const KERNELS: &[KernelSource] = &[
             "gdn_decode_step",
             "gdn_in_step_q4",
             "gdn_in_step_q8",
+            "gdn_step_out_r4_g4",
+            "gdn_step_out_r4_g8",
+            "gdn_step_out_r8_g4",
+            "gdn_step_out_r8_g8",
             "gdn_diag_null_cluster",
             "gdn_diag_null",
         ],
@@ -265,6 +269,7 @@ pub const KERNELS: &[KernelSource] = &[
             "moe_fused_r8_e8",
             "moe_cluster_e4",
             "moe_cluster_fold_e4",
+            "moe_cluster_split_e4",
             "moe_grid_barrier_probe",
             "moe_flag_barrier_probe",
         ],
@@ -515,6 +520,8 @@ pub struct CudaContext {
     /// Unused dynamic shared memory (bytes) each GDN decode step block asks for; set by
     /// [`CudaContext::set_gdn_step_smem_pad`].
     pub(crate) gdn_step_smem_pad: std::sync::atomic::AtomicU32,
+    /// [`CudaContext::set_gdn_out_flags`].
+    pub(crate) gdn_out_flags: std::sync::atomic::AtomicU32,
     /// The GDN decode step triggers its dependent launch at entry; set by
     /// [`CudaContext::set_gdn_step_early_trigger`].
     pub(crate) gdn_step_early_trigger: std::sync::atomic::AtomicBool,
@@ -672,6 +679,7 @@ impl CudaContext {
             in_proj_grid: std::sync::atomic::AtomicU64::new(0),
             out_proj_variant: std::sync::atomic::AtomicU8::new(OUT_PROJ_VARIANT as u8),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
+            gdn_out_flags: std::sync::atomic::AtomicU32::new(0),
             gdn_step_early_trigger: std::sync::atomic::AtomicBool::new(false),
             gemm_group_major: std::sync::atomic::AtomicBool::new(true),
             gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
@@ -732,6 +740,7 @@ impl CudaContext {
             in_proj_grid: std::sync::atomic::AtomicU64::new(self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed)),
             out_proj_variant: std::sync::atomic::AtomicU8::new(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
+            gdn_out_flags: std::sync::atomic::AtomicU32::new(self.gdn_out_flags.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_early_trigger: copy(&self.gdn_step_early_trigger),
             gemm_group_major: copy(&self.gemm_group_major),
             gemm_lean: copy(&self.gemm_lean),
@@ -1544,6 +1553,19 @@ impl CudaContext {
         // within the 48 KB a block gets without opting in, beside the step's 3.5 KB of static
         let bytes = bytes.min(40 * 1024);
         self.launch_option_changed(self.gdn_step_smem_pad.swap(bytes, std::sync::atomic::Ordering::Relaxed) != bytes);
+    }
+
+    /// Measurement switches of [`Self::gdn_step_out`] (`flags` of `gdn_step_out_*`, 0 by
+    /// default): bit 0 leaves `B` out (not copied, not multiplied: the router sums miss the
+    /// output's share), bit 1 the output projection's tiles (`h − x` stays zero), bit 2 issues
+    /// the bulk copies after the step instead of before the PDL wait, bit 3 gives the kernel no
+    /// shared memory (its weights prefetched into L2 before the wait, read into registers after
+    /// the step). Bits 0 and 1 make the outputs wrong (timing only). Graphs captured earlier are
+    /// captured again.
+    #[doc(hidden)]
+    pub fn set_gdn_out_flags(&self, flags: u32) {
+        let flags = flags & 15;
+        self.launch_option_changed(self.gdn_out_flags.swap(flags, std::sync::atomic::Ordering::Relaxed) != flags);
     }
 
     /// Lets the GDN decode step ([`Self::gdn_decode_step`]) trigger its dependent launch (the

@@ -41,8 +41,11 @@ const RF_STRIDE: usize = 16;
 /// `kernels/gemv.cu`).
 const RF_CAP: usize = 16;
 /// f64 of one set of the router fold's accumulators: `N_EXPERTS` logit sums, the shared gate's,
-/// Σ h², each [`RF_STRIDE`] apart.
-const RF_SET: usize = (p::N_EXPERTS + 2) * RF_STRIDE;
+/// Σ h², each [`RF_STRIDE`] apart; then, at [`RF_ACC_H`], `D_MODEL` sums of `h − x` (the split
+/// output projection's, [`CudaContext::gdn_step_out`]).
+const RF_SET: usize = RF_ACC_H + p::D_MODEL;
+/// Offset of `h − x` in a set (`RF_ACC_H` in `kernels/moe.cu`, `OUT_ACC_H` in `kernels/gdn.cu`).
+const RF_ACC_H: usize = (p::N_EXPERTS + 2) * RF_STRIDE;
 /// Sets of router-fold accumulators in a [`MoeScratch`]: consecutive layers use different sets
 /// (a layer's down launch zeroes the next layer's set while its own is still being read), and a
 /// step's last layer one different from its first; three cover any number of layers
@@ -72,6 +75,9 @@ const CL: usize = 8;
 /// Words per block of the expert-per-cluster kernel's phase probe (`CL_MARKS` in `moe.cu`).
 #[doc(hidden)]
 pub const CL_MARKS: usize = 11;
+/// `flags` bit of `moe_cluster_fold_e4`: block 0 also zeroes `h − x` of the next layer's set
+/// (`CL_ZERO_ACC_H` in `moe.cu`), for a step whose GDN layers run the split output projection.
+const CL_ZERO_ACC_H: i32 = 8;
 /// `flags` bit of the expert-per-cluster kernels: with the fold, trigger the next launch once the
 /// block's expert tiles are here (`CL_LATE_TRIGGER` in `moe.cu`; `CudaContext::set_moe_cluster_late_trigger`).
 const CL_LATE_TRIGGER: i32 = 1;
@@ -236,7 +242,40 @@ pub struct DeviceMoe {
     sh_down_sb: CudaSlice<u32>,
 }
 
+/// The router and the shared-expert gate of a [`DeviceMoe`] in the MLX layout, for the kernels
+/// that fold the router into a projection (`gdn_step_out_*`).
+pub(crate) struct RouterRefs<'a> {
+    pub router_bits: Bits,
+    pub gate_bits: Bits,
+    pub router_packed: &'a CudaSlice<u32>,
+    pub router_sb: &'a CudaSlice<u32>,
+    pub gate_packed: &'a CudaSlice<u32>,
+    pub gate_sb: &'a CudaSlice<u32>,
+}
+
+impl DeviceMoe {
+    pub(crate) fn router_refs(&self) -> RouterRefs<'_> {
+        RouterRefs {
+            router_bits: self.router_bits,
+            gate_bits: self.shared_gate_bits,
+            router_packed: &self.router_packed,
+            router_sb: &self.router_sb,
+            gate_packed: &self.sgate_packed,
+            gate_sb: &self.sgate_sb,
+        }
+    }
+}
+
 impl MoeScratch {
+    /// Accumulator set `set` of the router fold ([`RF_SET`] f64), for a kernel that adds into it.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `set` ≥ [`FOLD_SETS`].
+    pub(crate) fn fold_set_mut(&mut self, set: usize) -> Result<CudaViewMut<'_, f64>, CudaError> {
+        check_set(set)?;
+        Ok(self.racc.slice_mut(set * RF_SET..(set + 1) * RF_SET))
+    }
+
     /// The fused kernel's grid-barrier state (arrivals, generation), for checks.
     #[doc(hidden)]
     pub fn bar_state(&self) -> CudaView<'_, u32> {
@@ -315,6 +354,10 @@ pub struct MoeScratch {
     /// `[TOP_K + 1, D_MODEL]`: each slot's down projection (not yet weighted), from the
     /// expert-per-cluster kernel ([`MoeFlags::cluster`]) to the block that combines a slice.
     part: CudaSlice<f32>,
+    /// [`CudaContext::moe_fold_cluster`] also zeroes `h − x` of the set it zeroes (for a step
+    /// whose GDN layers run [`CudaContext::gdn_step_out`], which adds into it; the decode step
+    /// sets it). Off in a new scratch.
+    pub zero_acc_h: bool,
     /// Finished-block counters of the expert-per-cluster kernel, one per 256-row slice (zero
     /// between launches).
     cl_counts: CudaSlice<u32>,
@@ -620,6 +663,7 @@ impl CudaContext {
             racc: s.alloc_zeros::<f64>(FOLD_SETS * RF_SET)?,
             part: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_MODEL)?,
             cl_counts: s.alloc_zeros::<u32>(CL)?,
+            zero_acc_h: false,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
@@ -675,7 +719,7 @@ impl CudaContext {
         self.raw().bind_to_thread()?;
         let smem = cluster_smem_bytes(4);
         let mut ok = true;
-        for name in ["moe_cluster_e4", "moe_cluster_fold_e4"] {
+        for name in ["moe_cluster_e4", "moe_cluster_fold_e4", "moe_cluster_split_e4"] {
             let f = self.func(name)?;
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
             ok &= f.occupancy_max_active_blocks_per_multiprocessor((CL_WARPS * 32) as u32, smem, None)? >= 1;
@@ -1155,12 +1199,7 @@ impl CudaContext {
         let s = self.stream();
         let eps = p::RMS_EPS;
         let func = self.func("moe_cluster_fold_e4")?;
-        let late = self.moe_cluster_late_trigger.load(std::sync::atomic::Ordering::Relaxed);
-        let issue = self.moe_cluster_mark_issue.load(std::sync::atomic::Ordering::Relaxed);
-        let pin = self.moe_cluster_pin_experts.load(std::sync::atomic::Ordering::Relaxed);
-        let flags: i32 = (if late { CL_LATE_TRIGGER } else { 0 })
-            | (if issue { CL_MARK_ISSUE } else { 0 })
-            | (if pin { CL_PIN_EXPERTS } else { 0 });
+        let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 };
         with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
             let mut b = s.launch_builder(func);
             b.arg(out).arg(h);
@@ -1183,6 +1222,69 @@ impl CudaContext {
             unsafe { b.launch(cluster_cfg()) }?;
             Ok(())
         })
+    }
+
+    /// The experts after [`Self::gdn_step_out`] (the split output projection), one cluster
+    /// launch as [`Self::moe_fold_cluster`] (`moe_cluster_split_e4`): `h = x + (h − x)` from
+    /// accumulator set `set`, the RMSNorm factor from `Σ h²` over `h` itself, the top-k from the
+    /// set's router sums, then `x ← h + MoE(rms_norm(h))` in place. Zeroes set `zero_set` (the
+    /// next layer's, `h − x` included).
+    ///
+    /// # Errors
+    /// As [`Self::moe_fold_cluster`].
+    pub fn moe_split_cluster(
+        &self,
+        m: &DeviceMoe,
+        norm_w: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        x: &mut CudaViewMut<'_, f32>,
+        set: usize,
+        zero_set: usize,
+    ) -> Result<(), CudaError> {
+        let d = p::D_MODEL;
+        check_read_zero_sets("moe_split_cluster", set, zero_set)?;
+        if !self.moe_cluster_ready(m, scratch) {
+            return Err(unsupported(format!("moe_split_cluster: expert widths {:?} (every expert matrix must be 4-bit)", m.bits())));
+        }
+        self.check_fold_inputs("moe_split_cluster", &x.as_view(), norm_w)?;
+        if x.len() != d {
+            return Err(unsupported(format!("moe_split_cluster: x {} (D_MODEL = {d})", x.len())));
+        }
+        let s = self.stream();
+        let eps = p::RMS_EPS;
+        let func = self.func("moe_cluster_split_e4")?;
+        let flags = self.moe_cluster_flags();
+        with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
+            let mut b = s.launch_builder(func);
+            b.arg(x);
+            cluster_tile_args(&mut b, m);
+            b.arg(&mut scratch.sel_ids)
+                .arg(&mut scratch.sel_w)
+                .arg(norm_w)
+                .arg(&eps)
+                .arg(read)
+                .arg(zero)
+                .arg(&mut scratch.part)
+                .arg(&mut scratch.cl_counts)
+                .arg(&scratch.hist_row)
+                .arg(&scratch.cl_probe)
+                .arg(&flags);
+            // SAFETY: arguments match `moe_cluster_split_e4` in kernels/moe.cu; lengths checked
+            // above and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
+            // RF_SET f64 each, distinct; hist_row null or an [N_EXPERTS] i32 row. x is read and
+            // written by the same launch, which orders every read of a row before its write
+            // (cluster_body's SPLIT). Cluster shape and shared memory as moe_cluster_launch.
+            unsafe { b.launch(cluster_cfg()) }?;
+            Ok(())
+        })
+    }
+
+    /// `flags` of the expert-per-cluster kernels from the context's measurement switches.
+    fn moe_cluster_flags(&self) -> i32 {
+        let late = self.moe_cluster_late_trigger.load(std::sync::atomic::Ordering::Relaxed);
+        let issue = self.moe_cluster_mark_issue.load(std::sync::atomic::Ordering::Relaxed);
+        let pin = self.moe_cluster_pin_experts.load(std::sync::atomic::Ordering::Relaxed);
+        (if late { CL_LATE_TRIGGER } else { 0 }) | (if issue { CL_MARK_ISSUE } else { 0 }) | (if pin { CL_PIN_EXPERTS } else { 0 })
     }
 
     /// Zero every router-fold accumulator set (what [`Self::moe_fold_down`] does for the next

@@ -302,6 +302,11 @@ fn run_case(s: &mut Suite, name: &str, bits: [u32; 6], seed: u64, ties: bool) {
     for (i, ob) in [4u32, 8].into_iter().enumerate().take(if s.quick { 1 } else { 2 }) {
         router_fold_equals_three(s, &format!("{name} router fold, {ob}-bit out_proj"), &dm, &mut scratch, ob, seed ^ (0x900 + i as u64));
     }
+    // the split output projection (gdn_step_out + moe_split_cluster) against the step, the
+    // output projection with the fold and the cluster kernel (4-bit output projection)
+    if cx.moe_cluster_ready(&dm, &scratch) {
+        split_equals_fold(s, &format!("{name} split output projection"), &w, &dm, &mut scratch, seed ^ 0xD00);
+    }
     // every variant on one more input
     for fl in VARIANTS {
         let u = input(seed ^ 0x180, 0.0);
@@ -829,4 +834,112 @@ fn barrier_probe(s: &mut Suite) {
             edge[1] * 1e6
         ),
     ));
+}
+
+/// The GDN layer's step, output projection and router sums as one launch
+/// (`gdn_step_out`) and its experts after it (`moe_split_cluster`), against `gdn_decode_step`,
+/// `gemv_residual_router` and `moe_fold_cluster` on the same random inputs (a random GDN state
+/// and `proj`, h of RMS ~2 with outlier channels, 4-bit `out_proj`): the step's output, `S` and
+/// the conv state equal bit for bit; `x + (h − x)` against the output projection's h, the
+/// router sums against the fold's (within `Tol::F32`: other order and `B = W_r·W_o` from the
+/// host); the same experts, routing weights and output within `Tol::F32`; the next layer's set
+/// (filled by an earlier split run) zero afterwards, `h − x` included.
+fn split_equals_fold(s: &mut Suite, label: &str, w: &HostMoe, dm: &DeviceMoe, scratch: &mut cuda::moe::MoeScratch, seed: u64) {
+    use cuda::gdn::{GDN_CONV_STATE_LEN, GDN_OUT, GDN_PROJ, GDN_STATE_LEN};
+    let cx = s.cx;
+    let d = p::D_MODEL;
+    let t0 = std::time::Instant::now();
+    let wo = rand_qmat(d, GDN_OUT, 4, seed, 0.02);
+    let wod = cx.upload_qmat(wo.as_ref()).expect("upload out_proj");
+    let nw = rand_f32s(d, seed ^ 0x33, 0.6);
+    let b = cuda::gdn::router_out_product(w.router.as_ref(), w.shared_gate.as_ref(), &nw, wo.as_ref()).expect("router_out_product");
+    let split = cx.upload_gdn_out_split(wo.as_ref(), &b).expect("upload_gdn_out_split");
+    let host_s = t0.elapsed().as_secs_f64();
+    let gw = crate::gdn::weights(seed ^ 0x44);
+    let proj = rand_f32s(GDN_PROJ, seed ^ 0x55, 3f32.sqrt());
+    let conv0 = rand_f32s(GDN_CONV_STATE_LEN, seed ^ 0x66, 3f32.sqrt());
+    let s0 = rand_f32s(GDN_STATE_LEN, seed ^ 0x77, 0.5);
+    let x: Vec<f32> = rand_f32s(d, seed ^ 0x22, 2.0).iter().enumerate().map(|(i, v)| if i % 97 == 0 { v * 20.0 } else { *v }).collect();
+    let up = |v: &[f32]| cx.upload_f32(v).unwrap();
+    let (projd, convw, ane, dtb, gnorm, nwd) = (up(&proj), up(&gw.conv_w), up(&gw.a_neg_exp), up(&gw.dt_bias), up(&gw.norm_w), up(&nw));
+    let mut gscratch = cx.gdn_scratch().expect("gdn_scratch");
+    let set_len = scratch.fold_accumulators().len() / cuda::moe::FOLD_SETS;
+    let acc_h0 = (p::N_EXPERTS + 2) * 16;
+    // the step's output, S, conv state, racc (all sets), out, ids, weights of one path
+    type Run = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f64>, Vec<f32>, Vec<i32>, Vec<f32>);
+    let run = |split_path: bool, scratch: &mut cuda::moe::MoeScratch, gscratch: &mut cuda::gdn::GdnScratch| -> (Run, Vec<f64>) {
+        let (mut conv, mut st, mut mix, mut xd) = (up(&conv0), up(&s0), up(&vec![0f32; GDN_OUT]), up(&x));
+        cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+        let racc_mid;
+        if split_path {
+            // fill set 1 first (another state copy), so that the MoE launch's zeroing shows
+            let (mut c1, mut s1, mut m1) = (up(&conv0), up(&s0), up(&vec![0f32; GDN_OUT]));
+            cx.gdn_step_out(&split, dm, &nwd.slice(..), &xd.slice(..), &projd.slice(..), &convw.slice(..), &ane.slice(..), &dtb.slice(..), &gnorm.slice(..), &mut c1.slice_mut(..), &mut s1.slice_mut(..), scratch, 1, &mut m1.slice_mut(..)).expect("gdn_step_out");
+            cx.gdn_step_out(&split, dm, &nwd.slice(..), &xd.slice(..), &projd.slice(..), &convw.slice(..), &ane.slice(..), &dtb.slice(..), &gnorm.slice(..), &mut conv.slice_mut(..), &mut st.slice_mut(..), scratch, 0, &mut mix.slice_mut(..)).expect("gdn_step_out");
+            racc_mid = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
+            cx.moe_split_cluster(dm, &nwd.slice(..), scratch, &mut xd.slice_mut(..), 0, 1).expect("moe_split_cluster");
+        } else {
+            cx.gdn_decode_step(&projd.slice(..), &convw.slice(..), &ane.slice(..), &dtb.slice(..), &gnorm.slice(..), &mut conv.slice_mut(..), &mut st.slice_mut(..), gscratch, &mut mix.slice_mut(..)).expect("gdn_decode_step");
+            let mut h = up(&vec![0f32; d]);
+            cx.gemv_residual_router(&mut h.slice_mut(..), &wod, &mix.slice(..), &xd.slice(..), dm, &nwd.slice(..), scratch, 0).expect("gemv_residual_router");
+            racc_mid = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
+            // h − x as the split path's acc_h, for the comparison
+            let hh = cx.download_f32(&h).unwrap();
+            let mut out = up(&vec![0f32; d]);
+            cx.moe_fold_cluster(dm, &h.slice(..), &nwd.slice(..), scratch, &mut out.slice_mut(..), 0, 1).expect("moe_fold_cluster");
+            xd = out;
+            let mut racc_h = racc_mid.clone();
+            for (i, v) in hh.iter().enumerate() {
+                racc_h[acc_h0 + i] = f64::from(*v);
+            }
+            let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+            let after = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
+            return ((cx.download_f32(&mix).unwrap(), cx.download_f32(&st).unwrap(), cx.download_f32(&conv).unwrap(), racc_h, cx.download_f32(&xd).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap()), after);
+        }
+        let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
+        let after = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
+        ((cx.download_f32(&mix).unwrap(), cx.download_f32(&st).unwrap(), cx.download_f32(&conv).unwrap(), racc_mid, cx.download_f32(&xd).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap()), after)
+    };
+    let ((mix_a, s_a, conv_a, racc_a, out_a, ids_a, w_a), _) = run(false, scratch, &mut gscratch);
+    let ((mix_b, s_b, conv_b, racc_b, out_b, ids_b, w_b), after_b) = run(true, scratch, &mut gscratch);
+    let ((_, _, _, _, out_b2, ids_b2, w_b2), _) = run(true, scratch, &mut gscratch);
+    cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+    let f64s = |v: &[f32]| v.iter().map(|x| f64::from(*x)).collect::<Vec<f64>>();
+    // the residual stream after the output projection: fold h against x + (h − x)
+    let h_a: Vec<f64> = (0..d).map(|i| racc_a[acc_h0 + i]).collect();
+    let h_b: Vec<f32> = (0..d).map(|i| x[i] + racc_b[acc_h0 + i] as f32).collect();
+    let mut c = check(&h_b, &h_a, Tol::F32, String::new());
+    let fail = |c: &mut Cmp, m: String| {
+        c.ok = false;
+        c.msg.push_str(&m);
+    };
+    let same = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    if !(same(&mix_a, &mix_b) && same(&s_a, &s_b) && same(&conv_a, &conv_b)) {
+        fail(&mut c, "the step's output or state differs from gdn_decode_step's; ".into());
+    }
+    // the router sums (N_EXPERTS logits and the shared gate's), 16 f64 apart
+    let sums = |r: &[f64]| (0..=p::N_EXPERTS).map(|e| r[e * 16]).collect::<Vec<f64>>();
+    let (sa, sb) = (sums(&racc_a), sums(&racc_b));
+    let sb32: Vec<f32> = sb.iter().map(|v| *v as f32).collect();
+    let cs = check(&sb32, &sa, Tol::F32, String::new());
+    if !cs.ok {
+        fail(&mut c, format!("router sums rel {:.2e} max/rms {:.2e}; ", cs.rel, cs.max_over_rms));
+    }
+    let co = check(&out_b, &f64s(&out_a), Tol::F32, String::new());
+    if !co.ok || ids_a != ids_b {
+        fail(&mut c, format!("out rel {:.2e}; ids {ids_b:?} vs {ids_a:?}; ", co.rel));
+    }
+    let cw = check(&w_b, &f64s(&w_a), Tol::F32, String::new());
+    if !cw.ok {
+        fail(&mut c, format!("routing weights {w_b:?} vs {w_a:?}; "));
+    }
+    let nz = after_b[set_len..2 * set_len].iter().filter(|v| **v != 0.0).count();
+    if nz > 0 {
+        fail(&mut c, format!("{nz} accumulators of set 1 not zero after moe_split_cluster zeroed it; "));
+    }
+    if !(same(&out_b, &out_b2) && ids_b == ids_b2 && same(&w_b, &w_b2)) {
+        fail(&mut c, "a second split run differs from the first; ".into());
+    }
+    c.msg.push_str(&format!("router sums rel {:.2e}; out rel {:.2e}; B on the host {host_s:.1} s; ", cs.rel, co.rel));
+    s.record(SEC, label, &c, "");
 }
