@@ -200,6 +200,27 @@ __device__ __forceinline__ void step_loads(StepLoads<NT>& L, const StepAt& at, c
     }
 }
 
+// This thread's inputs of the step from proj (written by the previous kernel: after the PDL
+// wait): xx = the pre-conv q channel (t < DK) or v channel of its column, or a; yx = the k
+// channel, z of its column, or b (see step_core); zero for the other threads.
+template <int NT>
+__device__ __forceinline__ void step_proj_loads(const StepLoads<NT>& L, const StepAt& at, const float* __restrict__ proj,
+                                                float& xx, float& yx) {
+    const int t = threadIdx.x;
+    xx = 0.f;
+    yx = 0.f;
+    if (t < DK) {
+        xx = ld_f(proj + L.ch);
+        yx = ld_f(proj + KEY_DIM + L.ch);
+    } else if (t < DK + COLS) {
+        xx = ld_f(proj + L.ch);
+        yx = ld_f(proj + Z_OFF + at.j * DV + at.c0 + (t - DK));
+    } else if (t == DK + COLS) {
+        xx = ld_f(proj + A_OFF + at.j);
+        yx = ld_f(proj + B_OFF + at.j);
+    }
+}
+
 // The step from this thread's pre-conv inputs on: xx = the q channel (t < DK) or the v
 // channel of its column (DK <= t < DK + COLS) or a (t == DK + COLS); yx = the k channel, z
 // of its column, or b. mbar (CLUSTER * 4 bytes expected) and ssq_s: this block's, initialised
@@ -388,17 +409,8 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     calla_pdl_wait();
 
     // --- proj, written by the previous kernel
-    float xx = 0.f, yx = 0.f;  // current pre-conv q (or v) and k; z; or a and b
-    if (t < DK) {
-        xx = ld_f(proj + L.ch);
-        yx = ld_f(proj + KEY_DIM + L.ch);
-    } else if (t < DK + COLS) {
-        xx = ld_f(proj + L.ch);
-        yx = ld_f(proj + Z_OFF + at.j * DV + at.c0 + (t - DK));
-    } else if (t == DK + COLS) {
-        xx = ld_f(proj + A_OFF + at.j);
-        yx = ld_f(proj + B_OFF + at.j);
-    }
+    float xx, yx;
+    step_proj_loads<THREADS>(L, at, proj, xx, yx);
     __shared__ __align__(16) StepScratch<THREADS> sc;
     step_core<THREADS>(L, at, xx, yx, out, s, conv_state, &mbar, ssq_s, false, sc);
 }
@@ -819,17 +831,8 @@ __device__ __forceinline__ void step_out(float* __restrict__ out, float* __restr
     calla_pdl_wait();
 
     // --- the step (as step()), keeping this block's 32 outputs
-    float xx = 0.f, yx = 0.f;
-    if (t < DK) {
-        xx = ld_f(proj + L.ch);
-        yx = ld_f(proj + KEY_DIM + L.ch);
-    } else if (t < DK + COLS) {
-        xx = ld_f(proj + L.ch);
-        yx = ld_f(proj + Z_OFF + at.j * DV + at.c0 + (t - DK));
-    } else if (t == DK + COLS) {
-        xx = ld_f(proj + A_OFF + at.j);
-        yx = ld_f(proj + B_OFF + at.j);
-    }
+    float xx, yx;
+    step_proj_loads<THREADS>(L, at, proj, xx, yx);
     const float4 xa = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece);
     const float4 xb = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece + 1);
     const float4 xc = __ldcg(reinterpret_cast<const float4*>(x) + 4 * piece + 2);
