@@ -185,7 +185,7 @@ pub struct CudaBenchArgs {
     gdn_in_step: bool,
     /// Run each GDN layer's step, output projection and router sums as one launch and its
     /// experts after it (`CudaSession::set_gdn_out_split`; builds the split output projections
-    /// first: 8.9 MB per layer, ~2.2 G multiply-adds per layer on the CPU) instead of the step,
+    /// first: 9.0 MB per layer, ~2.2 G multiply-adds per layer on the CPU) instead of the step,
     /// the output projection with the router folded in and the MoE cluster kernel.
     #[arg(long)]
     gdn_out_split: bool,
@@ -388,7 +388,7 @@ pub struct CudaCheckArgs {
     gdn_in_step: bool,
     /// Run each GDN layer's step, output projection and router sums as one launch and its
     /// experts after it (`CudaSession::set_gdn_out_split`; builds the split output projections
-    /// first: 8.9 MB per layer, ~2.2 G multiply-adds per layer on the CPU) instead of the step,
+    /// first: 9.0 MB per layer, ~2.2 G multiply-adds per layer on the CPU) instead of the step,
     /// the output projection with the router folded in and the MoE cluster kernel.
     #[arg(long)]
     gdn_out_split: bool,
@@ -804,6 +804,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     a.moe.apply(&mut sess, a.moe_down_r48);
     sess.set_gdn_in_step(a.gdn_in_step);
     sess.set_gdn_out_split(a.gdn_out_split);
+    if a.gdn_out_split && !sess.gdn_out_split_applies(&cx, &gm) {
+        bail!("--gdn-out-split does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
+    }
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -1112,6 +1115,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_moe_cluster_pin_experts(moe_pin);
                 let split = split || a.gdn_out_split;
                 sess.set_gdn_out_split(split);
+                if split && !sess.gdn_out_split_applies(&cx, &gm) {
+                    bail!("--gdn-out-split-compare: the split output projection does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
+                }
                 cx.set_gdn_out_flags(split_flags);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
@@ -1277,7 +1283,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
-    out["gdn_out_split"] = serde_json::json!(sess.gdn_out_split());
+    out["gdn_out_split"] = serde_json::json!(sess.gdn_out_split_applies(&cx, &gm));
     let f = &a.prefill_flags;
     out["prefill_router"] = serde_json::json!(format!("{:?}", f.prefill_router));
     out["gemm_main_loop"] = serde_json::json!(format!("{:?}", f.gemm_main_loop));
@@ -1385,6 +1391,9 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
     sess.set_gdn_out_split(a.gdn_out_split);
+    if a.gdn_out_split && !sess.gdn_out_split_applies(&cx, &gm) {
+        bail!("--gdn-out-split does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
+    }
     // the engine's accelerator below creates its own prefiller: the same router for both
     set_prefill_options(&cx, &a.prefill_flags);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;

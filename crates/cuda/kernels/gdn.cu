@@ -727,8 +727,8 @@ __device__ __forceinline__ void in_step(float* __restrict__ out, float* __restri
 //    blk + 256 (the shared gate's row is 256), 16 columns per thread as RouterFold does.
 // Σ h² (the norm's factor) is not linear: the MoE cluster kernel after it
 // (moe_cluster_split_e4, kernels/moe.cu) makes h = x + acc_h and Σ h² itself. f64 atomics of
-// f32 shares: exact while they span fewer than ~29 binades, so the order of arrival does not
-// change the sums in practice (as RouterFold's).
+// f32 shares (16 per row of h, up to 17 per router sum): exact while they span fewer than ~25
+// binades, so the order of arrival does not change the sums in practice (as RouterFold's).
 // Before the PDL wait: the step's loads, the router rows' codes (registers), and the bulk
 // copies of the block's tiles and B rows; x, like proj, after it.
 constexpr int OUT_D = CALLA_D_MODEL;
@@ -750,7 +750,7 @@ static_assert(OUT_RT == 2 * WARPS, "two row tiles of h per warp");
 static_assert(THREADS == 2 * OUT_CH, "a half-block per router row of W_r'·x");
 static_assert(COLS == 4 * C4 && CLUSTER * C4 == 64 && OUT_KC == 8 * 32, "o's exchange and B's rows: 8 values per lane");
 
-// Dynamic shared memory of one block (host: gdn.rs out_block_bytes), the block's region of the
+// Dynamic shared memory of one block (host: gdn.rs out_block_words), the block's region of the
 // restacked weights as it lies in global memory: 4-bit codes [OUT_RT][OUT_G] tiles, their
 // {scale|bias} pairs [OUT_RT][OUT_G][8], then B's rows [OUT_BR][OUT_KC] f32.
 struct OutSmem {
@@ -771,13 +771,13 @@ __device__ __forceinline__ void step_out(float* __restrict__ out, float* __restr
                                          const float* __restrict__ post_w, const float* x, double* acc, int flags) {
     using namespace calla_qt;
     using S = OutSmem;
-    // measurement switches (gdn.rs set_gdn_out_flags): leave B out, leave W_o's tiles out (both
+    // measurement switches (CudaContext::set_gdn_out_flags): leave B out, leave W_o's tiles out (both
     // make the sums wrong), issue the bulk copies after the step; or no shared memory: the
     // region only prefetched into L2 before the wait, read into registers after the step
     const bool skip_b = flags & 1, skip_w = flags & 2, late_copy = flags & 4, l2_only = flags & 8;
     const unsigned copy_bytes =
         l2_only ? 0u : (skip_w ? 0u : (unsigned)(S::CODES + S::SB)) + (skip_b ? 0u : (unsigned)S::BROWS);
-    static_assert(S::BYTES + 5 * 1024 <= 227 * 1024, "shared memory of one block");
+    static_assert(S::BYTES + 8 * 1024 <= 227 * 1024, "shared memory of one block (~7 KB static)");
     extern __shared__ __align__(128) unsigned char out_dyn[];
     __shared__ float ssq_s[CLUSTER];                              // step_core: every block's Σ o²
     __shared__ __align__(8) unsigned long long mbar;              // ... all arrived

@@ -355,7 +355,7 @@ impl CudaModel {
     /// Builds every GDN layer's output projection split over the step's clusters
     /// ([`CudaContext::upload_gdn_out_split`], with `B` = [`crate::gdn::router_out_product`] of
     /// the layer's router, shared gate, post-attention norm and `out_proj`) for
-    /// [`CudaSession::set_gdn_out_split`]: 8.9 MB per layer beside the weights the rest of the
+    /// [`CudaSession::set_gdn_out_split`]: 9.0 MB per layer beside the weights the rest of the
     /// model reads, and ~2.2 G multiply-adds per layer on the CPU. Layers whose `out_proj` is not
     /// 4-bit are left out. Returns the layers that have it.
     ///
@@ -382,8 +382,12 @@ impl CudaModel {
                 }
                 let router = quantized(&name("mlp.gate"), &lw.moe.router)?;
                 let shared_gate = quantized(&name("mlp.shared_expert_gate"), &lw.moe.shared_gate)?;
-                let b = crate::gdn::router_out_product(router, shared_gate, &lw.post_norm, wo)?;
-                *out_split = Some(cx.upload_gdn_out_split(wo, &b)?);
+                let in_layer = |e: CudaError| match e {
+                    CudaError::Unsupported(m) => CudaError::Unsupported(format!("model.layers.{i}: {m}")),
+                    e => e,
+                };
+                let b = crate::gdn::router_out_product(router, shared_gate, &lw.post_norm, wo).map_err(in_layer)?;
+                *out_split = Some(cx.upload_gdn_out_split(wo, &b).map_err(in_layer)?);
                 n += 1;
             }
         }
@@ -703,16 +707,7 @@ impl CudaSession {
         let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && (cluster_all || on(ablate::MOE_GATE_UP));
         // the split output projection in every GDN layer (gdn_step_out + moe_split_cluster),
         // all or none: every MoE launch then also zeroes the next set's h − x
-        let split_all = self.gdn_out_split
-            && fold
-            && cluster_all
-            && self.skip == 0
-            && m.layers.iter().all(|l| match &l.mixer {
-                DeviceMixer::Gdn { out_split, in_step, in_proj, .. } => {
-                    out_split.is_some() && !(self.gdn_in_step && in_step.is_some() && in_proj.runs.len() == 1)
-                }
-                DeviceMixer::Attn { .. } => true,
-            });
+        let split_all = fold && self.gdn_out_split_applies(cx, m);
         self.moe_scratch.zero_acc_h = split_all;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
@@ -1025,10 +1020,9 @@ impl CudaSession {
     /// Runs each GDN layer's step, output projection and router sums as one launch
     /// ([`CudaContext::gdn_step_out`]) and its experts as [`CudaContext::moe_split_cluster`],
     /// instead of the step, the output projection with the router folded in and
-    /// [`CudaContext::moe_fold_cluster`] (`false`, the default). Applies when the step runs the
-    /// fold with the cluster kernels, no class is ablated, and every GDN layer has its split
-    /// weights ([`CudaModel::upload_gdn_out_split`]); the step graphs are captured again on the
-    /// next [`Self::start`] when this changes.
+    /// [`CudaContext::moe_fold_cluster`] (`false`, the default; measured slower, docs/CUDA.md).
+    /// Applies only where [`Self::gdn_out_split_applies`] says; the step graphs are captured again
+    /// on the next [`Self::start`] when this changes.
     pub fn set_gdn_out_split(&mut self, on: bool) {
         if on != self.gdn_out_split {
             self.gdn_out_split = on;
@@ -1036,7 +1030,32 @@ impl CudaSession {
         }
     }
 
-    /// Whether GDN layers run the split output projection ([`Self::set_gdn_out_split`]).
+    /// Whether the step runs the split output projection in every GDN layer: it is asked for
+    /// ([`Self::set_gdn_out_split`]), the step runs the router fold with the MoE cluster kernels
+    /// (fused norms, every layer's experts 4-bit, at least two layers), no class is ablated, every
+    /// GDN layer has its split weights ([`CudaModel::upload_gdn_out_split`]; only 4-bit output
+    /// projections get them) and none runs its input projection in the step
+    /// ([`Self::set_gdn_in_step`] with [`CudaModel::upload_gdn_in_step`]'s weights).
+    pub fn gdn_out_split_applies(&self, cx: &CudaContext, m: &CudaModel) -> bool {
+        let cluster_all = self.moe_flags.cluster
+            && !self.moe_flags.fused
+            && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
+        self.gdn_out_split
+            && self.router_fold
+            && self.fuse_norm
+            && m.layers.len() >= 2
+            && cluster_all
+            && self.skip == 0
+            && m.layers.iter().all(|l| match &l.mixer {
+                DeviceMixer::Gdn { out_split, in_step, in_proj, .. } => {
+                    out_split.is_some() && !(self.gdn_in_step && in_step.is_some() && in_proj.runs.len() == 1)
+                }
+                DeviceMixer::Attn { .. } => true,
+            })
+    }
+
+    /// Whether GDN layers run the split output projection when it applies
+    /// ([`Self::set_gdn_out_split`], [`Self::gdn_out_split_applies`]).
     pub fn gdn_out_split(&self) -> bool {
         self.gdn_out_split
     }

@@ -155,7 +155,8 @@ fn out_block_words() -> usize {
 /// `256r .. 256r + 255` of `out_proj` over the K range of the cluster's two V-heads
 /// (`[256i, 256i + 256)`), restacked as the MoE kernels' 16 × 64 tiles (`moe.rs pack_tile`), and
 /// rows `33r .. 33r + 32` of `B = W_r·diag(1 + post_norm)·W_o` over the same range (the
-/// router's 256 rows, then the shared gate's; f32). 4.7 MB of tiles and 4.2 MB of `B`.
+/// router's 256 rows, then the shared gate's; f32). 4.7 MB of tiles and 4.3 MB of `B` (rank 7's
+/// last rows are padding): 9.0 MB per layer.
 pub struct GdnOutSplit {
     words: CudaSlice<u32>,
 }
@@ -312,7 +313,11 @@ impl CudaContext {
             )));
         }
         if b.len() != OUT_NR * GDN_OUT {
-            return Err(CudaError::Unsupported(format!("B has {} elements, expected {}", b.len(), OUT_NR * GDN_OUT)));
+            return Err(CudaError::Unsupported(format!(
+                "B (router_out_product's result) has {} elements, expected {}",
+                b.len(),
+                OUT_NR * GDN_OUT
+            )));
         }
         let tw = tile_words(Bits::B4);
         let groups = GDN_OUT / QUANT_GROUP;
@@ -349,6 +354,7 @@ impl CudaContext {
                 }
             }
         });
+        out_split_smem_allow(self)?;
         Ok(GdnOutSplit { words: self.stream().clone_htod(&host)? })
     }
 
@@ -585,20 +591,29 @@ impl CudaContext {
     }
 }
 
-/// Allows `gdn_in_step_q4|q8` and `gdn_step_out_*` their dynamic shared memory (more than the
-/// default 48 KB); called once at context creation.
+/// Allows `gdn_in_step_q4|q8` their dynamic shared memory (more than the default 48 KB); called
+/// once at context creation.
 pub(crate) fn in_step_smem_allow(cx: &CudaContext) -> Result<(), CudaError> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     for (name, bits) in [("gdn_in_step_q4", Bits::B4), ("gdn_in_step_q8", Bits::B8)] {
         cx.func(name)?.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, in_step_smem_bytes(bits) as i32)?;
     }
+    Ok(())
+}
+
+/// Allows `gdn_step_out_*` (and the MoE kernel after it) their dynamic shared memory; called when
+/// a model gets its split output projections ([`CudaContext::upload_gdn_out_split`]), so that a
+/// failure here never touches the default path.
+fn out_split_smem_allow(cx: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    cx.raw().bind_to_thread()?;
     for rb in [4, 8] {
         for gb in [4, 8] {
             cx.func(&format!("gdn_step_out_r{rb}_g{gb}"))?
                 .set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (4 * out_block_words()) as i32)?;
         }
     }
-    Ok(())
+    cx.allow_split_cluster()
 }
 
 impl CudaContext {

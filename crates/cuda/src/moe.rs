@@ -104,7 +104,7 @@ fn cluster_smem_bytes(bits: u32) -> usize {
     tiles * (bits as usize * 128 + 64)
 }
 
-/// Launch shape of `moe_cluster_e4` / `moe_cluster_fold_e4`: `TOP_K + 1` clusters of [`CL`]
+/// Launch shape of `moe_cluster_e4` / `moe_cluster_fold_e4` / `moe_cluster_split_e4`: `TOP_K + 1` clusters of [`CL`]
 /// blocks (the cluster shape is the kernels' `__cluster_dims__`).
 fn cluster_cfg() -> LaunchConfig {
     LaunchConfig {
@@ -114,7 +114,7 @@ fn cluster_cfg() -> LaunchConfig {
     }
 }
 
-/// The expert weights of `moe_cluster_e4` / `moe_cluster_fold_e4`, in their parameter order:
+/// The expert weights of `moe_cluster_e4` / `moe_cluster_fold_e4` / `moe_cluster_split_e4`, in their parameter order:
 /// routed gate/up tiles and pairs, the shared expert's, routed down, shared down.
 fn cluster_tile_args<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, m: &'a DeviceMoe) {
     b.arg(&m.gu_codes)
@@ -283,7 +283,7 @@ impl MoeScratch {
     }
 
     /// The router fold's accumulators ([`FOLD_SETS`] sets of `(N_EXPERTS + 2)·16` f64, every
-    /// 16th used), for checks.
+    /// 16th used, then `D_MODEL` f64 of `h − x`), for checks.
     #[doc(hidden)]
     pub fn fold_accumulators(&self) -> CudaView<'_, f64> {
         self.racc.slice(..)
@@ -349,7 +349,8 @@ pub struct MoeScratch {
     /// Grid barrier of the fused kernel: arrivals (zero between barriers), generation.
     bar: CudaSlice<u32>,
     /// The router fold's accumulators (see [`CudaContext::gemv_residual_router`]): [`FOLD_SETS`]
-    /// sets of `N_EXPERTS + 2` f64 (logit sums, shared-gate sum, Σ h²), [`RF_STRIDE`] apart.
+    /// sets of `N_EXPERTS + 2` f64 (logit sums, shared-gate sum, Σ h²), [`RF_STRIDE`] apart,
+    /// then `D_MODEL` f64 of `h − x` at [`RF_ACC_H`] ([`CudaContext::gdn_step_out`]).
     racc: CudaSlice<f64>,
     /// `[TOP_K + 1, D_MODEL]`: each slot's down projection (not yet weighted), from the
     /// expert-per-cluster kernel ([`MoeFlags::cluster`]) to the block that combines a slice.
@@ -719,7 +720,7 @@ impl CudaContext {
         self.raw().bind_to_thread()?;
         let smem = cluster_smem_bytes(4);
         let mut ok = true;
-        for name in ["moe_cluster_e4", "moe_cluster_fold_e4", "moe_cluster_split_e4"] {
+        for name in ["moe_cluster_e4", "moe_cluster_fold_e4"] {
             let f = self.func(name)?;
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
             ok &= f.occupancy_max_active_blocks_per_multiprocessor((CL_WARPS * 32) as u32, smem, None)? >= 1;
@@ -1058,11 +1059,16 @@ impl CudaContext {
     /// The fold's MoE inputs: `h` and `norm_w` `[D_MODEL]` f32, 16-byte aligned (the kernels
     /// read them as float4). `what` names the caller in the error.
     fn check_fold_inputs(&self, what: &str, h: &CudaView<'_, f32>, norm_w: &CudaView<'_, f32>) -> Result<(), CudaError> {
+        self.check_fold_inputs_named(what, "h", h, norm_w)
+    }
+
+    /// As [`Self::check_fold_inputs`] with the residual stream's buffer called `h_name`.
+    fn check_fold_inputs_named(&self, what: &str, h_name: &str, h: &CudaView<'_, f32>, norm_w: &CudaView<'_, f32>) -> Result<(), CudaError> {
         let d = p::D_MODEL;
         if h.len() != d || norm_w.len() != d {
-            return Err(unsupported(format!("{what}: h {} norm_w {} (D_MODEL = {d})", h.len(), norm_w.len())));
+            return Err(unsupported(format!("{what}: {h_name} {} norm_w {} (D_MODEL = {d})", h.len(), norm_w.len())));
         }
-        for (name, v) in [("h", h), ("norm_w", norm_w)] {
+        for (name, v) in [(h_name, h), ("norm_w", norm_w)] {
             let (ptr, _guard) = v.device_ptr(self.stream());
             if ptr % 16 != 0 {
                 return Err(unsupported(format!("{what}: {name} must be 16-byte aligned (device address {ptr:#x})")));
@@ -1231,7 +1237,9 @@ impl CudaContext {
     /// next layer's, `h − x` included).
     ///
     /// # Errors
-    /// As [`Self::moe_fold_cluster`].
+    /// As [`Self::moe_fold_cluster`]; the launch fails (a driver error) on a context where no
+    /// model got its split output projections yet ([`CudaContext::upload_gdn_out_split`] raises
+    /// this kernel's shared-memory limit).
     pub fn moe_split_cluster(
         &self,
         m: &DeviceMoe,
@@ -1241,15 +1249,11 @@ impl CudaContext {
         set: usize,
         zero_set: usize,
     ) -> Result<(), CudaError> {
-        let d = p::D_MODEL;
         check_read_zero_sets("moe_split_cluster", set, zero_set)?;
         if !self.moe_cluster_ready(m, scratch) {
             return Err(unsupported(format!("moe_split_cluster: expert widths {:?} (every expert matrix must be 4-bit)", m.bits())));
         }
-        self.check_fold_inputs("moe_split_cluster", &x.as_view(), norm_w)?;
-        if x.len() != d {
-            return Err(unsupported(format!("moe_split_cluster: x {} (D_MODEL = {d})", x.len())));
-        }
+        self.check_fold_inputs_named("moe_split_cluster", "x", &x.as_view(), norm_w)?;
         let s = self.stream();
         let eps = p::RMS_EPS;
         let func = self.func("moe_cluster_split_e4")?;
@@ -1277,6 +1281,17 @@ impl CudaContext {
             unsafe { b.launch(cluster_cfg()) }?;
             Ok(())
         })
+    }
+
+    /// Raises `moe_cluster_split_e4`'s dynamic shared-memory limit to what it uses (done when a
+    /// model gets its split output projections, [`CudaContext::upload_gdn_out_split`], so that
+    /// the default path never depends on this variant's kernel).
+    pub(crate) fn allow_split_cluster(&self) -> Result<(), CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute;
+        self.raw().bind_to_thread()?;
+        self.func("moe_cluster_split_e4")?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cluster_smem_bytes(4) as i32)?;
+        Ok(())
     }
 
     /// `flags` of the expert-per-cluster kernels from the context's measurement switches.

@@ -883,7 +883,7 @@ fn split_equals_fold(s: &mut Suite, label: &str, w: &HostMoe, dm: &DeviceMoe, sc
             let mut h = up(&vec![0f32; d]);
             cx.gemv_residual_router(&mut h.slice_mut(..), &wod, &mix.slice(..), &xd.slice(..), dm, &nwd.slice(..), scratch, 0).expect("gemv_residual_router");
             racc_mid = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
-            // h − x as the split path's acc_h, for the comparison
+            // h itself where the split path keeps h − x, for the comparison (h against x + (h − x))
             let hh = cx.download_f32(&h).unwrap();
             let mut out = up(&vec![0f32; d]);
             cx.moe_fold_cluster(dm, &h.slice(..), &nwd.slice(..), scratch, &mut out.slice_mut(..), 0, 1).expect("moe_fold_cluster");
