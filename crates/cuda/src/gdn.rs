@@ -717,3 +717,79 @@ impl CudaContext {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quant::{QMat, QuantSpec};
+
+    /// Uniform values in ±`amp` from a fixed LCG (no GPU, no files).
+    fn rand_vec(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+            })
+            .collect()
+    }
+
+    fn rand_qmat(rows: usize, cols: usize, bits: u32, seed: u64) -> QMat {
+        quant::quantize(&rand_vec(rows * cols, seed, 0.05), rows, cols, QuantSpec::new(bits, QUANT_GROUP).unwrap()).unwrap()
+    }
+
+    fn dequant(m: &QMat) -> Vec<f32> {
+        let mut out = vec![0f32; m.rows * m.cols];
+        quant::dequantize(m.as_ref(), &mut out);
+        out
+    }
+
+    /// The identity `gdn_step_out` relies on: the router's sums of `h = x + W_o·o` (each row
+    /// times `(1 + post_norm) ⊙ h`) equal those of `x` plus `B·o`, with `B` from
+    /// `router_out_product`, to f32 rounding (here against f64 sums of the same dequantized
+    /// weights).
+    #[test]
+    fn router_out_product_gives_the_router_sums_of_the_output_projection() {
+        let (d, k) = (p::D_MODEL, GDN_OUT);
+        let router = rand_qmat(p::N_EXPERTS, d, 8, 1);
+        let gate = rand_qmat(1, d, 8, 2);
+        let wo = rand_qmat(d, k, 4, 3);
+        let nw = rand_vec(d, 4, 0.5);
+        let (x, o) = (rand_vec(d, 5, 2.0), rand_vec(k, 6, 1.0));
+        let b = router_out_product(router.as_ref(), gate.as_ref(), &nw, wo.as_ref()).unwrap();
+        assert_eq!(b.len(), (p::N_EXPERTS + 1) * k);
+        let (wr, wg, wod) = (dequant(&router), dequant(&gate), dequant(&wo));
+        let h: Vec<f64> = (0..d)
+            .map(|n| f64::from(x[n]) + (0..k).map(|c| f64::from(wod[n * k + c]) * f64::from(o[c])).sum::<f64>())
+            .collect();
+        let (mut err, mut norm) = (0f64, 0f64);
+        for e in 0..=p::N_EXPERTS {
+            let row = if e < p::N_EXPERTS { &wr[e * d..(e + 1) * d] } else { &wg[..] };
+            let w1 = |n: usize| f64::from(row[n]) * (1.0 + f64::from(nw[n]));
+            let direct: f64 = (0..d).map(|n| w1(n) * h[n]).sum();
+            let split: f64 = (0..d).map(|n| w1(n) * f64::from(x[n])).sum::<f64>()
+                + (0..k).map(|c| f64::from(b[e * k + c]) * f64::from(o[c])).sum::<f64>();
+            err += (direct - split).powi(2);
+            norm += direct * direct;
+        }
+        let rel = (err / norm).sqrt();
+        assert!(rel < 1e-6, "router sums through B: relative error {rel:.2e}");
+    }
+
+    /// Shapes that are not the model's name the weight.
+    #[test]
+    fn router_out_product_names_a_misshapen_weight() {
+        let (d, k) = (p::D_MODEL, GDN_OUT);
+        let router = rand_qmat(16, d, 8, 1);
+        let gate = rand_qmat(1, d, 8, 2);
+        let wo = rand_qmat(64, k, 4, 3);
+        let err = router_out_product(router.as_ref(), gate.as_ref(), &vec![0.0; d], wo.as_ref()).unwrap_err().to_string();
+        assert!(err.contains("mlp.gate") && err.contains("[16, 2048]"), "{err}");
+        let router = rand_qmat(p::N_EXPERTS, d, 8, 1);
+        let err = router_out_product(router.as_ref(), gate.as_ref(), &vec![0.0; d], wo.as_ref()).unwrap_err().to_string();
+        assert!(err.contains("linear_attn.out_proj"), "{err}");
+        let wo = rand_qmat(d, k, 4, 3);
+        let err = router_out_product(router.as_ref(), gate.as_ref(), &vec![0.0; 7], wo.as_ref()).unwrap_err().to_string();
+        assert!(err.contains("post_attention_layernorm"), "{err}");
+    }
+}
