@@ -789,7 +789,7 @@ mod tests {
         let err = router_out_product(router.as_ref(), gate.as_ref(), &vec![0.0; d], wo.as_ref()).unwrap_err().to_string();
         assert!(err.contains("linear_attn.out_proj"), "{err}");
         let wo = rand_qmat(d, k, 4, 3);
-        let err = router_out_product(router.as_ref(), gate.as_ref(), &vec![0.0; 7], wo.as_ref()).unwrap_err().to_string();
+        let err = router_out_product(router.as_ref(), gate.as_ref(), &[0.0; 7], wo.as_ref()).unwrap_err().to_string();
         assert!(err.contains("post_attention_layernorm"), "{err}");
     }
 }
