@@ -271,6 +271,21 @@ pub fn check_config(cfg: &TextConfig) -> Result<(), CudaError> {
 }
 
 impl CudaModel {
+    /// Checks that `w` has this model's layers and gives the model a new id before its device
+    /// weights change: sessions' captured graphs hold the old launches, and changing the id before
+    /// anything else means that an error part of the way through leaves no graph that could replay
+    /// them.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `w` has other layers than this model.
+    fn begin_weight_change(&mut self, w: &Weights) -> Result<(), CudaError> {
+        if w.layers.len() != self.layers.len() {
+            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
+        }
+        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Adds the staged copy ([`CudaContext::stage_qmat`]) of every 4-bit input and output
     /// projection that has none yet, so that the decode step's fused-norm input projections and
     /// router-fold output projections read it by bulk copies (TMA) while
@@ -284,12 +299,7 @@ impl CudaModel {
     /// As [`CudaContext::stage_qmat`]; [`CudaError::Unsupported`] when `w` does not match this
     /// model's layers.
     pub fn stage_gemvs(&mut self, cx: &CudaContext, w: &Weights) -> Result<usize, CudaError> {
-        if w.layers.len() != self.layers.len() {
-            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
-        }
-        // sessions' captured graphs hold the old launches (changed before anything else, so
-        // that an error part of the way through leaves no graph that could replay them)
-        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.begin_weight_change(w)?;
         let mut n = 0;
         for (l, (dl, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
             let name = |s: &str| format!("layers.{l}.{s}");
@@ -328,11 +338,7 @@ impl CudaModel {
     /// As [`CudaContext::upload_gdn_in_proj`]; [`CudaError::Unsupported`] when `w` has other
     /// layers than this model.
     pub fn upload_gdn_in_step(&mut self, cx: &CudaContext, w: &Weights) -> Result<usize, CudaError> {
-        if w.layers.len() != self.layers.len() {
-            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
-        }
-        // sessions' captured graphs hold the old launches (changed first, see stage_gemvs)
-        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.begin_weight_change(w)?;
         let mut n = 0;
         for (dl, lw) in self.layers.iter_mut().zip(&w.layers) {
             if let (DeviceMixer::Gdn { in_proj, in_step, .. }, Mixer::Gdn(g)) = (&mut dl.mixer, &lw.mixer) {
@@ -363,11 +369,7 @@ impl CudaModel {
     /// As [`CudaContext::upload_gdn_out_split`] and [`crate::gdn::router_out_product`];
     /// [`CudaError::Unsupported`] when `w` has other layers than this model.
     pub fn upload_gdn_out_split(&mut self, cx: &CudaContext, w: &Weights) -> Result<usize, CudaError> {
-        if w.layers.len() != self.layers.len() {
-            return Err(CudaError::Unsupported(format!("weights of {} layers for a model of {}", w.layers.len(), self.layers.len())));
-        }
-        // sessions' captured graphs hold the old launches
-        self.id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.begin_weight_change(w)?;
         let mut n = 0;
         for (i, (dl, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
             if let (DeviceMixer::Gdn { out_split, .. }, Mixer::Gdn(g)) = (&mut dl.mixer, &lw.mixer) {
