@@ -358,6 +358,43 @@ impl CudaContext {
         Ok(GdnOutSplit { words: self.stream().clone_htod(&host)? })
     }
 
+    /// The checks every GDN step launch makes ([`Self::gdn_decode_step`], [`Self::gdn_in_step`],
+    /// [`Self::gdn_step_out`]): the lengths in `inputs` (the launch's own inputs, first), then
+    /// those of the step's weights, conv state, `S` and `out`; then the addresses in
+    /// `inputs_aligned`, and `s`, `conv_w` and `out` 16-byte aligned. `what` names the launch.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] naming the first buffer of another length or alignment.
+    #[allow(clippy::too_many_arguments)]
+    fn check_step_buffers(
+        &self,
+        what: &str,
+        inputs: &[(&str, usize, usize)],
+        inputs_aligned: &[(&str, u64)],
+        conv_w: &CudaView<'_, f32>,
+        a_neg_exp: &CudaView<'_, f32>,
+        dt_bias: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+        conv_state: &CudaViewMut<'_, f32>,
+        s: &CudaViewMut<'_, f32>,
+        out: &CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        check_lengths(what, inputs)?;
+        let step = [
+            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
+            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
+            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
+            ("norm_w", norm_w.len(), p::D_V),
+            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
+            ("s", s.len(), GDN_STATE_LEN),
+            ("out", out.len(), GDN_OUT),
+        ];
+        check_lengths(what, &step)?;
+        check_aligned16(what, inputs_aligned)?;
+        let stream = self.stream();
+        check_aligned16(what, &[("s", s.device_ptr(stream).0), ("conv_w", conv_w.device_ptr(stream).0), ("out", out.device_ptr(stream).0)])
+    }
+
     /// Scratch for [`Self::gdn_decode_step`] (currently no device memory).
     pub fn gdn_scratch(&self) -> Result<GdnScratch, CudaError> {
         Ok(GdnScratch { l2_prefetch: crate::L2Prefetch::default(), in_early_trigger: false, in_l2_first: false, in_probe: None })
@@ -407,24 +444,9 @@ impl CudaContext {
         scratch: &mut GdnScratch,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
-        let checks = [
-            ("proj", proj.len(), GDN_PROJ),
-            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
-            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
-            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
-            ("norm_w", norm_w.len(), p::D_V),
-            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
-            ("s", s.len(), GDN_STATE_LEN),
-            ("out", out.len(), GDN_OUT),
-        ];
-        check_lengths("gdn_decode_step", &checks)?;
+        let inputs = [("proj", proj.len(), GDN_PROJ)];
+        self.check_step_buffers("gdn_decode_step", &inputs, &[], conv_w, a_neg_exp, dt_bias, norm_w, conv_state, s, out)?;
         let stream = self.stream();
-        let aligned = [
-            ("s", s.device_ptr(stream).0),
-            ("conv_w", conv_w.device_ptr(stream).0),
-            ("out", out.device_ptr(stream).0),
-        ];
-        check_aligned16("gdn_decode_step", &aligned)?;
         let cfg = LaunchConfig {
             grid_dim: ((p::N_V_HEADS * COL_BLOCKS) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -498,27 +520,10 @@ impl CudaContext {
                 w.bits.bits()
             )));
         }
-        let checks = [
-            ("h", h.len(), p::D_MODEL),
-            ("in_norm_w", in_norm_w.len(), p::D_MODEL),
-            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
-            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
-            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
-            ("norm_w", norm_w.len(), p::D_V),
-            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
-            ("s", s.len(), GDN_STATE_LEN),
-            ("out", out.len(), GDN_OUT),
-        ];
-        check_lengths("gdn_in_step", &checks)?;
         let stream = self.stream();
-        let aligned = [
-            ("h", h.device_ptr(stream).0),
-            ("in_norm_w", in_norm_w.device_ptr(stream).0),
-            ("s", s.device_ptr(stream).0),
-            ("conv_w", conv_w.device_ptr(stream).0),
-            ("out", out.device_ptr(stream).0),
-        ];
-        check_aligned16("gdn_in_step", &aligned)?;
+        let inputs = [("h", h.len(), p::D_MODEL), ("in_norm_w", in_norm_w.len(), p::D_MODEL)];
+        let aligned = [("h", h.device_ptr(stream).0), ("in_norm_w", in_norm_w.device_ptr(stream).0)];
+        self.check_step_buffers("gdn_in_step", &inputs, &aligned, conv_w, a_neg_exp, dt_bias, norm_w, conv_state, s, out)?;
         let name = match w.bits {
             Bits::B4 => "gdn_in_step_q4",
             Bits::B8 => "gdn_in_step_q8",
@@ -653,31 +658,13 @@ impl CudaContext {
         set: usize,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
-        let checks = [
-            ("post_norm", post_norm.len(), p::D_MODEL),
-            ("x", x.len(), p::D_MODEL),
-            ("proj", proj.len(), GDN_PROJ),
-            ("conv_w", conv_w.len(), GDN_CONV_DIM * p::CONV_KERNEL),
-            ("a_neg_exp", a_neg_exp.len(), p::N_V_HEADS),
-            ("dt_bias", dt_bias.len(), p::N_V_HEADS),
-            ("norm_w", norm_w.len(), p::D_V),
-            ("conv_state", conv_state.len(), GDN_CONV_STATE_LEN),
-            ("s", s.len(), GDN_STATE_LEN),
-            ("out", out.len(), GDN_OUT),
-        ];
-        check_lengths("gdn_step_out", &checks)?;
         if w.words.len() != OUT_BLOCKS * out_block_words() {
             return Err(CudaError::Unsupported(format!("gdn_step_out: the split weights hold {} words, expected {}", w.words.len(), OUT_BLOCKS * out_block_words())));
         }
         let stream = self.stream();
-        let aligned = [
-            ("post_norm", post_norm.device_ptr(stream).0),
-            ("x", x.device_ptr(stream).0),
-            ("s", s.device_ptr(stream).0),
-            ("conv_w", conv_w.device_ptr(stream).0),
-            ("out", out.device_ptr(stream).0),
-        ];
-        check_aligned16("gdn_step_out", &aligned)?;
+        let inputs = [("post_norm", post_norm.len(), p::D_MODEL), ("x", x.len(), p::D_MODEL), ("proj", proj.len(), GDN_PROJ)];
+        let aligned = [("post_norm", post_norm.device_ptr(stream).0), ("x", x.device_ptr(stream).0)];
+        self.check_step_buffers("gdn_step_out", &inputs, &aligned, conv_w, a_neg_exp, dt_bias, norm_w, conv_state, s, out)?;
         let r = m.router_refs();
         let name = format!("gdn_step_out_r{}_g{}", r.router_bits.bits(), r.gate_bits.bits());
         let cfg = LaunchConfig {
