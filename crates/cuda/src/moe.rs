@@ -114,6 +114,13 @@ fn cluster_cfg() -> LaunchConfig {
     }
 }
 
+/// The residual-stream buffers the fold cluster kernels take first: `out` then `h`
+/// (`moe_cluster_fold_e4`), or `x`, read and written in place (`moe_cluster_split_e4`).
+enum ClusterStream<'v, 'a, 'b> {
+    OutH(&'v mut CudaViewMut<'a, f32>, &'v CudaView<'b, f32>),
+    InPlace(&'v mut CudaViewMut<'a, f32>),
+}
+
 /// The expert weights of `moe_cluster_e4` / `moe_cluster_fold_e4` / `moe_cluster_split_e4`, in their parameter order:
 /// routed gate/up tiles and pairs, the shared expert's, routed down, shared down.
 fn cluster_tile_args<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, m: &'a DeviceMoe) {
@@ -1202,32 +1209,8 @@ impl CudaContext {
         if out.len() != d {
             return Err(unsupported(format!("moe_fold_cluster: out {} (D_MODEL = {d})", out.len())));
         }
-        let s = self.stream();
-        let eps = p::RMS_EPS;
-        let func = self.func("moe_cluster_fold_e4")?;
         let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 };
-        with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
-            let mut b = s.launch_builder(func);
-            b.arg(out).arg(h);
-            cluster_tile_args(&mut b, m);
-            b.arg(&mut scratch.sel_ids)
-                .arg(&mut scratch.sel_w)
-                .arg(norm_w)
-                .arg(&eps)
-                .arg(read)
-                .arg(zero)
-                .arg(&mut scratch.part)
-                .arg(&mut scratch.cl_counts)
-                .arg(&scratch.hist_row)
-                .arg(&scratch.cl_probe)
-                .arg(&flags);
-            // SAFETY: arguments match `moe_cluster_fold_e4` in kernels/moe.cu; lengths checked
-            // above and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
-            // RF_SET f64 each, distinct; hist_row null or an [N_EXPERTS] i32 row. Cluster shape
-            // and shared memory as moe_cluster_launch.
-            unsafe { b.launch(cluster_cfg()) }?;
-            Ok(())
-        })
+        self.fold_cluster_launch("moe_cluster_fold_e4", ClusterStream::OutH(out, h), m, norm_w, scratch, set, zero_set, flags)
     }
 
     /// The experts after [`Self::gdn_step_out`] (the split output projection), one cluster
@@ -1254,13 +1237,34 @@ impl CudaContext {
             return Err(unsupported(format!("moe_split_cluster: expert widths {:?} (every expert matrix must be 4-bit)", m.bits())));
         }
         self.check_fold_inputs_named("moe_split_cluster", "x", &x.as_view(), norm_w)?;
+        let flags = self.moe_cluster_flags();
+        self.fold_cluster_launch("moe_cluster_split_e4", ClusterStream::InPlace(x), m, norm_w, scratch, set, zero_set, flags)
+    }
+
+    /// Launches `moe_cluster_fold_e4` or `moe_cluster_split_e4`, whose parameters differ only in
+    /// the leading residual-stream buffers (`stream_bufs`): reads accumulator set `set`, zeroes
+    /// `zero_set` (the callers check both, the buffers and the experts' widths).
+    #[allow(clippy::too_many_arguments)]
+    fn fold_cluster_launch(
+        &self,
+        name: &str,
+        stream_bufs: ClusterStream<'_, '_, '_>,
+        m: &DeviceMoe,
+        norm_w: &CudaView<'_, f32>,
+        scratch: &mut MoeScratch,
+        set: usize,
+        zero_set: usize,
+        flags: i32,
+    ) -> Result<(), CudaError> {
         let s = self.stream();
         let eps = p::RMS_EPS;
-        let func = self.func("moe_cluster_split_e4")?;
-        let flags = self.moe_cluster_flags();
+        let func = self.func(name)?;
         with_read_zero_sets(&mut scratch.racc, set, zero_set, |read, zero| {
             let mut b = s.launch_builder(func);
-            b.arg(x);
+            match stream_bufs {
+                ClusterStream::OutH(out, h) => b.arg(out).arg(h),
+                ClusterStream::InPlace(x) => b.arg(x),
+            };
             cluster_tile_args(&mut b, m);
             b.arg(&mut scratch.sel_ids)
                 .arg(&mut scratch.sel_w)
@@ -1273,10 +1277,11 @@ impl CudaContext {
                 .arg(&scratch.hist_row)
                 .arg(&scratch.cl_probe)
                 .arg(&flags);
-            // SAFETY: arguments match `moe_cluster_split_e4` in kernels/moe.cu; lengths checked
-            // above and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
-            // RF_SET f64 each, distinct; hist_row null or an [N_EXPERTS] i32 row. x is read and
-            // written by the same launch, which orders every read of a row before its write
+            // SAFETY: arguments match `moe_cluster_fold_e4` / `moe_cluster_split_e4` in
+            // kernels/moe.cu (out then h, or x alone, then the same list); lengths checked by the
+            // callers and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
+            // RF_SET f64 each, distinct; hist_row null or an [N_EXPERTS] i32 row. With x alone the
+            // kernel reads and writes it, ordering every read of a row before its write
             // (cluster_body's SPLIT). Cluster shape and shared memory as moe_cluster_launch.
             unsafe { b.launch(cluster_cfg()) }?;
             Ok(())
