@@ -501,6 +501,16 @@ fn open(model: &std::path::Path, device: usize) -> Result<(Model, CudaContext, C
     Ok((m, cx, gm, t.elapsed().as_secs_f64()))
 }
 
+/// Turns the split output projection on or off in `sess` (`CudaSession::set_gdn_out_split`);
+/// asked for where it would not run, an error naming `flag` rather than a silent fallback.
+fn set_gdn_out_split(sess: &mut CudaSession, cx: &CudaContext, gm: &CudaModel, on: bool, flag: &str) -> Result<()> {
+    sess.set_gdn_out_split(on);
+    if on && !sess.gdn_out_split_applies(cx, gm) {
+        bail!("{flag}: the split output projection does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
+    }
+    Ok(())
+}
+
 /// The device weights the measured step variants need (`--gdn-in-step`: the GDN input
 /// projections restacked; `--gemv-staged`: the projections' staged copies; `--gdn-out-split`:
 /// the GDN output projections split over the step's clusters).
@@ -803,10 +813,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     sess.set_fuse_norm(!a.no_fuse_norm);
     a.moe.apply(&mut sess, a.moe_down_r48);
     sess.set_gdn_in_step(a.gdn_in_step);
-    sess.set_gdn_out_split(a.gdn_out_split);
-    if a.gdn_out_split && !sess.gdn_out_split_applies(&cx, &gm) {
-        bail!("--gdn-out-split does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
-    }
+    set_gdn_out_split(&mut sess, &cx, &gm, a.gdn_out_split, "--gdn-out-split")?;
     sess.set_l2_prefetch(a.l2_prefetch);
     let batched = match a.prefill.as_str() {
         "batched" => true,
@@ -1114,10 +1121,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_gdn_step_early_trigger(gdn_early);
                 cx.set_moe_cluster_pin_experts(moe_pin);
                 let split = split || a.gdn_out_split;
-                sess.set_gdn_out_split(split);
-                if split && !sess.gdn_out_split_applies(&cx, &gm) {
-                    bail!("--gdn-out-split-compare: the split output projection does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
-                }
+                set_gdn_out_split(&mut sess, &cx, &gm, split, "--gdn-out-split-compare")?;
                 cx.set_gdn_out_flags(split_flags);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
@@ -1390,10 +1394,7 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     sess.set_pdl(a.pdl);
     a.moe.apply(&mut sess, false);
     sess.set_gdn_in_step(a.gdn_in_step);
-    sess.set_gdn_out_split(a.gdn_out_split);
-    if a.gdn_out_split && !sess.gdn_out_split_applies(&cx, &gm) {
-        bail!("--gdn-out-split does not apply to this step (it needs the router fold with the MoE cluster kernels, 4-bit output projections and experts, and no --gdn-in-step)");
-    }
+    set_gdn_out_split(&mut sess, &cx, &gm, a.gdn_out_split, "--gdn-out-split")?;
     // the engine's accelerator below creates its own prefiller: the same router for both
     set_prefill_options(&cx, &a.prefill_flags);
     let mut pf = Prefiller::new(&cx, &gm, &m.weights, a.prefill_chunk.min(max_ctx))?;
