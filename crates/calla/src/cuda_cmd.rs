@@ -121,6 +121,10 @@ pub struct PrefillFlags {
     /// three (the same bits; `CudaContext::set_gemm_grouped3`).
     #[arg(long)]
     gemm_grouped2: bool,
+    /// The lean GEMMs' weight tiles by per-thread `cp.async` copies instead of bulk copies
+    /// (the same bits; `CudaContext::set_gemm_bulk`).
+    #[arg(long)]
+    gemm_no_bulk: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -695,6 +699,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cuda::prefill::set_default_fused_norm_acts(!f.prefill_norm_acts_apart);
     cuda::gemm::set_default_gemm_grouped3(!f.gemm_grouped2);
     cx.set_gemm_grouped3(!f.gemm_grouped2);
+    cuda::gemm::set_default_gemm_bulk(!f.gemm_no_bulk);
+    cx.set_gemm_bulk(!f.gemm_no_bulk);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -714,6 +720,7 @@ struct PrefillKnobs {
     fit_n: bool,
     slot_bf16: bool,
     side_splitk: bool,
+    bulk: bool,
 }
 
 impl PrefillKnobs {
@@ -732,6 +739,7 @@ impl PrefillKnobs {
             fit_n: cx.gemm_fit_n(),
             slot_bf16: cx.moe_slot_bf16(),
             side_splitk: pf.side_splitk,
+            bulk: cx.gemm_bulk(),
         }
     }
 
@@ -750,6 +758,7 @@ impl PrefillKnobs {
             c.set_gemm_splitk(self.splitk);
             c.set_gemm_fit_n(self.fit_n);
             c.set_moe_slot_bf16(self.slot_bf16);
+            c.set_gemm_bulk(self.bulk);
         });
     }
 
@@ -771,7 +780,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 12] = [
+const PREFILL_CASES: [PrefillCase; 13] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -784,6 +793,7 @@ const PREFILL_CASES: [PrefillCase; 12] = [
     PrefillCase { knob: |k| &mut k.fit_n, off_name: "MMAs at the full tile width", off_key: "full_n_ms", on_name: "MMAs fitted to the tiles' tokens", on_key: "fit_n_ms" },
     PrefillCase { knob: |k| &mut k.slot_bf16, off_name: "MoE down rows in f32", off_key: "slot_f32_ms", on_name: "MoE down rows in bf16", on_key: "slot_bf16_ms" },
     PrefillCase { knob: |k| &mut k.side_splitk, off_name: "shared expert never split over K", off_key: "side_no_splitk_ms", on_name: "shared expert split over K", on_key: "side_splitk_ms" },
+    PrefillCase { knob: |k| &mut k.bulk, off_name: "GEMM weight tiles by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "GEMM weight tiles by bulk copies", on_key: "gemm_bulk_ms" },
 ];
 
 /// `calla cuda-bench`.
@@ -1293,6 +1303,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_main_loop"] = serde_json::json!(format!("{:?}", f.gemm_main_loop));
     out["prefill_norm_acts"] = serde_json::json!(if f.prefill_norm_acts_apart { "apart" } else { "fused" });
     out["gemm_grouped3"] = serde_json::json!(!f.gemm_grouped2);
+    out["gemm_bulk"] = serde_json::json!(!f.gemm_no_bulk);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

@@ -310,7 +310,7 @@ struct Cfg {
     static_assert(BN * DSP * 2 <= STAGES * STAGE, "MoE down staging must fit the ring");
 };
 
-template <int BITS, int MS, int BN, bool WG, bool LEAN>
+template <int BITS, int MS, int BN, bool WG, bool LEAN, bool BULK = false>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
                                            const u16* __restrict__ biases, const u32* __restrict__ sbt,
                                            int sbt_rows, int pk_gm, const u16* __restrict__ xb, float* y,
@@ -322,6 +322,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ int s_wrow[C::BM];
     __shared__ int s_xrow[BN];
     __shared__ int s_orow[BN];
+    __shared__ alignas(8) unsigned long long s_full[C::STAGES];  // BULK: a tile's codes and scales landed
+    static_assert(!BULK || LEAN, "the bulk copies replace the lean loop's per-thread weight copies");
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
@@ -349,6 +351,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         cnt = min(BN, T - tok0);
     }
     const int half_rows = n_rows >> 1;  // I in the SwiGLU modes
+    const bool swiglu_rows = mode == MODE_SWIGLU || mode == MODE_MOE_GATE_UP;  // gate/up rows interleaved by 8
     for (int i = tid; i < C::BM; i += THREADS) {
         int row;
         if (mode != MODE_SWIGLU && mode != MODE_MOE_GATE_UP) {
@@ -372,6 +375,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         }
         s_xrow[i] = xr;
         s_orow[i] = orow;
+    }
+    if (BULK && tid == 0) {
+        for (int i = 0; i < C::STAGES; ++i) calla_mbar_init(&s_full[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
@@ -457,7 +464,13 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     // k-steps of tile t (in stage `stage`).
     auto dequant = [&](int stage, int t, int m, u32 (&A)[4][4]) {
         const unsigned char* st = sptr + stage * C::STAGE;
-        const int r0 = rbase + m * 64, r1 = r0 + 8;
+        // block rows r0 (a gate row in the SwiGLU modes) and r1 = r0 + 8 (the matching up row);
+        // with bulk copies in the SwiGLU modes they sit in the gate and up halves of the tile
+        int r0 = rbase + m * 64, r1 = r0 + 8;
+        if (BULK && swiglu_rows) {
+            r0 = ((r0 >> 4) << 3) + g;
+            r1 = r0 + C::BM / 2;
+        }
         // Group t's scale and bias of rows r0 and r1 (4 bits: the bf16 splatted to both halves;
         // 8 bits: as f32 bits). MLX layout: the aligned pairs of groups t&~1 and t|1 (scales;
         // biases C::SB later), group t's value in half t&1. Group-major: one word per row,
@@ -563,10 +576,43 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             wo[v] = (u32)s_wrow[tid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((tid % PIECES) * 4);
         so = has_s ? (u32)s_wrow[tid] : 0u;
     }
+    // BULK: a tile's codes and (scale, bias) words come as one or two runs of consecutive matrix
+    // rows (group-major, so a run is contiguous per tile): one run of the block's rows, or in
+    // the SwiGLU modes the gate rows into shared rows 0 .. BM/2 and the up rows into BM/2 .. BM
+    // (the dequantization maps its rows there, `phys`). Only the matrix's own rows are copied;
+    // the shared rows past them keep stale bytes, whose products land in rows no epilogue stores.
+    int run_row = 0, run_n = 0;  // first matrix row and rows of run 0 (run 1: + half_rows)
+    if constexpr (BULK) {
+        if (swiglu_rows) {
+            const int c0 = (int)blockIdx.x * (C::BM / 2);
+            run_row = expert * n_rows + c0;
+            run_n = min(C::BM / 2, half_rows - c0);
+        } else {
+            const int r0 = (int)blockIdx.x * C::BM;
+            run_row = expert * n_rows + r0;
+            run_n = min(C::BM, n_rows - r0);
+        }
+    }
     // tile t into ring stage `stage`
     auto load = [&](int tl, int stage) {
         const int t = tl + kt0;  // the tile of the whole K range
-        if constexpr (LEAN) {
+        if constexpr (BULK) {
+            const u32 st = sbase + stage * C::STAGE;
+            const u32 tx = (u32)t * KTILE;
+            if (tid == 0) {
+                unsigned char* const sp = sptr + stage * C::STAGE;
+                const int runs = swiglu_rows ? 2 : 1;
+                calla_mbar_arrive_expect_tx(&s_full[stage], (u32)(runs * run_n * (C::RB + 4)));
+                for (int r = 0; r < runs; ++r) {
+                    const size_t row = (size_t)t * sbt_rows + run_row + r * half_rows;
+                    const int dst_row = r * (C::BM / 2);
+                    calla_bulk_copy(sp + C::XB + dst_row * C::RB, packed + row * (2 * BITS), (u32)(run_n * C::RB), &s_full[stage]);
+                    calla_bulk_copy(sp + C::XB + C::WB + dst_row * 4, sbt + row, (u32)(run_n * 4), &s_full[stage]);
+                }
+            }
+#pragma unroll
+            for (int v = 0; v < C::XPT; ++v) cp_async16(st + xd + v * 32 * 128, xb + (xo[v] + tx), (int)xs[v]);
+        } else if constexpr (LEAN) {
             const u32 st = sbase + stage * C::STAGE;
             const u32 tx = (u32)t * KTILE, tw = (u32)t * (u32)wstep, ts = (u32)t * (u32)sbt_rows;
 #pragma unroll
@@ -591,6 +637,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     int rs = 0, ls = C::STAGES - 2;  // stages of tile t and of tile t + STAGES - 2
     auto begin_tile = [&](int t) {
         cp_async_wait<C::STAGES - 3>();
+        if constexpr (BULK) calla_mbar_wait_parity(&s_full[rs], (u32)(t / C::STAGES) & 1u);
         fence_proxy_async();
         __syncthreads();
         if (t + C::STAGES - 2 < KT) load(t + C::STAGES - 2, ls);
@@ -796,16 +843,18 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
 // products that average few entries per expert) x (engine); the _ln3 ones 3 blocks/SM
-#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, LEAN, MINB)                                                  \
+#define CALLA_QGEMM_ENTRY_B(NAME, BITS, MS, BN, WG, LEAN, MINB, BULK)                                        \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
              const unsigned* sbt, int sbt_rows, int pk_gm, const unsigned short* xb, float* y,                \
              const float* res, unsigned short* act, const int* sorted, const int* offsets,                   \
              const int* tile_offs, int n_rows, int k, int t, int mode, int ldy, int topk) {                  \
-        calla_qgemm::qgemm_body<BITS, MS, BN, WG, LEAN>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res, \
+        calla_qgemm::qgemm_body<BITS, MS, BN, WG, LEAN, BULK>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res, \
                                                       act, sorted, offsets, tile_offs, n_rows, k, t, mode, ldy, \
                                                       topk);                                                 \
     }
+
+#define CALLA_QGEMM_ENTRY(NAME, BITS, MS, BN, WG, LEAN, MINB) CALLA_QGEMM_ENTRY_B(NAME, BITS, MS, BN, WG, LEAN, MINB, false)
 
 CALLA_QGEMM_ENTRY(qgemm_q4_big_wg, 4, 2, 128, true, false, 1)
 CALLA_QGEMM_ENTRY(qgemm_q4_tall_wg, 4, 2, 64, true, false, 2)
@@ -836,6 +885,19 @@ CALLA_QGEMM_ENTRY(qgemm_q8_narrow_ln, 8, 2, 32, true, true, 2)
 // small tiles, whose 66-71 KB rings fit three to an SM (GemmEngine::WgmmaLean3)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln3, 4, 2, 32, true, true, 3)
 CALLA_QGEMM_ENTRY(qgemm_q4_small_ln3, 4, 1, 64, true, true, 3)
+// the lean loop with each tile's codes and scales by bulk copies (TMA) into the same ring
+// stages, issued by one thread and completed on a per-stage mbarrier (GemmEngine::WgmmaBulk,
+// WgmmaBulk3); matrices with group-major codes and scales only
+CALLA_QGEMM_ENTRY_B(qgemm_q4_big_lb, 4, 2, 128, true, true, 1, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_tall_lb, 4, 2, 64, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_small_lb, 4, 1, 64, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_narrow_lb, 4, 2, 32, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q8_big_lb, 8, 2, 128, true, true, 1, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q8_tall_lb, 8, 2, 64, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q8_small_lb, 8, 1, 64, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q8_narrow_lb, 8, 2, 32, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_narrow_lb3, 4, 2, 32, true, true, 3, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_small_lb3, 4, 1, 64, true, true, 3, true)
 
 // The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
 // [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.

@@ -134,6 +134,20 @@ pub fn set_default_gemm_grouped3(on: bool) {
     DEFAULT_GEMM_GROUPED3.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bulk`] on (the process
+/// default, [`set_default_gemm_bulk`]; on unless set).
+pub fn default_gemm_bulk() -> bool {
+    DEFAULT_GEMM_BULK.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_BULK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Sets [`default_gemm_bulk`] for contexts created afterwards (`calla cuda-bench | cuda-check
+/// --gemm-no-bulk` turns it off).
+pub fn set_default_gemm_bulk(on: bool) {
+    DEFAULT_GEMM_BULK.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// See [`set_default_gemm_lean`].
 pub fn default_gemm_lean() -> bool {
     DEFAULT_GEMM_LEAN.load(std::sync::atomic::Ordering::Relaxed)
@@ -373,6 +387,25 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
     )
 }
 
+/// The entry point of a lean variant ([`GemmEngine::WgmmaLean`], [`GemmEngine::WgmmaLean3`])
+/// whose weight tiles come by bulk copies (`gemm.cu`, the `_lb` / `_lb3` entry points;
+/// [`CudaContext::set_gemm_bulk`]); the name of any other variant unchanged.
+fn bulk_entry_name(bits: Bits, v: GemmVariant) -> String {
+    let name = entry_name(bits, v);
+    match v.engine {
+        GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3 => name.replacen("_ln", "_lb", 1),
+        _ => name,
+    }
+}
+
+/// Whether a matrix of `rows` rows (all experts together) read as products of `n_rows` rows
+/// each can take the bulk-copy entry points: every run a block copies (its rows, or the gate
+/// and up halves of them) starts and ends on a 16-byte boundary of the group-major scales
+/// (4 bytes per row), i.e. both counts are multiples of 8.
+fn bulk_rows_ok(rows: usize, n_rows: usize) -> bool {
+    rows % 8 == 0 && n_rows % 8 == 0
+}
+
 /// The variant that runs: [`GemmEngine::WgmmaLean3`] exists for 4-bit narrow and small tiles
 /// only, elsewhere it is [`GemmEngine::WgmmaLean`].
 fn runnable(bits: Bits, v: GemmVariant) -> GemmVariant {
@@ -499,6 +532,26 @@ impl CudaContext {
         self.gemm_grouped3.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the lean GEMM variants ([`GemmEngine::WgmmaLean`], [`GemmEngine::WgmmaLean3`]) bring
+    /// each K tile's weight codes and (scale, bias) words by bulk copies (`cp.async.bulk`, the
+    /// TMA engine: one thread issues one or two contiguous runs per tile, completed on a
+    /// per-stage mbarrier) instead of 16- and 4-byte `cp.async` copies from every thread
+    /// (`true`, the default, [`default_gemm_bulk`]). The activations still come by `cp.async`
+    /// (gathered rows). The same bytes reach the same values, so the same bits. Applies to
+    /// matrices with group-major codes and scales whose row counts are multiples of 8 (the
+    /// experts, the dense projections); others take the per-thread copies. For measurement
+    /// (`calla cuda-bench --prefill-compare`); a [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_bulk(&self, on: bool) {
+        self.gemm_bulk.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_bulk`].
+    #[doc(hidden)]
+    pub fn gemm_bulk(&self) -> bool {
+        self.gemm_bulk.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The engine of an automatically chosen variant ([`Self::set_gemm_lean`]).
     fn auto_engine(&self) -> GemmEngine {
         if self.gemm_lean() {
@@ -515,11 +568,13 @@ impl CudaContext {
         for bits in [Bits::B4, Bits::B8] {
             for tile in GemmTile::ALL {
                 for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaLean, GemmEngine::WgmmaLean3] {
-                    let f = self.func(&entry_name(bits, runnable(bits, GemmVariant { engine, tile })))?;
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem_bytes(bits, tile) as i32,
-                    )?;
+                    let v = runnable(bits, GemmVariant { engine, tile });
+                    for name in [entry_name(bits, v), bulk_entry_name(bits, v)] {
+                        self.func(&name)?.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem_bytes(bits, tile) as i32,
+                        )?;
+                    }
                 }
             }
         }
@@ -888,7 +943,6 @@ impl CudaContext {
             (GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3, 0) => GemmVariant { engine: GemmEngine::Wgmma, tile: v.tile },
             _ => v,
         };
-        let f = self.func(&entry_name(w.bits, v))?;
         // the codes: group-major (in place, or their copy when the scales are group-major too)
         // or the MLX layout
         let (codes, pk_gm) = match (w.codes_group_major, &w.group_major_codes, psbt != 0) {
@@ -899,6 +953,10 @@ impl CudaContext {
             (false, Some(c), true) => (c, 1i32),
             (false, _, _) => (&w.packed, 0i32),
         };
+        // the lean loop's weight tiles by bulk copies: group-major codes and scales only, on
+        // runs that start and end 16-byte aligned (the same bytes in the same stages' places)
+        let bulk = self.gemm_bulk() && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
+        let f = self.func(&if bulk { bulk_entry_name(w.bits, v) } else { entry_name(w.bits, v) })?;
         check_i32("codes words", codes.len())?; // the kernel indexes them with int offsets
         let (pp, _g1) = codes.device_ptr(stream);
         let sbt_rows = check_i32("w.rows", w.rows)?;

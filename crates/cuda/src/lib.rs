@@ -178,6 +178,16 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_narrow_ln",
             "qgemm_q4_narrow_ln3",
             "qgemm_q4_small_ln3",
+            "qgemm_q4_big_lb",
+            "qgemm_q4_tall_lb",
+            "qgemm_q4_small_lb",
+            "qgemm_q4_narrow_lb",
+            "qgemm_q8_big_lb",
+            "qgemm_q8_tall_lb",
+            "qgemm_q8_small_lb",
+            "qgemm_q8_narrow_lb",
+            "qgemm_q4_narrow_lb3",
+            "qgemm_q4_small_lb3",
             "qgemm_x_to_bf16",
             "qmat_group_major",
             "qmat_pack_group_major",
@@ -535,6 +545,9 @@ pub struct CudaContext {
     /// per expert) take the three-blocks-per-SM lean entry point
     /// ([`CudaContext::set_gemm_grouped3`]).
     pub(crate) gemm_grouped3: std::sync::atomic::AtomicBool,
+    /// Whether the lean GEMM variants bring their weight tiles by bulk copies
+    /// ([`CudaContext::set_gemm_bulk`]).
+    pub(crate) gemm_bulk: std::sync::atomic::AtomicBool,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -684,6 +697,7 @@ impl CudaContext {
             gemm_group_major: std::sync::atomic::AtomicBool::new(true),
             gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
+            gemm_bulk: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -745,6 +759,7 @@ impl CudaContext {
             gemm_group_major: copy(&self.gemm_group_major),
             gemm_lean: copy(&self.gemm_lean),
             gemm_grouped3: copy(&self.gemm_grouped3),
+            gemm_bulk: copy(&self.gemm_bulk),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

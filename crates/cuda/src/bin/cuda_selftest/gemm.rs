@@ -1662,3 +1662,154 @@ pub fn run(s: &mut Suite) {
     let w4 = moe_checks(s);
     timing(s, &w4);
 }
+
+/// Section `bulk`: the lean GEMMs with their weight tiles by bulk copies
+/// (`CudaContext::set_gemm_bulk`, the `_lb` / `_lb3` entry points) against the same variants
+/// with per-thread copies, which the sections above check against the references and the
+/// plain loop. The same bytes land in the same values, so every output must be equal bit for
+/// bit and finite between its guard words: dense products (partial last row tiles at 12352
+/// rows, a SwiGLU whose 520 gate rows end inside a tile, split-K at T = 7, 8 bits) on every
+/// lean tile, and the grouped experts (codes group-major in place, as the prefill holds
+/// them) on every lean tile at T = 300 and the tall and big tiles at 2048. Then times both
+/// ways: the grouped products (automatic variant, uniform routing) at T = 512, 1,024 and
+/// 8,192, the 4-bit in_proj and o_proj at T = 1,024 and 8,192.
+pub fn bulk_section(s: &mut Suite) {
+    let cx = s.cx;
+    let lean: Vec<GemmVariant> = LEAN_VARIANTS.iter().chain(&LEAN3_VARIANTS).copied().collect();
+    let cases: [(&str, usize, usize, u32, Epi); 5] = [
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, 4, Epi::Store),
+        ("o_proj +resid", p::D_MODEL, ATTN_OUT, 4, Epi::Residual),
+        ("shared gate|up swiglu", 2 * p::D_SHARED_EXPERT, p::D_MODEL, 4, Epi::SwiGlu),
+        ("swiglu 2x520", 2 * 520, p::D_MODEL, 4, Epi::SwiGlu),
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, 8, Epi::Store),
+    ];
+    let mut scratch = cx.gemm_scratch(2048).unwrap();
+    for (ci, &(label, n, k, bits, epi)) in cases.iter().enumerate() {
+        let hq = random_qmat(n, k, bits, 0xB01C + ci as u64);
+        let mut dmc = cx.upload_qmat(hq.r()).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
+        let out_cols = if epi == Epi::SwiGlu { n / 2 } else { n };
+        for t in [7usize, 300, 2048] {
+            let xd = cx.upload_f32(&rand_x(t * k, 0xB02 ^ (t as u64) << 20)).unwrap();
+            let rd = cx.upload_f32(&rand_f32s(t * n, 0xB03 ^ (t as u64) << 24, 1.0)).unwrap();
+            for v in lean.iter().filter(|v| bits == 4 || v.engine == GemmEngine::WgmmaLean) {
+                let mut outs = Vec::new();
+                for bulk in [false, true] {
+                    cx.set_gemm_bulk(bulk);
+                    scratch.force = Some(*v);
+                    let mut yd = guarded(cx, t * out_cols);
+                    run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dmc, &xd.slice(..), Some(&rd.slice(..)), epi, t);
+                    outs.push(cx.download_f32(&yd).unwrap());
+                }
+                let c = match guards_and_finite(&outs[0], t * out_cols).and(guards_and_finite(&outs[1], t * out_cols)) {
+                    Err(e) => failed(e),
+                    Ok(()) => check_bits(&outs[1][GUARD..GUARD + t * out_cols], &outs[0][GUARD..GUARD + t * out_cols], "outputs"),
+                };
+                let name = format!("q{bits} {label} [{n}x{k}] T={t} {} gm codes", vname(Some(*v)));
+                s.record(SEC, &format!("{name}: bulk copies = per-thread copies, bit for bit"), &c, "");
+            }
+        }
+    }
+    scratch.force = None;
+    cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
+
+    // grouped experts, codes group-major in place
+    let mut routing = cx.moe_routing(2048).unwrap();
+    let mut w4c = moe_weights(cx, 4, 0x3E4);
+    cx.regroup_codes(&mut w4c.dgu).unwrap();
+    cx.regroup_codes(&mut w4c.ddn).unwrap();
+    for (t, vs) in [(300usize, lean.clone()), (2048, vec![LEAN_VARIANTS[1], LEAN_VARIANTS[0]])] {
+        let inp = moe_inputs(t, 0x77 ^ t as u64);
+        for v in vs {
+            cx.set_gemm_bulk(false);
+            let per_thread = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
+            cx.set_gemm_bulk(true);
+            let bulk = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
+            let c = if bulk.act == per_thread.act { check_bits(&bulk.out, &per_thread.out, "outputs") } else { failed("act differs".into()) };
+            s.record(SEC, &format!("moe q4 T={t} gm codes {}: bulk copies = per-thread copies, act and out bit for bit", vname(Some(v))), &c, "");
+        }
+    }
+    cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
+    drop(routing);
+
+    // timing, both ways
+    let reps = if s.quick { 3 } else { 7 };
+    let tmax = 8192;
+    let mut scratch = cx.gemm_scratch(tmax).unwrap();
+    let mut routing = cx.moe_routing(tmax).unwrap();
+    let stream = cx.stream().clone();
+    let (d, k, ne) = (p::D_MODEL, p::TOP_K, p::N_EXPERTS);
+    println!("\n{SEC} bulk timing (graph replay, median of {reps}; per-thread copies / bulk copies)");
+    let inp = moe_inputs(tmax, 0x7304);
+    let xd = cx.upload_f32(&inp.x).unwrap();
+    let hd = cx.upload_f32(&inp.resid).unwrap();
+    let sd = cx.upload_f32(&inp.shared).unwrap();
+    let mut out = stream.alloc_zeros::<f32>(tmax * d).unwrap();
+    for t in [512usize, 1024, tmax] {
+        let lgd = cx.upload_f32(&rand_f32s(t * (ne + 1), 0x7305, 2.0)).unwrap();
+        cx.convert_acts(&xd.slice(..t * d), t, d, &mut scratch).unwrap();
+        cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
+        let mut row = Vec::new();
+        for bulk in [false, true] {
+            cx.set_gemm_bulk(bulk);
+            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4c.dgu, &scratch, &mut routing, t).unwrap());
+            let b = s.time_graph(reps, || {
+                let mut ov = out.slice_mut(..t * d);
+                cx.moe_down_grouped(&mut ov, &w4c.ddn, &mut routing, &hd.slice(..t * d), &sd.slice(..t * d), t).unwrap()
+            });
+            row.push((a, b));
+        }
+        let (f_gu, f_dn) = (gemm_flops(t * k, 2 * p::D_EXPERT, d), gemm_flops(t * k, d, p::D_EXPERT));
+        println!(
+            "{SEC:<10} MoE T={t:<5} gate_up grouped {:>7.1} / {:>7.1} us ({:+.1}%, {:.0} TFLOP/s eff.), down + combine {:>7.1} / {:>7.1} us ({:+.1}%, {:.0})",
+            row[0].0 * 1e6,
+            row[1].0 * 1e6,
+            100.0 * (row[1].0 / row[0].0 - 1.0),
+            f_gu / row[1].0 / 1e12,
+            row[0].1 * 1e6,
+            row[1].1 * 1e6,
+            100.0 * (row[1].1 / row[0].1 - 1.0),
+            f_dn / row[1].1 / 1e12
+        );
+        s.json.push((
+            SEC.into(),
+            format!(
+                "{{\"bulk_moe_t\":{t},\"gate_up_us\":[{:.1},{:.1}],\"down_combine_us\":[{:.1},{:.1}]}}",
+                row[0].0 * 1e6,
+                row[1].0 * 1e6,
+                row[0].1 * 1e6,
+                row[1].1 * 1e6
+            ),
+        ));
+    }
+    for (si, (name, n, kk)) in [("gdn in_proj", GDN_PROJ, p::D_MODEL), ("o_proj", p::D_MODEL, ATTN_OUT)].into_iter().enumerate() {
+        let hq = random_qmat(n, kk, 4, 0x7100 + si as u64);
+        let mut dmc = cx.upload_qmat(hq.r()).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
+        let x = cx.upload_f32(&rand_x(tmax * kk, 0x7200 + si as u64)).unwrap();
+        let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
+        for t in [1024usize, tmax] {
+            cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
+            let mut us = Vec::new();
+            for bulk in [false, true] {
+                cx.set_gemm_bulk(bulk);
+                us.push(s.time_graph(reps, || {
+                    for _ in 0..8 {
+                        let mut yv = yd.slice_mut(..t * n);
+                        cx.qgemm_converted(&mut yv, &dmc, &scratch, t, Epilogue::Store).unwrap();
+                    }
+                }) / 8.0);
+            }
+            println!(
+                "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%, {:.0} TFLOP/s)",
+                us[0] * 1e6,
+                us[1] * 1e6,
+                100.0 * (us[1] / us[0] - 1.0),
+                gemm_flops(t, n, kk) / us[1] / 1e12
+            );
+        }
+    }
+    cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
+}
