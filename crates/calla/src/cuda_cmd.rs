@@ -121,10 +121,14 @@ pub struct PrefillFlags {
     /// three (the same bits; `CudaContext::set_gemm_grouped3`).
     #[arg(long)]
     gemm_grouped2: bool,
-    /// The lean GEMMs' weight tiles by per-thread `cp.async` copies instead of bulk copies
+    /// The dense GEMMs' weight tiles by per-thread `cp.async` copies instead of bulk copies
     /// (the same bits; `CudaContext::set_gemm_bulk`).
     #[arg(long)]
     gemm_no_bulk: bool,
+    /// The grouped expert GEMMs' weight tiles by bulk copies too (measured slower; the same
+    /// bits; `CudaContext::set_gemm_bulk_grouped`).
+    #[arg(long)]
+    gemm_bulk_grouped: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -701,6 +705,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_grouped3(!f.gemm_grouped2);
     cuda::gemm::set_default_gemm_bulk(!f.gemm_no_bulk);
     cx.set_gemm_bulk(!f.gemm_no_bulk);
+    cx.set_gemm_bulk_grouped(f.gemm_bulk_grouped);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -721,6 +726,7 @@ struct PrefillKnobs {
     slot_bf16: bool,
     side_splitk: bool,
     bulk: bool,
+    bulk_grouped: bool,
 }
 
 impl PrefillKnobs {
@@ -740,6 +746,7 @@ impl PrefillKnobs {
             slot_bf16: cx.moe_slot_bf16(),
             side_splitk: pf.side_splitk,
             bulk: cx.gemm_bulk(),
+            bulk_grouped: cx.gemm_bulk_grouped(),
         }
     }
 
@@ -759,6 +766,7 @@ impl PrefillKnobs {
             c.set_gemm_fit_n(self.fit_n);
             c.set_moe_slot_bf16(self.slot_bf16);
             c.set_gemm_bulk(self.bulk);
+            c.set_gemm_bulk_grouped(self.bulk_grouped);
         });
     }
 
@@ -780,7 +788,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 13] = [
+const PREFILL_CASES: [PrefillCase; 14] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -793,7 +801,8 @@ const PREFILL_CASES: [PrefillCase; 13] = [
     PrefillCase { knob: |k| &mut k.fit_n, off_name: "MMAs at the full tile width", off_key: "full_n_ms", on_name: "MMAs fitted to the tiles' tokens", on_key: "fit_n_ms" },
     PrefillCase { knob: |k| &mut k.slot_bf16, off_name: "MoE down rows in f32", off_key: "slot_f32_ms", on_name: "MoE down rows in bf16", on_key: "slot_bf16_ms" },
     PrefillCase { knob: |k| &mut k.side_splitk, off_name: "shared expert never split over K", off_key: "side_no_splitk_ms", on_name: "shared expert split over K", on_key: "side_splitk_ms" },
-    PrefillCase { knob: |k| &mut k.bulk, off_name: "GEMM weight tiles by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "GEMM weight tiles by bulk copies", on_key: "gemm_bulk_ms" },
+    PrefillCase { knob: |k| &mut k.bulk, off_name: "dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "dense GEMM weights by bulk copies", on_key: "gemm_bulk_ms" },
+    PrefillCase { knob: |k| &mut k.bulk_grouped, off_name: "grouped GEMM weights by per-thread copies", off_key: "grouped_no_bulk_ms", on_name: "grouped GEMM weights by bulk copies", on_key: "grouped_bulk_ms" },
 ];
 
 /// `calla cuda-bench`.
@@ -1304,6 +1313,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["prefill_norm_acts"] = serde_json::json!(if f.prefill_norm_acts_apart { "apart" } else { "fused" });
     out["gemm_grouped3"] = serde_json::json!(!f.gemm_grouped2);
     out["gemm_bulk"] = serde_json::json!(!f.gemm_no_bulk);
+    out["gemm_bulk_grouped"] = serde_json::json!(f.gemm_bulk_grouped);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

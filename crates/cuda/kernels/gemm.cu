@@ -579,7 +579,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     // BULK: a tile's codes and (scale, bias) words come as one or two runs of consecutive matrix
     // rows (group-major, so a run is contiguous per tile): one run of the block's rows, or in
     // the SwiGLU modes the gate rows into shared rows 0 .. BM/2 and the up rows into BM/2 .. BM
-    // (the dequantization maps its rows there, `phys`). Only the matrix's own rows are copied;
+    // (the dequantization maps its rows r0, r1 there). Only the matrix's own rows are copied;
     // the shared rows past them keep stale bytes, whose products land in rows no epilogue stores.
     int run_row = 0, run_n = 0;  // first matrix row and rows of run 0 (run 1: + half_rows)
     if constexpr (BULK) {
@@ -886,8 +886,9 @@ CALLA_QGEMM_ENTRY(qgemm_q8_narrow_ln, 8, 2, 32, true, true, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_ln3, 4, 2, 32, true, true, 3)
 CALLA_QGEMM_ENTRY(qgemm_q4_small_ln3, 4, 1, 64, true, true, 3)
 // the lean loop with each tile's codes and scales by bulk copies (TMA) into the same ring
-// stages, issued by one thread and completed on a per-stage mbarrier (GemmEngine::WgmmaBulk,
-// WgmmaBulk3); matrices with group-major codes and scales only
+// stages, issued by one thread and completed on a per-stage mbarrier (CudaContext::set_gemm_bulk
+// and set_gemm_bulk_grouped pick them for GemmEngine::WgmmaLean / WgmmaLean3); matrices with
+// group-major codes and scales only
 CALLA_QGEMM_ENTRY_B(qgemm_q4_big_lb, 4, 2, 128, true, true, 1, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q4_tall_lb, 4, 2, 64, true, true, 2, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q4_small_lb, 4, 1, 64, true, true, 2, true)

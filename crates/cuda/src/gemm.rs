@@ -134,8 +134,9 @@ pub fn set_default_gemm_grouped3(on: bool) {
     DEFAULT_GEMM_GROUPED3.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bulk`] on (the process
-/// default, [`set_default_gemm_bulk`]; on unless set).
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bulk`] on for the dense
+/// products (the process default, [`set_default_gemm_bulk`]; on unless set). The grouped expert
+/// products start with it off ([`CudaContext::set_gemm_bulk_grouped`]).
 pub fn default_gemm_bulk() -> bool {
     DEFAULT_GEMM_BULK.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -532,15 +533,18 @@ impl CudaContext {
         self.gemm_grouped3.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Lets the lean GEMM variants ([`GemmEngine::WgmmaLean`], [`GemmEngine::WgmmaLean3`]) bring
-    /// each K tile's weight codes and (scale, bias) words by bulk copies (`cp.async.bulk`, the
-    /// TMA engine: one thread issues one or two contiguous runs per tile, completed on a
-    /// per-stage mbarrier) instead of 16- and 4-byte `cp.async` copies from every thread
-    /// (`true`, the default, [`default_gemm_bulk`]). The activations still come by `cp.async`
-    /// (gathered rows). The same bytes reach the same values, so the same bits. Applies to
-    /// matrices with group-major codes and scales whose row counts are multiples of 8 (the
-    /// experts, the dense projections); others take the per-thread copies. For measurement
-    /// (`calla cuda-bench --prefill-compare`); a [`CudaContext::sibling`] copies the setting.
+    /// Lets the dense products on the lean GEMM variants ([`GemmEngine::WgmmaLean`],
+    /// [`GemmEngine::WgmmaLean3`]) bring each K tile's weight codes and (scale, bias) words by
+    /// bulk copies (`cp.async.bulk`, the TMA engine: one thread issues one or two contiguous
+    /// runs per tile, completed on a per-stage mbarrier) instead of 16- and 4-byte `cp.async`
+    /// copies from every thread (`true`, the default, [`default_gemm_bulk`]). The activations
+    /// still come by `cp.async` (gathered rows). The same bytes reach the same values, so the
+    /// same bits. Applies to matrices with group-major codes and scales whose row counts are
+    /// multiples of 8 (the dense projections); others take the per-thread copies. Measured on
+    /// the H200 (`cuda_selftest --only bulk`, session 31): in_proj 91.4 against 94.5 µs at
+    /// T = 1,024 and 724.9 against 734.9 at 8,192, o_proj 43.8 / 43.4 and 217.6 / 227.0. For
+    /// measurement (`calla cuda-bench --prefill-compare`); a [`CudaContext::sibling`] copies
+    /// the setting.
     #[doc(hidden)]
     pub fn set_gemm_bulk(&self, on: bool) {
         self.gemm_bulk.store(on, std::sync::atomic::Ordering::Relaxed);
@@ -550,6 +554,22 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn gemm_bulk(&self) -> bool {
         self.gemm_bulk.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// [`Self::set_gemm_bulk`] for the grouped expert products (`moe_gate_up_grouped`,
+    /// `moe_down_grouped`; off by default): measured slower on the H200 (`cuda_selftest --only
+    /// bulk`, session 31: gate/up 135.5 against 127.2 µs at T = 512, 157.5 / 147.0 at 1,024,
+    /// 677.3 / 633.7 at 8,192; down + combine 2-3% slower). The same bits either way. For
+    /// measurement; a [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_bulk_grouped(&self, on: bool) {
+        self.gemm_bulk_grouped.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_bulk_grouped`].
+    #[doc(hidden)]
+    pub fn gemm_bulk_grouped(&self) -> bool {
+        self.gemm_bulk_grouped.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The engine of an automatically chosen variant ([`Self::set_gemm_lean`]).
@@ -955,7 +975,9 @@ impl CudaContext {
         };
         // the lean loop's weight tiles by bulk copies: group-major codes and scales only, on
         // runs that start and end 16-byte aligned (the same bytes in the same stages' places)
-        let bulk = self.gemm_bulk() && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
+        let grouped = matches!(a.mode, MODE_MOE_GATE_UP | MODE_MOE_DOWN | MODE_MOE_DOWN_B16);
+        let on = if grouped { self.gemm_bulk_grouped() } else { self.gemm_bulk() };
+        let bulk = on && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
         let f = self.func(&if bulk { bulk_entry_name(w.bits, v) } else { entry_name(w.bits, v) })?;
         check_i32("codes words", codes.len())?; // the kernel indexes them with int offsets
         let (pp, _g1) = codes.device_ptr(stream);

@@ -1664,7 +1664,8 @@ pub fn run(s: &mut Suite) {
 }
 
 /// Section `bulk`: the lean GEMMs with their weight tiles by bulk copies
-/// (`CudaContext::set_gemm_bulk`, the `_lb` / `_lb3` entry points) against the same variants
+/// (`CudaContext::set_gemm_bulk` for the dense products, `set_gemm_bulk_grouped` for the
+/// grouped experts; the `_lb` / `_lb3` entry points) against the same variants
 /// with per-thread copies, which the sections above check against the references and the
 /// plain loop. The same bytes land in the same values, so every output must be equal bit for
 /// bit and finite between its guard words: dense products (partial last row tiles at 12352
@@ -1722,15 +1723,15 @@ pub fn bulk_section(s: &mut Suite) {
     for (t, vs) in [(300usize, lean.clone()), (2048, vec![LEAN_VARIANTS[1], LEAN_VARIANTS[0]])] {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
         for v in vs {
-            cx.set_gemm_bulk(false);
+            cx.set_gemm_bulk_grouped(false);
             let per_thread = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
-            cx.set_gemm_bulk(true);
+            cx.set_gemm_bulk_grouped(true);
             let bulk = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
             let c = if bulk.act == per_thread.act { check_bits(&bulk.out, &per_thread.out, "outputs") } else { failed("act differs".into()) };
             s.record(SEC, &format!("moe q4 T={t} gm codes {}: bulk copies = per-thread copies, act and out bit for bit", vname(Some(v))), &c, "");
         }
     }
-    cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
+    cx.set_gemm_bulk_grouped(false);
     drop(routing);
 
     // timing, both ways
@@ -1752,7 +1753,7 @@ pub fn bulk_section(s: &mut Suite) {
         cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
         let mut row = Vec::new();
         for bulk in [false, true] {
-            cx.set_gemm_bulk(bulk);
+            cx.set_gemm_bulk_grouped(bulk);
             let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4c.dgu, &scratch, &mut routing, t).unwrap());
             let b = s.time_graph(reps, || {
                 let mut ov = out.slice_mut(..t * d);
@@ -1812,4 +1813,5 @@ pub fn bulk_section(s: &mut Suite) {
         }
     }
     cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
+    cx.set_gemm_bulk_grouped(false);
 }
