@@ -317,6 +317,15 @@ pub struct CudaBenchArgs {
     /// layer (`--gdn-out-split`'s step) between two rows as configured.
     #[arg(long)]
     gdn_out_split_compare: bool,
+    /// Stage the LM head for bulk copies (`CudaModel::stage_lm_head`: ~270 MB more at full
+    /// size; the same bits).
+    #[arg(long)]
+    stage_lm_head: bool,
+    /// Also time decode (first decode context) with the staged GEMVs flipped
+    /// (`CudaContext::set_gemv_staged`) between two rows as configured; stages the LM head.
+    /// Without `--gemv-staged` that flips the LM head's copies alone.
+    #[arg(long)]
+    lm_head_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -347,6 +356,9 @@ struct FocusRow {
     moe_carve: bool,
     /// The MoE cluster kernel streams fixed experts' tiles (`false`: the chosen ones).
     moe_pin: bool,
+    /// The staged GEMVs (`CudaContext::set_gemv_staged`) flipped off (`false`: on, as
+    /// configured).
+    staged_flip: bool,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
@@ -406,6 +418,9 @@ pub struct CudaCheckArgs {
     /// same bits; measured slower).
     #[arg(long)]
     gemv_staged: bool,
+    /// Stage the LM head for bulk copies (`CudaModel::stage_lm_head`; the same bits).
+    #[arg(long)]
+    stage_lm_head: bool,
     /// Flip where the attention decode step's split and combine kernels trigger the next launch
     /// (`CudaContext::set_attn_split_early_trigger`, `set_attn_combine_early_trigger`; the same
     /// bits): `split`, `combine` or `both`.
@@ -812,6 +827,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     }
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split || a.gdn_out_split_compare)?;
+    if (a.stage_lm_head || a.lm_head_compare) && gm.stage_lm_head(&cx, &m.weights)? {
+        eprintln!("LM head staged for bulk copies");
+    }
     if a.carveout_before_gemv {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
     }
@@ -965,7 +983,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -1083,8 +1101,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -1119,8 +1137,14 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                     rows.push(FocusRow { split: true, split_flags: f, ..row(format!("GDN split, {what}"), None, false, false) });
                 }
             }
+            if a.lm_head_compare {
+                let what = if a.gemv_staged { "staged GEMVs flipped" } else { "LM head by per-thread copies" };
+                rows.push(FocusRow { staged_flip: true, ..row(what.into(), None, false, false) });
+                rows.push(row("as configured, again".into(), None, false, false));
+                rows.push(FocusRow { staged_flip: true, ..row(format!("{what}, again"), None, false, false) });
+            }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -1142,10 +1166,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 let split = split || a.gdn_out_split;
                 set_gdn_out_split(&mut sess, &cx, &gm, split, "--gdn-out-split-compare")?;
                 cx.set_gdn_out_flags(split_flags);
+                cx.set_gemv_staged(!staged_flip);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags,
+                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -1158,6 +1183,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_moe_cluster_pin_experts(false);
             sess.set_gdn_out_split(a.gdn_out_split);
             cx.set_gdn_out_flags(0);
+            cx.set_gemv_staged(true);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -1387,6 +1413,9 @@ fn top2_margin(v: &[f32]) -> f32 {
 pub fn check(a: CudaCheckArgs) -> Result<()> {
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split)?;
+    if a.stage_lm_head && gm.stage_lm_head(&cx, &m.weights)? {
+        eprintln!("LM head staged for bulk copies");
+    }
     if let Some(which) = a.attn_trigger_flip.as_deref() {
         let (split, combine) = match which {
             "split" => (true, false),

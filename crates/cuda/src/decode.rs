@@ -326,6 +326,25 @@ impl CudaModel {
         Ok(n)
     }
 
+    /// Adds the staged copy ([`CudaContext::stage_qmat`]) of the LM head when it is 4-bit and
+    /// has none yet, so that the step's final norm + LM head GEMV (`gemv_norm`, 248,320 rows
+    /// at full size, the step's largest single read) streams it by bulk copies (TMA) while
+    /// [`CudaContext::set_gemv_staged`] is on (the default). About 270 MB more at full size
+    /// (the MLX-layout copy stays for the other GEMV forms). The same bits. Returns whether it
+    /// staged the LM head.
+    ///
+    /// # Errors
+    /// As [`CudaContext::stage_qmat`]; [`CudaError::Unsupported`] when `w` does not match this
+    /// model's layers.
+    pub fn stage_lm_head(&mut self, cx: &CudaContext, w: &Weights) -> Result<bool, CudaError> {
+        if self.lm_head.bits != Bits::B4 || self.lm_head.cols != p::D_MODEL || self.lm_head.staged.is_some() {
+            return Ok(false);
+        }
+        self.begin_weight_change(w)?;
+        cx.stage_qmat(&mut self.lm_head, &[quantized("lm_head", &w.lm_head)?])?;
+        Ok(true)
+    }
+
     /// Restacks every GDN layer's input projection for [`CudaContext::gdn_in_step`] (the input
     /// projection and the step as one launch; [`CudaSession::set_gdn_in_step`]) and copies it to
     /// the device: 13.5 MB per layer at 4 bits, beside the stacked matrix. A layer whose
