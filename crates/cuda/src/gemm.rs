@@ -404,7 +404,7 @@ fn bulk_entry_name(bits: Bits, v: GemmVariant) -> String {
 /// and up halves of them) starts and ends on a 16-byte boundary of the group-major scales
 /// (4 bytes per row), i.e. both counts are multiples of 8.
 fn bulk_rows_ok(rows: usize, n_rows: usize) -> bool {
-    rows % 8 == 0 && n_rows % 8 == 0
+    rows.is_multiple_of(8) && n_rows.is_multiple_of(8)
 }
 
 /// The variant that runs: [`GemmEngine::WgmmaLean3`] exists for 4-bit narrow and small tiles
