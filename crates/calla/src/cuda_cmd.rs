@@ -720,6 +720,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_grouped3(!f.gemm_grouped2);
     cuda::gemm::set_default_gemm_bulk(!f.gemm_no_bulk);
     cx.set_gemm_bulk(!f.gemm_no_bulk);
+    cuda::gemm::set_default_gemm_bulk_grouped(f.gemm_bulk_grouped);
     cx.set_gemm_bulk_grouped(f.gemm_bulk_grouped);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
@@ -827,8 +828,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     }
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split || a.gdn_out_split_compare)?;
-    if (a.stage_lm_head || a.lm_head_compare) && gm.stage_lm_head(&cx, &m.weights)? {
+    let lm_head_staged = (a.stage_lm_head || a.lm_head_compare) && gm.stage_lm_head(&cx, &m.weights)?;
+    if lm_head_staged {
         eprintln!("LM head staged for bulk copies");
+    } else if a.lm_head_compare && !a.gemv_staged {
+        bail!("--lm-head-compare: the LM head has no staged form (4-bit, {} columns only) and --gemv-staged is off, so its rows would equal the configured ones", p::D_MODEL);
     }
     if a.carveout_before_gemv {
         cx.set_carveout_of(CudaContext::BEFORE_GEMV, 100)?;
@@ -1340,6 +1344,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_grouped3"] = serde_json::json!(!f.gemm_grouped2);
     out["gemm_bulk"] = serde_json::json!(!f.gemm_no_bulk);
     out["gemm_bulk_grouped"] = serde_json::json!(f.gemm_bulk_grouped);
+    out["lm_head_staged"] = serde_json::json!(lm_head_staged);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

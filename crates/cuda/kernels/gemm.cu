@@ -49,6 +49,10 @@
 // Copies (template LEAN): the plain ones (load_tile) and the lean ones (wgmma, group-major
 // scales only) fill the same ring stages with the same bytes, so both give the same bits; the
 // lean ones spend fewer instructions per K tile on addresses.
+// Copies (template BULK, with LEAN; group-major codes and scales): a tile's codes and scales
+// by bulk copies from one thread, completed on a per-stage mbarrier, the activations as the
+// lean ones; the same bytes, so the same bits (the SwiGLU modes' gate and up rows land in the
+// tile's two halves instead of interleaved by 8, and the dequantization reads them there).
 //
 // Block: 256 threads = 2 warpgroups; each warpgroup owns MS slices of 64 W rows (BM = 128*MS
 // rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
@@ -842,7 +846,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
-// products that average few entries per expert) x (engine); the _ln3 ones 3 blocks/SM
+// products that average few entries per expert) x (engine); the _ln3 / _lb3 ones 3 blocks/SM
 #define CALLA_QGEMM_ENTRY_B(NAME, BITS, MS, BN, WG, LEAN, MINB, BULK)                                        \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \

@@ -331,11 +331,12 @@ impl CudaModel {
     /// at full size, the step's largest single read) streams it by bulk copies (TMA) while
     /// [`CudaContext::set_gemv_staged`] is on (the default). About 270 MB more at full size
     /// (the MLX-layout copy stays for the other GEMV forms). The same bits. Returns whether it
-    /// staged the LM head.
+    /// staged the LM head: `false`, and nothing checked or changed, for an LM head that is not
+    /// 4-bit with `D_MODEL` columns or is staged already.
     ///
     /// # Errors
     /// As [`CudaContext::stage_qmat`]; [`CudaError::Unsupported`] when `w` does not match this
-    /// model's layers.
+    /// model's layers (checked only when it stages).
     pub fn stage_lm_head(&mut self, cx: &CudaContext, w: &Weights) -> Result<bool, CudaError> {
         if self.lm_head.bits != Bits::B4 || self.lm_head.cols != p::D_MODEL || self.lm_head.staged.is_some() {
             return Ok(false);

@@ -149,6 +149,20 @@ pub fn set_default_gemm_bulk(on: bool) {
     DEFAULT_GEMM_BULK.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bulk_grouped`] on (the
+/// process default, [`set_default_gemm_bulk_grouped`]; off unless set: measured slower).
+pub fn default_gemm_bulk_grouped() -> bool {
+    DEFAULT_GEMM_BULK_GROUPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_BULK_GROUPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`default_gemm_bulk_grouped`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --gemm-bulk-grouped` turns it on).
+pub fn set_default_gemm_bulk_grouped(on: bool) {
+    DEFAULT_GEMM_BULK_GROUPED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// See [`set_default_gemm_lean`].
 pub fn default_gemm_lean() -> bool {
     DEFAULT_GEMM_LEAN.load(std::sync::atomic::Ordering::Relaxed)
@@ -403,8 +417,9 @@ fn bulk_entry_name(bits: Bits, v: GemmVariant) -> String {
 /// each can take the bulk-copy entry points: every run a block copies (its rows, or the gate
 /// and up halves of them) starts and ends on a 16-byte boundary of the group-major scales
 /// (4 bytes per row), i.e. both counts are multiples of 8.
+#[allow(clippy::manual_is_multiple_of)] // the workspace's rust-version is 1.85
 fn bulk_rows_ok(rows: usize, n_rows: usize) -> bool {
-    rows.is_multiple_of(8) && n_rows.is_multiple_of(8)
+    rows % 8 == 0 && n_rows % 8 == 0
 }
 
 /// The variant that runs: [`GemmEngine::WgmmaLean3`] exists for 4-bit narrow and small tiles
@@ -436,6 +451,11 @@ const MODE_BENCH: i32 = 4;
 const MODE_MOE_DOWN_B16: i32 = 5;
 #[allow(clippy::manual_is_multiple_of)] // the workspace's rust-version is 1.85 (see below)
 const _: () = assert!(p::D_MODEL % 256 == 0, "the bf16 MoE down rows are written a whole row tile at a time");
+#[allow(clippy::manual_is_multiple_of)]
+const _: () = assert!(
+    p::D_EXPERT % 128 == 0,
+    "the MoE gate/up epilogue stores every column of its row tiles (with bulk copies, stale shared rows past a partial tile would reach act)"
+);
 /// Flag ORed into the mode: MMAs over the tile's full token width (`MODE_FULL_N` in `gemm.cu`).
 const MODE_FULL_N: i32 = 16;
 
@@ -570,6 +590,15 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn gemm_bulk_grouped(&self) -> bool {
         self.gemm_bulk_grouped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// GEMM launches on the bulk-copy entry points since this context was made (its own
+    /// launches, not a sibling's): lets a test tell that [`Self::set_gemm_bulk`] /
+    /// [`Self::set_gemm_bulk_grouped`] took effect rather than fell back to the per-thread
+    /// copies.
+    #[doc(hidden)]
+    pub fn gemm_bulk_launches(&self) -> u64 {
+        self.gemm_bulk_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The engine of an automatically chosen variant ([`Self::set_gemm_lean`]).
@@ -978,6 +1007,9 @@ impl CudaContext {
         let grouped = matches!(a.mode, MODE_MOE_GATE_UP | MODE_MOE_DOWN | MODE_MOE_DOWN_B16);
         let on = if grouped { self.gemm_bulk_grouped() } else { self.gemm_bulk() };
         let bulk = on && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
+        if bulk {
+            self.gemm_bulk_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let f = self.func(&if bulk { bulk_entry_name(w.bits, v) } else { entry_name(w.bits, v) })?;
         check_i32("codes words", codes.len())?; // the kernel indexes them with int offsets
         let (pp, _g1) = codes.device_ptr(stream);

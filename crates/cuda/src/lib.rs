@@ -550,6 +550,8 @@ pub struct CudaContext {
     pub(crate) gemm_bulk: std::sync::atomic::AtomicBool,
     /// The same for the grouped expert products ([`CudaContext::set_gemm_bulk_grouped`]).
     pub(crate) gemm_bulk_grouped: std::sync::atomic::AtomicBool,
+    /// GEMM launches on the bulk-copy entry points ([`CudaContext::gemm_bulk_launches`]).
+    pub(crate) gemm_bulk_launches: std::sync::atomic::AtomicU64,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -700,7 +702,8 @@ impl CudaContext {
             gemm_lean: std::sync::atomic::AtomicBool::new(gemm::default_gemm_lean()),
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
             gemm_bulk: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk()),
-            gemm_bulk_grouped: std::sync::atomic::AtomicBool::new(false),
+            gemm_bulk_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk_grouped()),
+            gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -764,6 +767,7 @@ impl CudaContext {
             gemm_grouped3: copy(&self.gemm_grouped3),
             gemm_bulk: copy(&self.gemm_bulk),
             gemm_bulk_grouped: copy(&self.gemm_bulk_grouped),
+            gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

@@ -871,11 +871,12 @@ fn moe_case(
     let codes = if w.dgu.group_major_codes.is_some() || w.dgu.codes_group_major { " gm codes" } else { "" };
     let bf16_slots = cx.moe_slot_bf16();
     let label = format!(
-        "moe q{bits} T={t} {}{}{codes}{}{}",
+        "moe q{bits} T={t} {}{}{codes}{}{}{}",
         vname(force),
         sb_suffix(cx),
         if cx.gemm_fit_n() { "" } else { " full width" },
-        if bf16_slots { "" } else { " f32 slots" }
+        if bf16_slots { "" } else { " f32 slots" },
+        if cx.gemm_bulk_grouped() { " bulk copies" } else { "" }
     );
     let finite_act = act.iter().all(|&b| f32::from_bits(u32::from(b) << 16).is_finite());
     let c = if finite_act { check(&ga, &ra_ex, TOL_ACT_EXACT, String::new()) } else { failed("non-finite act".into()) };
@@ -1668,21 +1669,24 @@ pub fn run(s: &mut Suite) {
 /// grouped experts; the `_lb` / `_lb3` entry points) against the same variants
 /// with per-thread copies, which the sections above check against the references and the
 /// plain loop. The same bytes land in the same values, so every output must be equal bit for
-/// bit and finite between its guard words: dense products (partial last row tiles at 12352
-/// rows, a SwiGLU whose 520 gate rows end inside a tile, split-K at T = 7, 8 bits) on every
-/// lean tile, and the grouped experts (codes group-major in place, as the prefill holds
-/// them) on every lean tile at T = 300 and the tall and big tiles at 2048. Then times both
+/// bit and finite between its guard words, and the bulk-copy entry points must have run
+/// (`CudaContext::gemm_bulk_launches`) with the switch on and only then: dense products
+/// (partial last row tiles at 12352 rows, a SwiGLU whose 520 gate rows end inside a tile,
+/// split-K at T = 7, 8 bits) on every lean tile, and the grouped experts (codes group-major in
+/// place, as the prefill holds them) on every lean tile at T = 300, the tall and big tiles at
+/// 2048 and the 8-bit experts on the tall tile at 300. Then times both
 /// ways: the grouped products (automatic variant, uniform routing) at T = 512, 1,024 and
 /// 8,192, the 4-bit in_proj and o_proj at T = 1,024 and 8,192.
 pub fn bulk_section(s: &mut Suite) {
     let cx = s.cx;
     let lean: Vec<GemmVariant> = LEAN_VARIANTS.iter().chain(&LEAN3_VARIANTS).copied().collect();
-    let cases: [(&str, usize, usize, u32, Epi); 5] = [
+    let cases: [(&str, usize, usize, u32, Epi); 6] = [
         ("gdn in_proj", GDN_PROJ, p::D_MODEL, 4, Epi::Store),
         ("o_proj +resid", p::D_MODEL, ATTN_OUT, 4, Epi::Residual),
         ("shared gate|up swiglu", 2 * p::D_SHARED_EXPERT, p::D_MODEL, 4, Epi::SwiGlu),
         ("swiglu 2x520", 2 * 520, p::D_MODEL, 4, Epi::SwiGlu),
         ("gdn in_proj", GDN_PROJ, p::D_MODEL, 8, Epi::Store),
+        ("swiglu 2x520", 2 * 520, p::D_MODEL, 8, Epi::SwiGlu),
     ];
     let mut scratch = cx.gemm_scratch(2048).unwrap();
     for (ci, &(label, n, k, bits, epi)) in cases.iter().enumerate() {
@@ -1696,15 +1700,21 @@ pub fn bulk_section(s: &mut Suite) {
             let rd = cx.upload_f32(&rand_f32s(t * n, 0xB03 ^ (t as u64) << 24, 1.0)).unwrap();
             for v in lean.iter().filter(|v| bits == 4 || v.engine == GemmEngine::WgmmaLean) {
                 let mut outs = Vec::new();
+                let mut launched = Vec::new(); // bulk-copy launches during each run
                 for bulk in [false, true] {
                     cx.set_gemm_bulk(bulk);
                     scratch.force = Some(*v);
                     let mut yd = guarded(cx, t * out_cols);
+                    let n0 = cx.gemm_bulk_launches();
                     run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dmc, &xd.slice(..), Some(&rd.slice(..)), epi, t);
+                    launched.push(cx.gemm_bulk_launches() - n0);
                     outs.push(cx.download_f32(&yd).unwrap());
                 }
                 let c = match guards_and_finite(&outs[0], t * out_cols).and(guards_and_finite(&outs[1], t * out_cols)) {
                     Err(e) => failed(e),
+                    Ok(()) if launched[0] != 0 || launched[1] == 0 => {
+                        failed(format!("bulk-copy launches: {} with the switch off, {} with it on", launched[0], launched[1]))
+                    }
                     Ok(()) => check_bits(&outs[1][GUARD..GUARD + t * out_cols], &outs[0][GUARD..GUARD + t * out_cols], "outputs"),
                 };
                 let name = format!("q{bits} {label} [{n}x{k}] T={t} {} gm codes", vname(Some(*v)));
@@ -1720,18 +1730,38 @@ pub fn bulk_section(s: &mut Suite) {
     let mut w4c = moe_weights(cx, 4, 0x3E4);
     cx.regroup_codes(&mut w4c.dgu).unwrap();
     cx.regroup_codes(&mut w4c.ddn).unwrap();
-    for (t, vs) in [(300usize, lean.clone()), (2048, vec![LEAN_VARIANTS[1], LEAN_VARIANTS[0]])] {
+    // 8-bit experts regrouped in place too: the tall lean tile at T = 300
+    let mut w8c = moe_weights(cx, 8, 0x3E8);
+    cx.regroup_codes(&mut w8c.dgu).unwrap();
+    cx.regroup_codes(&mut w8c.ddn).unwrap();
+    let cases: [(&MoeWeights, u32, usize, Vec<GemmVariant>); 3] = [
+        (&w4c, 4, 300, lean.clone()),
+        (&w4c, 4, 2048, vec![LEAN_VARIANTS[1], LEAN_VARIANTS[0]]),
+        (&w8c, 8, 300, vec![LEAN_VARIANTS[1]]),
+    ];
+    for (w, bits, t, vs) in cases {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
         for v in vs {
             cx.set_gemm_bulk_grouped(false);
-            let per_thread = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
+            let n0 = cx.gemm_bulk_launches();
+            let per_thread = moe_case(s, w, bits, t, Some(v), &mut scratch, &mut routing, &inp);
+            let n1 = cx.gemm_bulk_launches();
             cx.set_gemm_bulk_grouped(true);
-            let bulk = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
-            let c = if bulk.act == per_thread.act { check_bits(&bulk.out, &per_thread.out, "outputs") } else { failed("act differs".into()) };
-            s.record(SEC, &format!("moe q4 T={t} gm codes {}: bulk copies = per-thread copies, act and out bit for bit", vname(Some(v))), &c, "");
+            let bulk = moe_case(s, w, bits, t, Some(v), &mut scratch, &mut routing, &inp);
+            // gate/up and down on the bulk-copy entry points, nothing before
+            let launched = (n1 - n0, cx.gemm_bulk_launches() - n1);
+            let c = if launched != (0, 2) {
+                failed(format!("bulk-copy launches: {} with the switch off, {} with it on (want 0 and 2)", launched.0, launched.1))
+            } else if bulk.act == per_thread.act {
+                check_bits(&bulk.out, &per_thread.out, "outputs")
+            } else {
+                failed("act differs".into())
+            };
+            s.record(SEC, &format!("moe q{bits} T={t} gm codes {}: bulk copies = per-thread copies, act and out bit for bit", vname(Some(v))), &c, "");
         }
     }
-    cx.set_gemm_bulk_grouped(false);
+    cx.set_gemm_bulk_grouped(cuda::gemm::default_gemm_bulk_grouped());
+    drop(w8c);
     drop(routing);
 
     // timing, both ways
@@ -1813,5 +1843,5 @@ pub fn bulk_section(s: &mut Suite) {
         }
     }
     cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
-    cx.set_gemm_bulk_grouped(false);
+    cx.set_gemm_bulk_grouped(cuda::gemm::default_gemm_bulk_grouped());
 }
