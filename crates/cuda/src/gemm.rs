@@ -1006,7 +1006,8 @@ impl CudaContext {
         // runs that start and end 16-byte aligned (the same bytes in the same stages' places)
         let grouped = matches!(a.mode, MODE_MOE_GATE_UP | MODE_MOE_DOWN | MODE_MOE_DOWN_B16);
         let on = if grouped { self.gemm_bulk_grouped() } else { self.gemm_bulk() };
-        let bulk = on && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
+        let lean = matches!(v.engine, GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3);
+        let bulk = on && lean && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
         if bulk {
             self.gemm_bulk_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
