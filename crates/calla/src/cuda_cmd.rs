@@ -1418,7 +1418,10 @@ fn top2_margin(v: &[f32]) -> f32 {
 pub fn check(a: CudaCheckArgs) -> Result<()> {
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split)?;
-    if a.stage_lm_head && gm.stage_lm_head(&cx, &m.weights)? {
+    if a.stage_lm_head {
+        if !gm.stage_lm_head(&cx, &m.weights)? {
+            bail!("--stage-lm-head: the LM head has no staged form (4-bit, {} columns only)", p::D_MODEL);
+        }
         eprintln!("LM head staged for bulk copies");
     }
     if let Some(which) = a.attn_trigger_flip.as_deref() {
