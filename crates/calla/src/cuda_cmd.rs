@@ -129,6 +129,11 @@ pub struct PrefillFlags {
     /// bits; `CudaContext::set_gemm_bulk_grouped`).
     #[arg(long)]
     gemm_bulk_grouped: bool,
+    /// The 4-bit grouped expert GEMMs (tall and narrow tiles) on the warp-specialized loop
+    /// (a producer warpgroup dequantizing into shared memory; the same bits;
+    /// `CudaContext::set_gemm_ws`).
+    #[arg(long)]
+    gemm_ws: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -722,6 +727,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_bulk(!f.gemm_no_bulk);
     cuda::gemm::set_default_gemm_bulk_grouped(f.gemm_bulk_grouped);
     cx.set_gemm_bulk_grouped(f.gemm_bulk_grouped);
+    cuda::gemm::set_default_gemm_ws(f.gemm_ws);
+    cx.set_gemm_ws(f.gemm_ws);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -743,6 +750,7 @@ struct PrefillKnobs {
     side_splitk: bool,
     bulk: bool,
     bulk_grouped: bool,
+    ws: bool,
 }
 
 impl PrefillKnobs {
@@ -763,6 +771,7 @@ impl PrefillKnobs {
             side_splitk: pf.side_splitk,
             bulk: cx.gemm_bulk(),
             bulk_grouped: cx.gemm_bulk_grouped(),
+            ws: cx.gemm_ws(),
         }
     }
 
@@ -783,6 +792,7 @@ impl PrefillKnobs {
             c.set_moe_slot_bf16(self.slot_bf16);
             c.set_gemm_bulk(self.bulk);
             c.set_gemm_bulk_grouped(self.bulk_grouped);
+            c.set_gemm_ws(self.ws);
         });
     }
 
@@ -804,7 +814,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 14] = [
+const PREFILL_CASES: [PrefillCase; 15] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -819,6 +829,7 @@ const PREFILL_CASES: [PrefillCase; 14] = [
     PrefillCase { knob: |k| &mut k.side_splitk, off_name: "shared expert never split over K", off_key: "side_no_splitk_ms", on_name: "shared expert split over K", on_key: "side_splitk_ms" },
     PrefillCase { knob: |k| &mut k.bulk, off_name: "dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "dense GEMM weights by bulk copies", on_key: "gemm_bulk_ms" },
     PrefillCase { knob: |k| &mut k.bulk_grouped, off_name: "grouped GEMM weights by per-thread copies", off_key: "grouped_no_bulk_ms", on_name: "grouped GEMM weights by bulk copies", on_key: "grouped_bulk_ms" },
+    PrefillCase { knob: |k| &mut k.ws, off_name: "grouped GEMMs on the lean loop", off_key: "grouped_lean_ms", on_name: "grouped GEMMs warp-specialized", on_key: "grouped_ws_ms" },
 ];
 
 /// `calla cuda-bench`.
@@ -1345,6 +1356,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_bulk"] = serde_json::json!(!f.gemm_no_bulk);
     out["gemm_bulk_grouped"] = serde_json::json!(f.gemm_bulk_grouped);
     out["lm_head_staged"] = serde_json::json!(lm_head_staged);
+    out["gemm_ws"] = serde_json::json!(f.gemm_ws);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

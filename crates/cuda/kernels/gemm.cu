@@ -293,6 +293,47 @@ __device__ __forceinline__ void wgmma_bn<96>(float* d, const u32* a, u64 desc) {
 template <>
 __device__ __forceinline__ void wgmma_bn<128>(float* d, const u32* a, u64 desc) { wgmma_n128(d, a, desc); }
 
+// D[64 x N] += A[64 x 16] * B[16 x N], both operands from shared memory (K-major, 128-byte
+// swizzle, descriptors as DESC_SW128): the warp-specialized loop's MMA.
+template <int N>
+__device__ __forceinline__ void wgmma_ss_bn(float* d, u64 da, u64 db);
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<16>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<32>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<48>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "l"(da), "l"(db), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<64>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1));
+}
+
 template <int BITS, int MS, int BN>
 struct Cfg {
     static constexpr int BM = 128 * MS;                 // W rows per block (2 warpgroups x 64 x MS)
@@ -314,7 +355,7 @@ struct Cfg {
     static_assert(BN * DSP * 2 <= STAGES * STAGE, "MoE down staging must fit the ring");
 };
 
-template <int BITS, int MS, int BN, bool WG, bool LEAN, bool BULK = false>
+template <int BITS, int MS, int BN, bool WG, bool LEAN, bool BULK = false, bool WS = false>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
                                            const u16* __restrict__ biases, const u32* __restrict__ sbt,
                                            int sbt_rows, int pk_gm, const u16* __restrict__ xb, float* y,
@@ -326,11 +367,19 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ int s_wrow[C::BM];
     __shared__ int s_xrow[BN];
     __shared__ int s_orow[BN];
-    __shared__ alignas(8) unsigned long long s_full[C::STAGES];  // BULK: a tile's codes and scales landed
+    // BULK: a tile's codes and scales landed (one per stage); WS: 4 `full` then 4 `empty`
+    __shared__ alignas(8) unsigned long long s_full[C::STAGES > 8 ? C::STAGES : 8];
     static_assert(!BULK || LEAN, "the bulk copies replace the lean loop's per-thread weight copies");
+    static_assert(!WS || (LEAN && !BULK && BITS == 4 && MS == 2), "the warp-specialized loop: 4-bit, 256-row tiles");
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
+    // the epilogues' block barrier: the consumer warpgroups only in the warp-specialized loop
+    // (its producer warpgroup has exited by then)
+    auto epi_sync = [&]() {
+        if constexpr (WS) asm volatile("bar.sync 1, 256;" ::: "memory");
+        else __syncthreads();
+    };
     const bool full_n = (mode & MODE_FULL_N) != 0;
     mode &= ~MODE_FULL_N;
 
@@ -382,6 +431,13 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     }
     if (BULK && tid == 0) {
         for (int i = 0; i < C::STAGES; ++i) calla_mbar_init(&s_full[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (WS && tid == 0) {
+        for (int i = 0; i < 4; ++i) {
+            calla_mbar_init(&s_full[i], 128);      // full: every producer thread
+            calla_mbar_init(&s_full[4 + i], THREADS);  // empty: every consumer thread
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -629,6 +685,125 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         }
     };
 
+    if constexpr (WS) {
+        // ---- warp-specialized loop (WS): threads 256.. (one warpgroup) copy each K tile into
+        // a raw stage (codes, scales, the gathered activations), dequantize the codes into a
+        // bf16 A tile in the activations' layout (64 permuted columns, 128-byte rows, 128-byte
+        // swizzle: chunk j = 2s + h of a row holds nibbles s and s + 4 of code words h, 2 + h,
+        // 4 + h, 6 + h, the four deq4 results of the lean loop's A fragment at k-step s) and
+        // arrive on the stage's `full` mbarrier; threads 0..255 (the two consumer warpgroups)
+        // multiply with wgmma reading both operands from shared memory and arrive on `empty`
+        // once a stage's MMAs have retired. The same bf16 values meet in the same order.
+        constexpr int SW = C::STAGE;                 // raw part of a stage (X | codes | scales)
+        constexpr int AW = C::BM * 128;              // the stage's bf16 A tile, after SW
+        constexpr int WSTAGE = SW + AW;
+        constexpr int WST = 4;                       // stages
+        constexpr int LA = 2;                        // tiles the producer copies ahead
+        if (tid >= THREADS) {
+            const int pt = tid - THREADS;            // 0..127
+            // fixed copy assignments: X rows pt/8 + 16v (v < BN/16), W rows pt/2 + 64v (v < 4)
+            // pieces pt%2, scale words of rows pt and pt + 128
+            constexpr int XV = BN / 16;
+            u32 pxo[XV], pxs[XV];
+#pragma unroll
+            for (int v = 0; v < XV; ++v) {
+                const int xr = s_xrow[(pt >> 3) + 16 * v];
+                pxo[v] = (u32)max(xr, 0) * (u32)K + (u32)((pt & 7) * 8);
+                pxs[v] = xr >= 0 ? 16u : 0u;
+            }
+            const u32 pxd = (pt >> 3) * 128 + (((pt & 7) ^ ((pt >> 3) & 7)) << 4);
+            u32 pwo[4];
+#pragma unroll
+            for (int v = 0; v < 4; ++v) pwo[v] = (u32)s_wrow[(pt >> 1) + 64 * v] * (u32)(2 * BITS) + (u32)((pt & 1) * 4);
+            const u32 pwd = C::XB + (pt >> 1) * C::RB + (pt & 1) * 16;
+            const u32 pso0 = (u32)s_wrow[pt], pso1 = (u32)s_wrow[pt + 128];
+            auto pload = [&](int tl) {
+                const int t = tl + kt0;
+                const u32 st = sbase + (tl % WST) * WSTAGE;
+                const u32 tx = (u32)t * KTILE, tw = (u32)t * (u32)wstep, ts = (u32)t * (u32)sbt_rows;
+#pragma unroll
+                for (int v = 0; v < XV; ++v) cp_async16(st + pxd + v * 16 * 128, xb + (pxo[v] + tx), (int)pxs[v]);
+#pragma unroll
+                for (int v = 0; v < 4; ++v) cp_async16(st + pwd + v * 64 * C::RB, packed + (pwo[v] + tw), 16);
+                cp_async4(st + C::XB + C::WB + pt * 4, sbt + (pso0 + ts));
+                cp_async4(st + C::XB + C::WB + (pt + 128) * 4, sbt + (pso1 + ts));
+            };
+#pragma unroll
+            for (int p = 0; p < LA; ++p) {
+                if (p < KT) pload(p);
+                cp_async_commit();
+            }
+            for (int t = 0; t < KT; ++t) {
+                const int tn = t + LA;
+                if (tn < KT) {
+                    // the stage last held tile tn - WST, released by the consumers
+                    if (tn >= WST) calla_mbar_wait_parity(&s_full[WST + tn % WST], (u32)(tn / WST - 1) & 1u);
+                    pload(tn);
+                }
+                cp_async_commit();
+                cp_async_wait<LA>();  // this thread's copies of tile t
+                asm volatile("bar.sync 2, 128;" ::: "memory");  // every producer's copies of tile t
+                const unsigned char* raw = sptr + (t % WST) * WSTAGE;
+                unsigned char* at = sptr + (t % WST) * WSTAGE + SW;
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const int r = pt + 128 * rr;
+                    const u32 sb = *reinterpret_cast<const u32*>(raw + C::XB + C::WB + r * 4);
+                    const u32 s2 = __byte_perm(sb, 0, 0x1010u), b2 = __byte_perm(sb, 0, 0x3232u);
+                    const uint4 wa = *reinterpret_cast<const uint4*>(raw + C::XB + r * C::RB);
+                    const uint4 wb = *reinterpret_cast<const uint4*>(raw + C::XB + r * C::RB + 16);
+                    const u32 w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int sk = j >> 1, h = j & 1;
+                        uint4 o;
+                        o.x = deq4(w[h] >> (4 * sk), s2, b2);
+                        o.y = deq4(w[2 + h] >> (4 * sk), s2, b2);
+                        o.z = deq4(w[4 + h] >> (4 * sk), s2, b2);
+                        o.w = deq4(w[6 + h] >> (4 * sk), s2, b2);
+                        *reinterpret_cast<uint4*>(at + r * 128 + ((j ^ (r & 7)) << 4)) = o;
+                    }
+                }
+                fence_proxy_async();  // this thread's A stores and activation copies, for wgmma
+                calla_mbar_arrive(&s_full[t % WST]);
+            }
+            cp_async_wait<0>();
+            return;
+        }
+        // consumers: warpgroup wg = warp / 4 multiplies A rows 128·wg .. (slices of 64)
+        auto consume = [&](auto width) {
+            constexpr int NN = decltype(width)::value;
+            const int wg = warp >> 2;
+            for (int t = 0; t < KT; ++t) {
+                const int stg = t % WST;
+                calla_mbar_wait_parity(&s_full[stg], (u32)(t / WST) & 1u);
+                const u32 st = sbase + stg * WSTAGE;
+                const u64 db = DESC_SW128 | (u64)((st >> 4) & 0x3FFFu);
+                wgmma_fence();
+#pragma unroll
+                for (int m = 0; m < MS; ++m) {
+                    const u64 da = DESC_SW128 | (u64)(((st + SW + (wg * MS + m) * 64 * 128) >> 4) & 0x3FFFu);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) wgmma_ss_bn<NN>(acc[m], da + 2 * k, db + 2 * k);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // tile t - 1's MMAs have retired: its stage is free
+                if (t > 0) calla_mbar_arrive(&s_full[WST + (t - 1) % WST]);
+            }
+            wgmma_wait<0>();
+        };
+        const int need = full_n ? BN : cnt;
+        if constexpr (BN == 64) {
+            if (need > 48) consume(Width<64>{});
+            else if (need > 32) consume(Width<48>{});
+            else if (need > 16) consume(Width<32>{});
+            else consume(Width<16>{});
+        } else {
+            static_assert(BN == 32, "warp-specialized tiles: tall and narrow");
+            if (need > 16) consume(Width<32>{});
+            else consume(Width<16>{});
+        }
+    } else {
     // Ring: tile t lives in stage t % C::STAGES (rs, advanced by increments); tiles t+1 ..
     // t+C::STAGES-3 are in flight while t is consumed. The stage refilled at tile t (ls) held
     // tile t-2, whose MMAs every thread has waited for (wgmma.wait_group 1 at the end of tile
@@ -738,8 +913,9 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             next_tile();
         }
     }
-    cp_async_wait<0>();  // only empty groups remain; the ring is reused below
-    __syncthreads();
+    }
+    if constexpr (!WS) cp_async_wait<0>();  // only empty groups remain; the ring is reused below
+    epi_sync();
 
     // ---- epilogues
     if (mode == MODE_MOE_GATE_UP) {
@@ -760,7 +936,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                     stg[tok * OC + pos] = calla_f32_to_bf16(v);
                 }
         }
-        __syncthreads();
+        epi_sync();
         const int col0 = blockIdx.x * OC;
         for (int idx = tid; idx < BN * (OC / 8); idx += THREADS) {
             const int tok = idx / (OC / 8), ch = idx % (OC / 8);
@@ -832,7 +1008,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                 }
             }
     if (!b16) return;
-    __syncthreads();
+    epi_sync();
     u16* yb = reinterpret_cast<u16*>(y) + (size_t)blockIdx.x * C::BM;
     for (int idx = tid; idx < BN * (C::BM / 8); idx += THREADS) {
         const int tok = idx / (C::BM / 8), ch = idx % (C::BM / 8);
@@ -903,6 +1079,19 @@ CALLA_QGEMM_ENTRY_B(qgemm_q8_small_lb, 8, 1, 64, true, true, 2, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q8_narrow_lb, 8, 2, 32, true, true, 2, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q4_narrow_lb3, 4, 2, 32, true, true, 3, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q4_small_lb3, 4, 1, 64, true, true, 3, true)
+// the warp-specialized loop (384 threads: a producer warpgroup dequantizing into a bf16 A tile,
+// two consumer warpgroups on wgmma with both operands in shared memory; CudaContext::set_gemm_ws)
+#define CALLA_QGEMM_WS_ENTRY(NAME, BN)                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                      \
+        NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
+             const unsigned* sbt, int sbt_rows, int pk_gm, const unsigned short* xb, float* y,                \
+             const float* res, unsigned short* act, const int* sorted, const int* offsets,                   \
+             const int* tile_offs, int n_rows, int k, int t, int mode, int ldy, int topk) {                  \
+        calla_qgemm::qgemm_body<4, 2, BN, true, true, false, true>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, res, \
+                                                                  act, sorted, offsets, tile_offs, n_rows, k, t, mode, ldy, topk); \
+    }
+CALLA_QGEMM_WS_ENTRY(qgemm_q4_tall_ws, 64)
+CALLA_QGEMM_WS_ENTRY(qgemm_q4_narrow_ws, 32)
 
 // The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
 // [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.

@@ -469,6 +469,10 @@ __device__ __forceinline__ void calla_mbar_init_expect(unsigned long long* m, un
     calla_mbar_arrive_expect_tx(m, tx_bytes);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
+// One arrival on m (release, CTA scope), no transaction bytes.
+__device__ __forceinline__ void calla_mbar_arrive(unsigned long long* m) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(calla_smem_u32(m)) : "memory");
+}
 // Waits until the phase with parity `parity` of m has completed (CTA scope).
 __device__ __forceinline__ void calla_mbar_wait_parity(unsigned long long* m, unsigned parity) {
     unsigned done = 0;

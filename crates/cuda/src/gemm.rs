@@ -163,6 +163,20 @@ pub fn set_default_gemm_bulk_grouped(on: bool) {
     DEFAULT_GEMM_BULK_GROUPED.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_ws`] on (the process
+/// default, [`set_default_gemm_ws`]; off unless set).
+pub fn default_gemm_ws() -> bool {
+    DEFAULT_GEMM_WS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_WS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`default_gemm_ws`] for contexts created afterwards (`calla cuda-bench | cuda-check
+/// --gemm-ws` turns it on).
+pub fn set_default_gemm_ws(on: bool) {
+    DEFAULT_GEMM_WS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// See [`set_default_gemm_lean`].
 pub fn default_gemm_lean() -> bool {
     DEFAULT_GEMM_LEAN.load(std::sync::atomic::Ordering::Relaxed)
@@ -413,6 +427,18 @@ fn bulk_entry_name(bits: Bits, v: GemmVariant) -> String {
     }
 }
 
+/// Dynamic shared memory of the warp-specialized grouped GEMMs (`_ws` in `gemm.cu`): four
+/// stages of the raw tile (as [`smem_bytes`]'s stage) plus a bf16 A tile of 256 rows × 128 bytes.
+fn smem_bytes_ws(tile: GemmTile) -> usize {
+    let (bm, bn) = (tile.rows(), tile.tokens());
+    let stage = (bn * 128 + bm * 32 + 2 * bm * 4).div_ceil(1024) * 1024;
+    4 * (stage + bm * 128) + 1024
+}
+
+/// Threads per block of the warp-specialized grouped GEMMs (two consumer warpgroups and a
+/// producer warpgroup).
+const THREADS_WS: u32 = 384;
+
 /// Whether a matrix of `rows` rows (all experts together) read as products of `n_rows` rows
 /// each can take the bulk-copy entry points: every run a block copies (its rows, or the gate
 /// and up halves of them) starts and ends on a 16-byte boundary of the group-major scales
@@ -592,10 +618,27 @@ impl CudaContext {
         self.gemm_bulk_grouped.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// GEMM launches on the bulk-copy entry points since this context was made (its own
-    /// launches, not a sibling's): lets a test tell that [`Self::set_gemm_bulk`] /
-    /// [`Self::set_gemm_bulk_grouped`] took effect rather than fell back to the per-thread
-    /// copies.
+    /// Lets the 4-bit grouped expert products on the tall and narrow tiles run the
+    /// warp-specialized main loop (`gemm.cu`, `qgemm_q4_{tall,narrow}_ws`: a producer
+    /// warpgroup copies each K tile and dequantizes it into a bf16 A tile in shared memory, two
+    /// consumer warpgroups run `wgmma` with both operands there; the same products in the same
+    /// order as the lean loop). Off by default; for measurement. A [`CudaContext::sibling`]
+    /// copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_ws(&self, on: bool) {
+        self.gemm_ws.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_ws`].
+    #[doc(hidden)]
+    pub fn gemm_ws(&self) -> bool {
+        self.gemm_ws.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// GEMM launches on the bulk-copy or warp-specialized entry points since this context was
+    /// made (its own launches, not a sibling's): lets a test tell that [`Self::set_gemm_bulk`] /
+    /// [`Self::set_gemm_bulk_grouped`] / [`Self::set_gemm_ws`] took effect rather than fell back
+    /// to the lean loop's per-thread copies.
     #[doc(hidden)]
     pub fn gemm_bulk_launches(&self) -> u64 {
         self.gemm_bulk_launches.load(std::sync::atomic::Ordering::Relaxed)
@@ -626,6 +669,12 @@ impl CudaContext {
                     }
                 }
             }
+        }
+        for (name, tile) in [("qgemm_q4_tall_ws", GemmTile::Tall), ("qgemm_q4_narrow_ws", GemmTile::Narrow)] {
+            self.func(name)?.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes_ws(tile) as i32,
+            )?;
         }
         Ok(())
     }
@@ -1007,11 +1056,25 @@ impl CudaContext {
         let grouped = matches!(a.mode, MODE_MOE_GATE_UP | MODE_MOE_DOWN | MODE_MOE_DOWN_B16);
         let on = if grouped { self.gemm_bulk_grouped() } else { self.gemm_bulk() };
         let lean = matches!(v.engine, GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3);
-        let bulk = on && lean && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
-        if bulk {
+        // the warp-specialized loop: 4-bit grouped products on the tall or narrow tile
+        let ws = grouped
+            && self.gemm_ws()
+            && lean
+            && pk_gm == 1
+            && w.bits == Bits::B4
+            && matches!(v.tile, GemmTile::Tall | GemmTile::Narrow);
+        let bulk = !ws && on && lean && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
+        if bulk || ws {
             self.gemm_bulk_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        let f = self.func(&if bulk { bulk_entry_name(w.bits, v) } else { entry_name(w.bits, v) })?;
+        let name = if ws {
+            format!("qgemm_q4_{}_ws", if v.tile == GemmTile::Tall { "tall" } else { "narrow" })
+        } else if bulk {
+            bulk_entry_name(w.bits, v)
+        } else {
+            entry_name(w.bits, v)
+        };
+        let f = self.func(&name)?;
         check_i32("codes words", codes.len())?; // the kernel indexes them with int offsets
         let (pp, _g1) = codes.device_ptr(stream);
         let sbt_rows = check_i32("w.rows", w.rows)?;
@@ -1043,8 +1106,8 @@ impl CudaContext {
             .arg(&topk);
         let cfg = LaunchConfig {
             grid_dim: (a.grid.0.max(1), a.grid.1.max(1), a.ksplit.max(1)),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem_bytes(w.bits, v.tile) as u32,
+            block_dim: (if ws { THREADS_WS } else { THREADS }, 1, 1),
+            shared_mem_bytes: if ws { smem_bytes_ws(v.tile) } else { smem_bytes(w.bits, v.tile) } as u32,
         };
         // SAFETY: the callers checked every buffer against the shapes the kernel reads/writes; a
         // group-major copy holds w.rows * w.cols/64 words (add_group_major), all the kernel reads;

@@ -188,6 +188,8 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_narrow_lb",
             "qgemm_q4_narrow_lb3",
             "qgemm_q4_small_lb3",
+            "qgemm_q4_tall_ws",
+            "qgemm_q4_narrow_ws",
             "qgemm_x_to_bf16",
             "qmat_group_major",
             "qmat_pack_group_major",
@@ -552,6 +554,8 @@ pub struct CudaContext {
     pub(crate) gemm_bulk_grouped: std::sync::atomic::AtomicBool,
     /// GEMM launches on the bulk-copy entry points ([`CudaContext::gemm_bulk_launches`]).
     pub(crate) gemm_bulk_launches: std::sync::atomic::AtomicU64,
+    /// Whether the 4-bit grouped products run the warp-specialized loop ([`CudaContext::set_gemm_ws`]).
+    pub(crate) gemm_ws: std::sync::atomic::AtomicBool,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -704,6 +708,7 @@ impl CudaContext {
             gemm_bulk: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk()),
             gemm_bulk_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk_grouped()),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
+            gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -768,6 +773,7 @@ impl CudaContext {
             gemm_bulk: copy(&self.gemm_bulk),
             gemm_bulk_grouped: copy(&self.gemm_bulk_grouped),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
+            gemm_ws: copy(&self.gemm_ws),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

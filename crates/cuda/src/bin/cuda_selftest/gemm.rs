@@ -1845,3 +1845,97 @@ pub fn bulk_section(s: &mut Suite) {
     cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
     cx.set_gemm_bulk_grouped(cuda::gemm::default_gemm_bulk_grouped());
 }
+
+/// Section `ws`: the grouped expert products on the warp-specialized loop
+/// (`CudaContext::set_gemm_ws`, `qgemm_q4_{tall,narrow}_ws`) against the lean loop on the same
+/// tile: the same bf16 values in the same order, so `act` and the output must be equal bit for
+/// bit (and the references' checks of `moe_case` pass), and the warp-specialized entry points
+/// must have run (two launches per case, none with the switch off). Experts with their codes
+/// group-major in place (as the prefill holds them): the tall and narrow tiles (both
+/// occupancies) at T = 300, the tall tile at 1,024 and 2,048. Then times both (automatic
+/// variant, uniform routing) at T = 512, 1,024 and 8,192.
+pub fn ws_section(s: &mut Suite) {
+    let cx = s.cx;
+    let mut scratch = cx.gemm_scratch(2048).unwrap();
+    let mut routing = cx.moe_routing(2048).unwrap();
+    let mut w4c = moe_weights(cx, 4, 0x3E4);
+    cx.regroup_codes(&mut w4c.dgu).unwrap();
+    cx.regroup_codes(&mut w4c.ddn).unwrap();
+    let cases: [(usize, Vec<GemmVariant>); 3] = [
+        (300, vec![LEAN_VARIANTS[1], LEAN_VARIANTS[2], LEAN3_VARIANTS[0]]),
+        (1024, vec![LEAN_VARIANTS[1]]),
+        (2048, vec![LEAN_VARIANTS[1]]),
+    ];
+    for (t, vs) in cases {
+        let inp = moe_inputs(t, 0x77 ^ t as u64);
+        for v in vs {
+            cx.set_gemm_ws(false);
+            let n0 = cx.gemm_bulk_launches();
+            let lean = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
+            let n1 = cx.gemm_bulk_launches();
+            cx.set_gemm_ws(true);
+            let ws = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
+            cx.set_gemm_ws(false);
+            let launched = (n1 - n0, cx.gemm_bulk_launches() - n1);
+            let c = if launched != (0, 2) {
+                failed(format!("warp-specialized launches: {} with the switch off, {} with it on (want 0 and 2)", launched.0, launched.1))
+            } else if ws.act == lean.act {
+                check_bits(&ws.out, &lean.out, "outputs")
+            } else {
+                failed("act differs".into())
+            };
+            s.record(SEC, &format!("moe q4 T={t} gm codes {}: warp-specialized = lean loop, act and out bit for bit", vname(Some(v))), &c, "");
+        }
+    }
+    drop(routing);
+    let reps = if s.quick { 3 } else { 7 };
+    let tmax = 8192;
+    let mut scratch = cx.gemm_scratch(tmax).unwrap();
+    let mut routing = cx.moe_routing(tmax).unwrap();
+    let stream = cx.stream().clone();
+    let (d, k, ne) = (p::D_MODEL, p::TOP_K, p::N_EXPERTS);
+    println!("\n{SEC} warp-specialized timing (graph replay, median of {reps}; lean loop / warp-specialized)");
+    let inp = moe_inputs(tmax, 0x7304);
+    let xd = cx.upload_f32(&inp.x).unwrap();
+    let hd = cx.upload_f32(&inp.resid).unwrap();
+    let sd = cx.upload_f32(&inp.shared).unwrap();
+    let mut out = stream.alloc_zeros::<f32>(tmax * d).unwrap();
+    for t in [512usize, 1024, tmax] {
+        let lgd = cx.upload_f32(&rand_f32s(t * (ne + 1), 0x7305, 2.0)).unwrap();
+        cx.convert_acts(&xd.slice(..t * d), t, d, &mut scratch).unwrap();
+        cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
+        let mut row = Vec::new();
+        for ws in [false, true] {
+            cx.set_gemm_ws(ws);
+            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4c.dgu, &scratch, &mut routing, t).unwrap());
+            let b = s.time_graph(reps, || {
+                let mut ov = out.slice_mut(..t * d);
+                cx.moe_down_grouped(&mut ov, &w4c.ddn, &mut routing, &hd.slice(..t * d), &sd.slice(..t * d), t).unwrap()
+            });
+            row.push((a, b));
+        }
+        cx.set_gemm_ws(false);
+        let (f_gu, f_dn) = (gemm_flops(t * k, 2 * p::D_EXPERT, d), gemm_flops(t * k, d, p::D_EXPERT));
+        println!(
+            "{SEC:<10} MoE T={t:<5} gate_up grouped {:>7.1} / {:>7.1} us ({:+.1}%, {:.0} TFLOP/s eff.), down + combine {:>7.1} / {:>7.1} us ({:+.1}%, {:.0})",
+            row[0].0 * 1e6,
+            row[1].0 * 1e6,
+            100.0 * (row[1].0 / row[0].0 - 1.0),
+            f_gu / row[1].0 / 1e12,
+            row[0].1 * 1e6,
+            row[1].1 * 1e6,
+            100.0 * (row[1].1 / row[0].1 - 1.0),
+            f_dn / row[1].1 / 1e12
+        );
+        s.json.push((
+            SEC.into(),
+            format!(
+                "{{\"ws_moe_t\":{t},\"gate_up_us\":[{:.1},{:.1}],\"down_combine_us\":[{:.1},{:.1}]}}",
+                row[0].0 * 1e6,
+                row[1].0 * 1e6,
+                row[0].1 * 1e6,
+                row[1].1 * 1e6
+            ),
+        ));
+    }
+}
