@@ -368,12 +368,15 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ int s_xrow[BN];
     __shared__ int s_orow[BN];
     // BULK: a tile's codes and scales landed (one per stage); WS: 4 `full` then 4 `empty`
-    __shared__ alignas(8) unsigned long long s_full[C::STAGES > 8 ? C::STAGES : 8];
+    __shared__ alignas(8) unsigned long long s_full[WS ? 8 : C::STAGES];
     static_assert(!BULK || LEAN, "the bulk copies replace the lean loop's per-thread weight copies");
     static_assert(!WS || (LEAN && !BULK && BITS == 4 && MS == 2), "the warp-specialized loop: 4-bit, 256-row tiles");
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
+    // the thread index the shared copy set-up uses: the WS producer threads (256..) compute a
+    // consumer's assignments, which they never use, instead of reading past the row tables
+    const int ctid = WS ? (tid & (THREADS - 1)) : tid;
     // the epilogues' block barrier: the consumer warpgroups only in the warp-specialized loop
     // (its producer warpgroup has exited by then)
     auto epi_sync = [&]() {
@@ -459,7 +462,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     u32 xdst[C::XPT];
 #pragma unroll
     for (int v = 0; v < C::XPT; ++v) {
-        const int id = tid + v * THREADS, row = id >> 3, ch = id & 7;
+        const int id = ctid + v * THREADS, row = id >> 3, ch = id & 7;
         const int xr = s_xrow[row];
         xoff[v] = max(xr, 0) * K + ch * 8;
         xsz[v] = xr >= 0 ? 16 : 0;  // zero-fill the rows past the end
@@ -470,7 +473,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     u32 wdst[C::WPT];
 #pragma unroll
     for (int v = 0; v < C::WPT; ++v) {
-        const int id = tid + v * THREADS, row = id / PIECES, pc = id % PIECES;
+        const int id = ctid + v * THREADS, row = id / PIECES, pc = id % PIECES;
         // MLX layout: row r's words of tile t at r * wpr + t * 2·BITS; group-major codes
         // (pk_gm): at (t * sbt_rows + r) * 2·BITS, a tile's rows contiguous
         woff[v] = s_wrow[row] * (pk_gm ? 2 * BITS : wpr) + pc * 4;
@@ -485,10 +488,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     const bool gm = sbt != nullptr;
     int soff[C::SPT];
     u32 sdst[C::SPT];
-    const u16* const sb_src = (tid & 1) ? biases : scales;
+    const u16* const sb_src = (ctid & 1) ? biases : scales;
 #pragma unroll
     for (int v = 0; v < C::SPT; ++v) {
-        const int id = tid + v * THREADS;
+        const int id = ctid + v * THREADS;
         if (gm) {
             const int row = min(id, C::BM - 1);
             soff[v] = s_wrow[row];  // word of group 0; group t at + t * sbt_rows
@@ -509,7 +512,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             const u32* const src = sbt + (size_t)t * sbt_rows;
 #pragma unroll
             for (int v = 0; v < C::SPT; ++v)
-                if (tid + v * THREADS < C::BM) cp_async4(st + sdst[v], src + soff[v]);
+                if (ctid + v * THREADS < C::BM) cp_async4(st + sdst[v], src + soff[v]);
         } else {  // the aligned bf16 pair holding group t (K/64 is even)
 #pragma unroll
             for (int v = 0; v < C::SPT; ++v) cp_async4(st + sdst[v], sb_src + soff[v] + (t & ~1));
@@ -617,24 +620,24 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     // constants.
     static_assert(THREADS % PIECES == 0 && C::BM <= THREADS, "lean copy layout");
     u32 xo[C::XPT], xs[C::XPT], wo[C::WPT];
-    // thread tid's copy v: X row tid/8 + 32v (its 16-byte chunk and swizzle do not depend on v),
-    // W row tid/PIECES + v·THREADS/PIECES (the same piece)
-    const u32 xd = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
-    const u32 wd = C::XB + (tid / PIECES) * C::RB + (tid % PIECES) * 16;
-    // one (scale, bias) word per row of the tile: threads tid < BM, one copy each
-    const bool has_s = C::BM >= THREADS || tid < C::BM;
+    // thread ctid's copy v: X row ctid/8 + 32v (its 16-byte chunk and swizzle do not depend on v),
+    // W row ctid/PIECES + v·THREADS/PIECES (the same piece)
+    const u32 xd = (ctid >> 3) * 128 + (((ctid & 7) ^ ((ctid >> 3) & 7)) << 4);
+    const u32 wd = C::XB + (ctid / PIECES) * C::RB + (ctid % PIECES) * 16;
+    // one (scale, bias) word per row of the tile: threads ctid < BM, one copy each
+    const bool has_s = C::BM >= THREADS || ctid < C::BM;
     u32 so = 0;
     if constexpr (LEAN) {
 #pragma unroll
         for (int v = 0; v < C::XPT; ++v) {
-            const int xr = s_xrow[(tid >> 3) + 32 * v];
-            xo[v] = (u32)max(xr, 0) * (u32)K + (u32)((tid & 7) * 8);
+            const int xr = s_xrow[(ctid >> 3) + 32 * v];
+            xo[v] = (u32)max(xr, 0) * (u32)K + (u32)((ctid & 7) * 8);
             xs[v] = xr >= 0 ? 16u : 0u;  // zero-fill the rows past the end
         }
 #pragma unroll
         for (int v = 0; v < C::WPT; ++v)
-            wo[v] = (u32)s_wrow[tid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((tid % PIECES) * 4);
-        so = has_s ? (u32)s_wrow[tid] : 0u;
+            wo[v] = (u32)s_wrow[ctid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((ctid % PIECES) * 4);
+        so = has_s ? (u32)s_wrow[ctid] : 0u;
     }
     // BULK: a tile's codes and (scale, bias) words come as one or two runs of consecutive matrix
     // rows (group-major, so a run is contiguous per tile): one run of the block's rows, or in
