@@ -1781,55 +1781,11 @@ pub fn bulk_section(s: &mut Suite) {
     drop(routing);
 
     // timing, both ways
+    time_grouped_pair(s, &w4c, "bulk timing: per-thread copies / bulk copies", "bulk_moe_t", &|c, on| c.set_gemm_bulk_grouped(on));
     let reps = if s.quick { 3 } else { 7 };
     let tmax = 8192;
     let mut scratch = cx.gemm_scratch(tmax).unwrap();
-    let mut routing = cx.moe_routing(tmax).unwrap();
     let stream = cx.stream().clone();
-    let (d, k, ne) = (p::D_MODEL, p::TOP_K, p::N_EXPERTS);
-    println!("\n{SEC} bulk timing (graph replay, median of {reps}; per-thread copies / bulk copies)");
-    let inp = moe_inputs(tmax, 0x7304);
-    let xd = cx.upload_f32(&inp.x).unwrap();
-    let hd = cx.upload_f32(&inp.resid).unwrap();
-    let sd = cx.upload_f32(&inp.shared).unwrap();
-    let mut out = stream.alloc_zeros::<f32>(tmax * d).unwrap();
-    for t in [512usize, 1024, tmax] {
-        let lgd = cx.upload_f32(&rand_f32s(t * (ne + 1), 0x7305, 2.0)).unwrap();
-        cx.convert_acts(&xd.slice(..t * d), t, d, &mut scratch).unwrap();
-        cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
-        let mut row = Vec::new();
-        for bulk in [false, true] {
-            cx.set_gemm_bulk_grouped(bulk);
-            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4c.dgu, &scratch, &mut routing, t).unwrap());
-            let b = s.time_graph(reps, || {
-                let mut ov = out.slice_mut(..t * d);
-                cx.moe_down_grouped(&mut ov, &w4c.ddn, &mut routing, &hd.slice(..t * d), &sd.slice(..t * d), t).unwrap()
-            });
-            row.push((a, b));
-        }
-        let (f_gu, f_dn) = (gemm_flops(t * k, 2 * p::D_EXPERT, d), gemm_flops(t * k, d, p::D_EXPERT));
-        println!(
-            "{SEC:<10} MoE T={t:<5} gate_up grouped {:>7.1} / {:>7.1} us ({:+.1}%, {:.0} TFLOP/s eff.), down + combine {:>7.1} / {:>7.1} us ({:+.1}%, {:.0})",
-            row[0].0 * 1e6,
-            row[1].0 * 1e6,
-            100.0 * (row[1].0 / row[0].0 - 1.0),
-            f_gu / row[1].0 / 1e12,
-            row[0].1 * 1e6,
-            row[1].1 * 1e6,
-            100.0 * (row[1].1 / row[0].1 - 1.0),
-            f_dn / row[1].1 / 1e12
-        );
-        s.json.push((
-            SEC.into(),
-            format!(
-                "{{\"bulk_moe_t\":{t},\"gate_up_us\":[{:.1},{:.1}],\"down_combine_us\":[{:.1},{:.1}]}}",
-                row[0].0 * 1e6,
-                row[1].0 * 1e6,
-                row[0].1 * 1e6,
-                row[1].1 * 1e6
-            ),
-        ));
-    }
     for (si, (name, n, kk)) in [("gdn in_proj", GDN_PROJ, p::D_MODEL), ("o_proj", p::D_MODEL, ATTN_OUT)].into_iter().enumerate() {
         let hq = random_qmat(n, kk, 4, 0x7100 + si as u64);
         let mut dmc = cx.upload_qmat(hq.r()).unwrap();
@@ -1928,13 +1884,21 @@ pub fn ws_section(s: &mut Suite) {
         }
     }
     drop(routing);
+    time_grouped_pair(s, &w4c, "warp-specialized timing: lean loop / warp-specialized", "ws_moe_t", &|c, on| c.set_gemm_ws(on));
+}
+
+/// Times the grouped expert products (automatic variant, uniform routing) at T = 512, 1,024 and
+/// 8,192 with `set(cx, false)` then `set(cx, true)` in force, on `w`, and prints and records
+/// both (`title` names the two, `key` the JSON field of T). Leaves `set(cx, false)` in force.
+fn time_grouped_pair(s: &mut Suite, w: &MoeWeights, title: &str, key: &str, set: &dyn Fn(&CudaContext, bool)) {
+    let cx = s.cx;
     let reps = if s.quick { 3 } else { 7 };
     let tmax = 8192;
     let mut scratch = cx.gemm_scratch(tmax).unwrap();
     let mut routing = cx.moe_routing(tmax).unwrap();
     let stream = cx.stream().clone();
     let (d, k, ne) = (p::D_MODEL, p::TOP_K, p::N_EXPERTS);
-    println!("\n{SEC} warp-specialized timing (graph replay, median of {reps}; lean loop / warp-specialized)");
+    println!("\n{SEC} {title} (graph replay, median of {reps})");
     let inp = moe_inputs(tmax, 0x7304);
     let xd = cx.upload_f32(&inp.x).unwrap();
     let hd = cx.upload_f32(&inp.resid).unwrap();
@@ -1945,16 +1909,16 @@ pub fn ws_section(s: &mut Suite) {
         cx.convert_acts(&xd.slice(..t * d), t, d, &mut scratch).unwrap();
         cx.moe_route(&lgd.slice(..), t, &mut routing).unwrap();
         let mut row = Vec::new();
-        for ws in [false, true] {
-            cx.set_gemm_ws(ws);
-            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w4c.dgu, &scratch, &mut routing, t).unwrap());
+        for on in [false, true] {
+            set(cx, on);
+            let a = s.time_graph(reps, || cx.moe_gate_up_grouped(&w.dgu, &scratch, &mut routing, t).unwrap());
             let b = s.time_graph(reps, || {
                 let mut ov = out.slice_mut(..t * d);
-                cx.moe_down_grouped(&mut ov, &w4c.ddn, &mut routing, &hd.slice(..t * d), &sd.slice(..t * d), t).unwrap()
+                cx.moe_down_grouped(&mut ov, &w.ddn, &mut routing, &hd.slice(..t * d), &sd.slice(..t * d), t).unwrap()
             });
             row.push((a, b));
         }
-        cx.set_gemm_ws(false);
+        set(cx, false);
         let (f_gu, f_dn) = (gemm_flops(t * k, 2 * p::D_EXPERT, d), gemm_flops(t * k, d, p::D_EXPERT));
         println!(
             "{SEC:<10} MoE T={t:<5} gate_up grouped {:>7.1} / {:>7.1} us ({:+.1}%, {:.0} TFLOP/s eff.), down + combine {:>7.1} / {:>7.1} us ({:+.1}%, {:.0})",
@@ -1970,7 +1934,7 @@ pub fn ws_section(s: &mut Suite) {
         s.json.push((
             SEC.into(),
             format!(
-                "{{\"ws_moe_t\":{t},\"gate_up_us\":[{:.1},{:.1}],\"down_combine_us\":[{:.1},{:.1}]}}",
+                "{{\"{key}\":{t},\"gate_up_us\":[{:.1},{:.1}],\"down_combine_us\":[{:.1},{:.1}]}}",
                 row[0].0 * 1e6,
                 row[1].0 * 1e6,
                 row[0].1 * 1e6,
