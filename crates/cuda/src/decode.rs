@@ -765,6 +765,7 @@ impl CudaSession {
                 (DeviceMixer::Gdn { conv_w, a_neg_exp, dt_bias, norm, out_split: Some(w), .. }, DeviceLayerState::Gdn { conv, s })
                     if split_all =>
                 {
+                    let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
                     cx.gdn_step_out(
                         w,
                         &lw.moe,
@@ -778,10 +779,9 @@ impl CudaSession {
                         &mut conv.slice_mut(..),
                         &mut s.slice_mut(..),
                         &mut self.moe_scratch,
-                        crate::moe::fold_set(i, n_layers),
+                        set,
                         &mut self.mix.slice_mut(..n_out),
                     )?;
-                    let (set, next_set) = (crate::moe::fold_set(i, n_layers), crate::moe::fold_set((i + 1) % n_layers, n_layers));
                     cx.moe_split_cluster(&lw.moe, &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
                     continue;
                 }
