@@ -134,6 +134,10 @@ pub struct PrefillFlags {
     /// `CudaContext::set_gemm_ws`).
     #[arg(long)]
     gemm_ws: bool,
+    /// Long prompts' dense GEMMs on the wide tile (128 weight rows × 256 tokens; the same
+    /// bits; `CudaContext::set_gemm_wide`).
+    #[arg(long)]
+    gemm_wide: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -729,6 +733,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_bulk_grouped(f.gemm_bulk_grouped);
     cuda::gemm::set_default_gemm_ws(f.gemm_ws);
     cx.set_gemm_ws(f.gemm_ws);
+    cuda::gemm::set_default_gemm_wide(f.gemm_wide);
+    cx.set_gemm_wide(f.gemm_wide);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -751,6 +757,7 @@ struct PrefillKnobs {
     bulk: bool,
     bulk_grouped: bool,
     ws: bool,
+    wide: bool,
 }
 
 impl PrefillKnobs {
@@ -772,6 +779,7 @@ impl PrefillKnobs {
             bulk: cx.gemm_bulk(),
             bulk_grouped: cx.gemm_bulk_grouped(),
             ws: cx.gemm_ws(),
+            wide: cx.gemm_wide(),
         }
     }
 
@@ -793,6 +801,7 @@ impl PrefillKnobs {
             c.set_gemm_bulk(self.bulk);
             c.set_gemm_bulk_grouped(self.bulk_grouped);
             c.set_gemm_ws(self.ws);
+            c.set_gemm_wide(self.wide);
         });
     }
 
@@ -814,7 +823,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 15] = [
+const PREFILL_CASES: [PrefillCase; 16] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -830,6 +839,7 @@ const PREFILL_CASES: [PrefillCase; 15] = [
     PrefillCase { knob: |k| &mut k.bulk, off_name: "dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "dense GEMM weights by bulk copies", on_key: "gemm_bulk_ms" },
     PrefillCase { knob: |k| &mut k.bulk_grouped, off_name: "grouped GEMM weights by per-thread copies", off_key: "grouped_no_bulk_ms", on_name: "grouped GEMM weights by bulk copies", on_key: "grouped_bulk_ms" },
     PrefillCase { knob: |k| &mut k.ws, off_name: "grouped GEMMs on the lean loop", off_key: "grouped_lean_ms", on_name: "grouped GEMMs warp-specialized", on_key: "grouped_ws_ms" },
+    PrefillCase { knob: |k| &mut k.wide, off_name: "dense GEMMs without the wide tile", off_key: "dense_no_wide_ms", on_name: "dense GEMMs on the wide tile", on_key: "dense_wide_ms" },
 ];
 
 /// `calla cuda-bench`.
@@ -1357,6 +1367,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_bulk_grouped"] = serde_json::json!(f.gemm_bulk_grouped);
     out["lm_head_staged"] = serde_json::json!(lm_head_staged);
     out["gemm_ws"] = serde_json::json!(f.gemm_ws);
+    out["gemm_wide"] = serde_json::json!(f.gemm_wide);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

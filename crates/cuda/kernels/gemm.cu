@@ -56,7 +56,9 @@
 //
 // Block: 256 threads = 2 warpgroups; each warpgroup owns MS slices of 64 W rows (BM = 128*MS
 // rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
-// tall (MS 2, BN 64, two per SM), small (MS 1, BN 64, two per SM), narrow (MS 2, BN 32, two per SM).
+// tall (MS 2, BN 64, two per SM), small (MS 1, BN 64, two per SM), narrow (MS 2, BN 32, two per SM),
+// wide (MS 1, BN 256, one block per SM: a warpgroup's 64 dequantized rows feed 256 tokens, a
+// quarter of the tall tile's dequantization and copy instructions per MMA; wgmma only).
 //
 // Modes (runtime, uniform per launch):
 //   0 dense          y[t, n] = acc (+ res[t, n])           rows n < n_rows, tokens t < T
@@ -273,6 +275,66 @@ __device__ __forceinline__ void wgmma_n128(float* d, const u32* a, u64 desc) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
+// D[64 x 192] += A[64 x 16] (registers, bf16) * B[16 x 192] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n192(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+        "{%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 256] += A[64 x 16] (registers, bf16) * B[16 x 256] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_n256(float* d, const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
 // Shared-memory descriptor bits for a K-major B tile with 128-byte swizzle: SBO = 1024 bytes
 // (8 rows of 128 bytes), LBO unused (1), layout type 1 (bits 62-63). The start address (bits
 // 0-13, in 16-byte units) is ORed in; +2 per k-step of 16 bf16 (32 bytes).
@@ -292,6 +354,10 @@ template <>
 __device__ __forceinline__ void wgmma_bn<96>(float* d, const u32* a, u64 desc) { wgmma_n96(d, a, desc); }
 template <>
 __device__ __forceinline__ void wgmma_bn<128>(float* d, const u32* a, u64 desc) { wgmma_n128(d, a, desc); }
+template <>
+__device__ __forceinline__ void wgmma_bn<192>(float* d, const u32* a, u64 desc) { wgmma_n192(d, a, desc); }
+template <>
+__device__ __forceinline__ void wgmma_bn<256>(float* d, const u32* a, u64 desc) { wgmma_n256(d, a, desc); }
 
 // D[64 x N] += A[64 x 16] * B[16 x N], both operands from shared memory (K-major, 128-byte
 // swizzle, descriptors as DESC_SW128): the warp-specialized loop's MMA.
@@ -876,7 +942,12 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         // Fitted width: the narrowest of the tile's widths that covers the block's cnt tokens
         // (routed entries), unless the launch asks for the full width (MODE_FULL_N, the twin).
         const int need = full_n ? BN : cnt;
-        if constexpr (BN == 128) {
+        if constexpr (BN == 256) {
+            if (need > 192) main_loop(Width<256>{});
+            else if (need > 128) main_loop(Width<192>{});
+            else if (need > 64) main_loop(Width<128>{});
+            else main_loop(Width<64>{});
+        } else if constexpr (BN == 128) {
             if (need > 96) main_loop(Width<128>{});
             else if (need > 64) main_loop(Width<96>{});
             else main_loop(Width<64>{});
@@ -1055,6 +1126,13 @@ CALLA_QGEMM_ENTRY(qgemm_q4_narrow_wg, 4, 2, 32, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_wg, 8, 2, 32, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_narrow_mma, 4, 2, 32, false, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_narrow_mma, 8, 2, 32, false, false, 2)
+// the wide tile (128 W rows x 256 tokens, one block per SM; wgmma engines only)
+CALLA_QGEMM_ENTRY(qgemm_q4_wide_wg, 4, 1, 256, true, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_wide_wg, 8, 1, 256, true, false, 1)
+CALLA_QGEMM_ENTRY(qgemm_q4_wide_ln, 4, 1, 256, true, true, 1)
+CALLA_QGEMM_ENTRY(qgemm_q8_wide_ln, 8, 1, 256, true, true, 1)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_wide_lb, 4, 1, 256, true, true, 1, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q8_wide_lb, 8, 1, 256, true, true, 1, true)
 // the lean copies (group-major scales only)
 CALLA_QGEMM_ENTRY(qgemm_q4_big_ln, 4, 2, 128, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q4_tall_ln, 4, 2, 64, true, true, 2)
@@ -1249,7 +1327,8 @@ extern "C" __global__ void __launch_bounds__(256) qgemm_moe_hist(const int* __re
 __device__ __forceinline__ void moe_scan_body(const int* hist, int n_chunks, int* __restrict__ base,
                                               int* __restrict__ counts, int* __restrict__ offsets,
                                               int* __restrict__ tiles64, int* __restrict__ tiles128,
-                                              int* __restrict__ tiles32, int* __restrict__ count_into) {
+                                              int* __restrict__ tiles32, int* __restrict__ tiles256,
+                                              int* __restrict__ count_into) {
     constexpr int NE = CALLA_N_EXPERTS, PER = NE / 32;
     static_assert(NE % 32 == 0, "experts per lane");
     __shared__ int s_tot[NE];
@@ -1282,7 +1361,7 @@ __device__ __forceinline__ void moe_scan_body(const int* hist, int n_chunks, int
     }
     __syncthreads();
     if (warp == 0) {  // exclusive scans over the experts: lane owns experts lane*PER ..
-        int a = 0, b = 0, c = 0, d = 0;
+        int a = 0, b = 0, c = 0, d = 0, f = 0;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int n = s_tot[lane * PER + j];
@@ -1290,25 +1369,29 @@ __device__ __forceinline__ void moe_scan_body(const int* hist, int n_chunks, int
             b += (n + 63) >> 6;
             c += (n + 127) >> 7;
             d += (n + 31) >> 5;
+            f += (n + 255) >> 8;
         }
-        int ia = a, ib = b, ic = c, id = d;  // inclusive scans over lanes
+        int ia = a, ib = b, ic = c, id = d, iff = f;  // inclusive scans over lanes
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int va = __shfl_up_sync(0xffffffffu, ia, o);
             const int vb = __shfl_up_sync(0xffffffffu, ib, o);
             const int vc = __shfl_up_sync(0xffffffffu, ic, o);
             const int vd = __shfl_up_sync(0xffffffffu, id, o);
+            const int vf = __shfl_up_sync(0xffffffffu, iff, o);
             if (lane >= o) {
                 ia += va;
                 ib += vb;
                 ic += vc;
                 id += vd;
+                iff += vf;
             }
         }
         a = ia - a;
         b = ib - b;
         c = ic - c;
         d = id - d;
+        f = iff - f;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int e = lane * PER + j, n = s_tot[e];
@@ -1318,16 +1401,19 @@ __device__ __forceinline__ void moe_scan_body(const int* hist, int n_chunks, int
             tiles64[e] = b;
             tiles128[e] = c;
             tiles32[e] = d;
+            tiles256[e] = f;
             a += n;
             b += (n + 63) >> 6;
             c += (n + 127) >> 7;
             d += (n + 31) >> 5;
+            f += (n + 255) >> 8;
         }
         if (lane == 31) {
             offsets[NE] = a;
             tiles64[NE] = b;
             tiles128[NE] = c;
             tiles32[NE] = d;
+            tiles256[NE] = f;
         }
     }
     __syncthreads();
@@ -1362,9 +1448,9 @@ extern "C" __global__ void __launch_bounds__(1024) qgemm_moe_scan(const int* __r
                                                                   int* __restrict__ base, int* __restrict__ counts,
                                                                   int* __restrict__ offsets, int* __restrict__ tiles64,
                                                                   int* __restrict__ tiles128, int* __restrict__ tiles32,
-                                                                  int* __restrict__ count_into) {
+                                                                  int* __restrict__ tiles256, int* __restrict__ count_into) {
     calla_pdl_wait();
-    moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, count_into);
+    moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, tiles256, count_into);
 }
 
 // The placement of one chunk's entries by one warp (pos: the warp's NE ints of shared memory).
@@ -1421,7 +1507,8 @@ extern "C" __global__ void __launch_bounds__(1024)
     qgemm_moe_route_hist(const float* __restrict__ logits, int t, int* __restrict__ ids, float* __restrict__ wts,
                          float* __restrict__ shared_w, int n_chunks, int* hist, int* __restrict__ base,
                          int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tiles64,
-                         int* __restrict__ tiles128, int* __restrict__ tiles32, int* __restrict__ count_into,
+                         int* __restrict__ tiles128, int* __restrict__ tiles32, int* __restrict__ tiles256,
+                         int* __restrict__ count_into,
                          unsigned* __restrict__ done, int* __restrict__ sorted) {
     constexpr int NE = CALLA_N_EXPERTS, TK = CALLA_TOP_K;
     static_assert(NE <= 1024, "one thread per expert");
@@ -1447,7 +1534,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, count_into);
+    moe_scan_body(hist, n_chunks, base, counts, offsets, tiles64, tiles128, tiles32, tiles256, count_into);
     if (tid == 0) *done = 0u;
     if (sorted == nullptr) return;
     __syncthreads();  // this block's base stores are visible to the whole block

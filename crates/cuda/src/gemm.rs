@@ -177,6 +177,20 @@ pub fn set_default_gemm_ws(on: bool) {
     DEFAULT_GEMM_WS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_wide`] on (the process
+/// default, [`set_default_gemm_wide`]; off unless set).
+pub fn default_gemm_wide() -> bool {
+    DEFAULT_GEMM_WIDE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_WIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`default_gemm_wide`] for contexts created afterwards (`calla cuda-bench | cuda-check
+/// --gemm-wide` turns it on).
+pub fn set_default_gemm_wide(on: bool) {
+    DEFAULT_GEMM_WIDE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// See [`set_default_gemm_lean`].
 pub fn default_gemm_lean() -> bool {
     DEFAULT_GEMM_LEAN.load(std::sync::atomic::Ordering::Relaxed)
@@ -217,6 +231,10 @@ pub enum GemmTile {
     /// 256 weight rows × 32 tokens, two blocks per SM: grouped expert products that average
     /// few entries per expert (less padding per expert than 64-entry tiles).
     Narrow,
+    /// 128 weight rows × 256 tokens, one block per SM: each warpgroup's 64 dequantized rows
+    /// feed 256 tokens (a quarter of [`GemmTile::Tall`]'s dequantization and copy instructions
+    /// per MMA) for long prompts ([`CudaContext::set_gemm_wide`]). The wgmma engines only.
+    Wide,
 }
 
 impl GemmTile {
@@ -224,20 +242,30 @@ impl GemmTile {
     pub const fn rows(self) -> usize {
         match self {
             GemmTile::Big | GemmTile::Tall | GemmTile::Narrow => 256,
-            GemmTile::Small => 128,
+            GemmTile::Small | GemmTile::Wide => 128,
         }
     }
     /// Tokens (or routed entries) per block.
     pub const fn tokens(self) -> usize {
         match self {
+            GemmTile::Wide => 256,
             GemmTile::Big => 128,
             GemmTile::Tall | GemmTile::Small => 64,
             GemmTile::Narrow => 32,
         }
     }
 
+    /// Blocks of this tile an SM holds at once (shared memory and registers; `gemm.cu`'s
+    /// launch bounds).
+    pub const fn per_sm(self) -> usize {
+        match self {
+            GemmTile::Big | GemmTile::Wide => 1,
+            GemmTile::Tall | GemmTile::Small | GemmTile::Narrow => 2,
+        }
+    }
+
     /// Every tile.
-    pub const ALL: [GemmTile; 4] = [GemmTile::Big, GemmTile::Tall, GemmTile::Small, GemmTile::Narrow];
+    pub const ALL: [GemmTile; 5] = [GemmTile::Big, GemmTile::Tall, GemmTile::Small, GemmTile::Narrow, GemmTile::Wide];
 }
 
 /// One GEMM kernel variant.
@@ -344,6 +372,8 @@ pub struct MoeRouting {
     pub tiles64: CudaSlice<i32>,
     /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 128)`.
     pub tiles128: CudaSlice<i32>,
+    /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 256)` (the wide tile's).
+    pub tiles256: CudaSlice<i32>,
     /// `[N_EXPERTS + 1]` i32: exclusive scan of `ceil(counts / 32)`.
     pub tiles32: CudaSlice<i32>,
     /// `[T·TOP_K]` i32: entries `token·TOP_K + slot` grouped by expert (expert `e` at
@@ -406,6 +436,7 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
             GemmTile::Tall => "tall",
             GemmTile::Small => "small",
             GemmTile::Narrow => "narrow",
+            GemmTile::Wide => "wide",
         },
         match v.engine {
             GemmEngine::Wgmma => "wg",
@@ -457,6 +488,24 @@ fn runnable(bits: Bits, v: GemmVariant) -> GemmVariant {
         }
         _ => v,
     }
+}
+
+/// The routing's exclusive scan of each expert's tiles of `tile.tokens()` entries (the grouped
+/// GEMMs' `tile_offs`). `scans`: the routing's `[tiles128, tiles64, tiles32, tiles256]` (fields,
+/// so that the caller can hold other fields mutably).
+fn grouped_tiles(scans: [&CudaSlice<i32>; 4], tile: GemmTile) -> &CudaSlice<i32> {
+    match tile {
+        GemmTile::Big => scans[0],
+        GemmTile::Tall | GemmTile::Small => scans[1],
+        GemmTile::Narrow => scans[2],
+        GemmTile::Wide => scans[3],
+    }
+}
+
+/// Whether `gemm.cu` has an entry point for the variant: the wide tile runs on the wgmma
+/// engines only.
+fn has_entry(v: GemmVariant) -> bool {
+    !(v.tile == GemmTile::Wide && v.engine == GemmEngine::MmaSync)
 }
 
 /// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
@@ -635,6 +684,24 @@ impl CudaContext {
         self.gemm_ws.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the automatic choice of a GEMM's tile ([`GemmScratch::force`] / [`MoeRouting::force`]
+    /// `None`) take [`GemmTile::Wide`] (128 weight rows × 256 tokens, one block per SM): dense
+    /// products from 256 tokens on, grouped expert products from 192 entries per expert on
+    /// (`true`), instead of the big, tall, small and narrow tiles (`false`, the default,
+    /// [`default_gemm_wide`]). Token columns are independent and every output's K order is the
+    /// same, so the same bits. For measurement (`cuda_selftest --only wide`, `calla cuda-bench
+    /// --prefill-compare`); a [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_wide(&self, on: bool) {
+        self.gemm_wide.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_wide`].
+    #[doc(hidden)]
+    pub fn gemm_wide(&self) -> bool {
+        self.gemm_wide.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// GEMM launches on the bulk-copy or warp-specialized entry points since this context was
     /// made (its own launches, not a sibling's): lets a test tell that [`Self::set_gemm_bulk`] /
     /// [`Self::set_gemm_bulk_grouped`] / [`Self::set_gemm_ws`] took effect rather than fell back
@@ -660,6 +727,9 @@ impl CudaContext {
         for bits in [Bits::B4, Bits::B8] {
             for tile in GemmTile::ALL {
                 for engine in [GemmEngine::Wgmma, GemmEngine::MmaSync, GemmEngine::WgmmaLean, GemmEngine::WgmmaLean3] {
+                    if !has_entry(GemmVariant { engine, tile }) {
+                        continue;
+                    }
                     let v = runnable(bits, GemmVariant { engine, tile });
                     for name in [entry_name(bits, v), bulk_entry_name(bits, v)] {
                         self.func(&name)?.set_attribute(
@@ -951,7 +1021,7 @@ impl CudaContext {
     // `usize::is_multiple_of` needs Rust 1.87; the workspace's rust-version is 1.85.
     #[allow(clippy::manual_is_multiple_of)]
     fn splitk(&self, tile: GemmTile, blocks: usize, k: usize, slab: usize) -> usize {
-        let per_sm = if tile == GemmTile::Big { 1 } else { 2 };
+        let per_sm = tile.per_sm();
         let room = per_sm * self.sm_count() as usize;
         let kt = k / 64;
         [8usize, 4, 2]
@@ -1003,6 +1073,9 @@ impl CudaContext {
     /// (1 big or 2 tall/small blocks per SM) and the per-block efficiency measured on the H200
     /// (tall ≈ 0.9, small ≈ 0.76 of big at the same work).
     fn choose_dense(&self, n: usize, t: usize, swiglu: bool) -> GemmVariant {
+        if self.gemm_wide() && t >= GemmTile::Wide.tokens() {
+            return GemmVariant { engine: self.auto_engine(), tile: GemmTile::Wide };
+        }
         let sms = self.sm_count() as usize;
         let cost = |tile: GemmTile, per_sm: usize, eff: f64| {
             let rows = if swiglu { (n / 2).div_ceil(tile.rows() / 2) } else { n.div_ceil(tile.rows()) };
@@ -1020,6 +1093,9 @@ impl CudaContext {
     }
 
     fn launch_gemm(&self, w: &DeviceQMat, v: GemmVariant, a: &GemmArgs) -> Result<(), CudaError> {
+        if !has_entry(v) {
+            return Err(unsupported(format!("no GEMM kernel for {v:?} (the wide tile runs on the wgmma engines only)")));
+        }
         if a.grid.1 > 65_535 {
             return Err(unsupported(format!("GEMM grid of {} token tiles (at most 65535)", a.grid.1)));
         }
@@ -1143,6 +1219,7 @@ impl CudaContext {
             tiles64: s.alloc_zeros(p::N_EXPERTS + 1)?,
             tiles128: s.alloc_zeros(p::N_EXPERTS + 1)?,
             tiles32: s.alloc_zeros(p::N_EXPERTS + 1)?,
+            tiles256: s.alloc_zeros(p::N_EXPERTS + 1)?,
             sorted: s.alloc_zeros(e)?,
             act: s.alloc_zeros(e * p::D_EXPERT)?,
             slot_out: s.alloc_zeros(e * p::D_MODEL)?,
@@ -1195,7 +1272,7 @@ impl CudaContext {
             b.ptr(logits).arg(&ti).ptr_mut(&mut routing.ids).ptr_mut(&mut routing.weights).ptr_mut(&mut routing.shared_weight);
             b.arg(&ch_i).ptr_mut(&mut routing.hist).ptr_mut(&mut routing.base).ptr_mut(&mut routing.counts);
             b.ptr_mut(&mut routing.offsets).ptr_mut(&mut routing.tiles64).ptr_mut(&mut routing.tiles128);
-            b.ptr_mut(&mut routing.tiles32).arg(&routing.count_into).ptr_mut(&mut routing.done);
+            b.ptr_mut(&mut routing.tiles32).ptr_mut(&mut routing.tiles256).arg(&routing.count_into).ptr_mut(&mut routing.done);
             if place_in_scan {
                 b.ptr_mut(&mut routing.sorted);
             } else {
@@ -1239,8 +1316,9 @@ impl CudaContext {
                 let (p64, _g5) = routing.tiles64.device_ptr_mut(stream);
                 let (p128, _g6) = routing.tiles128.device_ptr_mut(stream);
                 let (p32, _g7) = routing.tiles32.device_ptr_mut(stream);
+                let (p256, _g8) = routing.tiles256.device_ptr_mut(stream);
                 let mut b = self.kernel(self.func("qgemm_moe_scan")?);
-                b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32).arg(&routing.count_into);
+                b.arg(&ph).arg(&ch_i).arg(&pb).arg(&pc).arg(&po).arg(&p64).arg(&p128).arg(&p32).arg(&p256).arg(&routing.count_into);
                 let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
                 // SAFETY: as allocated by moe_routing.
                 unsafe { b.launch(cfg) }?;
@@ -1317,6 +1395,7 @@ impl CudaContext {
         let per_expert = t * p::TOP_K / p::N_EXPERTS;
         let three = self.gemm_grouped3() && self.auto_engine() == GemmEngine::WgmmaLean;
         let (engine, tile) = match per_expert {
+            192.. if self.gemm_wide() => (self.auto_engine(), GemmTile::Wide),
             512.. => (self.auto_engine(), GemmTile::Big),
             28.. => (self.auto_engine(), GemmTile::Tall),
             _ if three => (GemmEngine::WgmmaLean3, GemmTile::Narrow),
@@ -1368,12 +1447,7 @@ impl CudaContext {
         let (pact, _g1) = routing.act.device_ptr_mut(stream);
         let (psort, _g2) = routing.sorted.device_ptr(stream);
         let (poff, _g3) = routing.offsets.device_ptr(stream);
-        let tiles = match v.tile.tokens() {
-            128 => &routing.tiles128,
-            64 => &routing.tiles64,
-            _ => &routing.tiles32,
-        };
-        let (ptile, _g4) = tiles.device_ptr(stream);
+        let (ptile, _g4) = grouped_tiles([&routing.tiles128, &routing.tiles64, &routing.tiles32, &routing.tiles256], v.tile).device_ptr(stream);
         let args = GemmArgs {
             xb: pxb,
             y: 0,
@@ -1493,12 +1567,7 @@ impl CudaContext {
             let (pslot, _g1) = routing.slot_out.device_ptr_mut(stream);
             let (psort, _g2) = routing.sorted.device_ptr(stream);
             let (poff, _g3) = routing.offsets.device_ptr(stream);
-            let tiles = match v.tile.tokens() {
-                128 => &routing.tiles128,
-                64 => &routing.tiles64,
-                _ => &routing.tiles32,
-            };
-            let (ptile, _g4) = tiles.device_ptr(stream);
+            let (ptile, _g4) = grouped_tiles([&routing.tiles128, &routing.tiles64, &routing.tiles32, &routing.tiles256], v.tile).device_ptr(stream);
             let args = GemmArgs {
                 xb: pact,
                 y: pslot,

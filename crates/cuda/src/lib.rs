@@ -190,6 +190,12 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q4_small_lb3",
             "qgemm_q4_tall_ws",
             "qgemm_q4_narrow_ws",
+            "qgemm_q4_wide_wg",
+            "qgemm_q8_wide_wg",
+            "qgemm_q4_wide_ln",
+            "qgemm_q8_wide_ln",
+            "qgemm_q4_wide_lb",
+            "qgemm_q8_wide_lb",
             "qgemm_x_to_bf16",
             "qmat_group_major",
             "qmat_pack_group_major",
@@ -556,6 +562,8 @@ pub struct CudaContext {
     pub(crate) gemm_bulk_launches: std::sync::atomic::AtomicU64,
     /// Whether the 4-bit grouped products run the warp-specialized loop ([`CudaContext::set_gemm_ws`]).
     pub(crate) gemm_ws: std::sync::atomic::AtomicBool,
+    /// Whether long prompts' dense products may take the wide tile ([`CudaContext::set_gemm_wide`]).
+    pub(crate) gemm_wide: std::sync::atomic::AtomicBool,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -709,6 +717,7 @@ impl CudaContext {
             gemm_bulk_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk_grouped()),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
+            gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -774,6 +783,7 @@ impl CudaContext {
             gemm_bulk_grouped: copy(&self.gemm_bulk_grouped),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: copy(&self.gemm_ws),
+            gemm_wide: copy(&self.gemm_wide),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

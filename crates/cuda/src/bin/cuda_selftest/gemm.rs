@@ -125,6 +125,7 @@ fn vname(v: Option<GemmVariant>) -> String {
                 GemmTile::Tall => "tall",
                 GemmTile::Small => "small",
                 GemmTile::Narrow => "narrow",
+                GemmTile::Wide => "wide",
             }
         ),
     }
@@ -649,6 +650,7 @@ fn route_check(s: &mut Suite) {
         let t64: Vec<i32> = stream.clone_dtoh(&routing.tiles64).unwrap();
         let t128: Vec<i32> = stream.clone_dtoh(&routing.tiles128).unwrap();
         let t32: Vec<i32> = stream.clone_dtoh(&routing.tiles32).unwrap();
+        let t256: Vec<i32> = stream.clone_dtoh(&routing.tiles256).unwrap();
         let sorted: Vec<i32> = stream.clone_dtoh(&routing.sorted.slice(..t * k)).unwrap();
         let mut msg = String::new();
         let mut max_w = 0f64;
@@ -674,11 +676,13 @@ fn route_check(s: &mut Suite) {
         }
         let mut coff = vec![0i32; ne + 1];
         let (mut c64, mut c128, mut c32) = (vec![0i32; ne + 1], vec![0i32; ne + 1], vec![0i32; ne + 1]);
+        let mut c256 = vec![0i32; ne + 1];
         for e in 0..ne {
             coff[e + 1] = coff[e] + ccounts[e];
             c64[e + 1] = c64[e] + (ccounts[e] + 63) / 64;
             c128[e + 1] = c128[e] + (ccounts[e] + 127) / 128;
             c32[e + 1] = c32[e] + (ccounts[e] + 31) / 32;
+            c256[e + 1] = c256[e] + (ccounts[e] + 255) / 256;
         }
         let mut csorted = vec![0i32; t * k];
         let mut fill = coff.clone();
@@ -692,6 +696,7 @@ fn route_check(s: &mut Suite) {
             ("tiles64", &t64, &c64),
             ("tiles128", &t128, &c128),
             ("tiles32", &t32, &c32),
+            ("tiles256", &t256, &c256),
             ("sorted", &sorted, &csorted),
         ] {
             if a != b {
@@ -1942,4 +1947,203 @@ fn time_grouped_pair(s: &mut Suite, w: &MoeWeights, title: &str, key: &str, set:
             ),
         ));
     }
+}
+
+/// Section `wide`: the dense products on the wide tile (`GemmTile::Wide`, 128 weight rows × 256
+/// tokens, `CudaContext::set_gemm_wide`) against the big tile of the same engine. Token columns
+/// are independent and every output's K order is the same, so the outputs must be equal bit for
+/// bit and finite between their guard words, and the wide outputs within the references' bounds
+/// (f32 reference and bf16 emulation, sampled tokens): in_proj (partial last row tile), o_proj
+/// with the residual, the shared expert's SwiGLU, a SwiGLU whose 520 gate rows end inside a
+/// tile, 8-bit in_proj; T = 7 (one narrow MMA), 300 (a full and a partial token tile) and
+/// 2,048; the lean loop with bulk copies (the default), with per-thread copies, and the plain
+/// loop. The grouped experts the same way (`GemmTile::Wide` against the big tile, act and
+/// output bit for bit at T = 2,048 and 8,192, lean and plain loops, references at 2,048). Then
+/// times the automatic choice with the wide tile off and on: the grouped products at T = 512,
+/// 1,024 and 8,192, the prefill's dense products at T = 1,024, 2,048 and 8,192.
+pub fn wide_section(s: &mut Suite) {
+    let cx = s.cx;
+    let cases: [(&str, usize, usize, u32, Epi); 5] = [
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, 4, Epi::Store),
+        ("o_proj +resid", p::D_MODEL, ATTN_OUT, 4, Epi::Residual),
+        ("shared gate|up swiglu", 2 * p::D_SHARED_EXPERT, p::D_MODEL, 4, Epi::SwiGlu),
+        ("swiglu 2x520", 2 * 520, p::D_MODEL, 4, Epi::SwiGlu),
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, 8, Epi::Store),
+    ];
+    let mut scratch = cx.gemm_scratch(2048).unwrap();
+    // split over K depends on the tile (its blocks per round), and a split sums in another
+    // order: the bit-for-bit comparisons run unsplit, and one case split (below)
+    cx.set_gemm_splitk(false);
+    for (ci, &(label, n, k, bits, epi)) in cases.iter().enumerate() {
+        let hq = random_qmat(n, k, bits, 0x31DE + ci as u64);
+        let m = hq.r();
+        let mut dmc = cx.upload_qmat(m).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
+        let emw = emul_weights(m);
+        let out_cols = if epi == Epi::SwiGlu { n / 2 } else { n };
+        for t in [7usize, 300, 2048] {
+            let x = rand_x(t * k, 0x31E0 ^ (t as u64) << 20);
+            let res = rand_f32s(t * n, 0x31E1 ^ (t as u64) << 24, 1.0);
+            let xd = cx.upload_f32(&x).unwrap();
+            let rd = cx.upload_f32(&res).unwrap();
+            let run = |scratch: &mut GemmScratch, v: GemmVariant| {
+                scratch.force = Some(v);
+                let mut yd = guarded(cx, t * out_cols);
+                run_dense(cx, scratch, &mut yd, t * out_cols, &dmc, &xd.slice(..), Some(&rd.slice(..)), epi, t);
+                cx.download_f32(&yd).unwrap()
+            };
+            let mut wide_lean = None;
+            // (engine, bulk copies)
+            for (engine, bulk) in [(GemmEngine::WgmmaLean, true), (GemmEngine::WgmmaLean, false), (GemmEngine::Wgmma, false)] {
+                if bulk && bits == 8 && t == 7 {
+                    continue; // as the per-thread run; nothing the other cases do not cover
+                }
+                cx.set_gemm_bulk(bulk);
+                let big = run(&mut scratch, GemmVariant { engine, tile: GemmTile::Big });
+                let wide = run(&mut scratch, GemmVariant { engine, tile: GemmTile::Wide });
+                let len = t * out_cols;
+                let c = match guards_and_finite(&big, len).and(guards_and_finite(&wide, len)) {
+                    Err(e) => failed(e),
+                    Ok(()) => check_bits(&wide[GUARD..GUARD + len], &big[GUARD..GUARD + len], "outputs"),
+                };
+                let how = match (engine, bulk) {
+                    (GemmEngine::Wgmma, _) => "plain loop",
+                    (_, true) => "lean loop, bulk copies",
+                    _ => "lean loop, per-thread copies",
+                };
+                s.record(SEC, &format!("q{bits} {label} [{n}x{k}] T={t} {how}: wide tile = big tile, bit for bit"), &c, "");
+                if engine == GemmEngine::WgmmaLean && wide_lean.is_none() {
+                    wide_lean = Some(wide);
+                }
+            }
+            cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
+            // the wide outputs against the references (sampled tokens); o_proj at T = 300 also
+            // split over K (32 blocks: 4 splits)
+            let mut gots = vec![("", wide_lean.expect("a lean run"))];
+            if epi == Epi::Residual && t == 300 {
+                cx.set_gemm_splitk(true);
+                gots.push((" split over K", run(&mut scratch, GemmVariant { engine: GemmEngine::WgmmaLean, tile: GemmTile::Wide })));
+                cx.set_gemm_splitk(false);
+            }
+            let toks = sample_tokens(t);
+            let finish = |r: &[f64]| -> Vec<f64> {
+                let mut o = Vec::with_capacity(toks.len() * out_cols);
+                for (si, &tt) in toks.iter().enumerate() {
+                    let row = &r[si * n..(si + 1) * n];
+                    match epi {
+                        Epi::Store => o.extend_from_slice(row),
+                        Epi::Residual => o.extend(row.iter().enumerate().map(|(j, v)| v + f64::from(res[tt * n + j]))),
+                        Epi::SwiGlu => o.extend((0..out_cols).map(|j| silu64(row[j]) * row[out_cols + j])),
+                    }
+                }
+                o
+            };
+            let ex = finish(&ref_exact(m, &x, &toks));
+            let em = finish(&ref_emul(&emw, n, k, &x, &toks));
+            for (how, got) in gots {
+                let name = format!("q{bits} {label} [{n}x{k}] T={t} wide{how}");
+                if let Err(e) = guards_and_finite(&got, t * out_cols) {
+                    s.record(SEC, &format!("{name} vs references"), &failed(e), "");
+                    continue;
+                }
+                let mut g = Vec::with_capacity(toks.len() * out_cols);
+                for &tt in &toks {
+                    g.extend_from_slice(&got[GUARD + tt * out_cols..GUARD + (tt + 1) * out_cols]);
+                }
+                let tol = if epi == Epi::SwiGlu { TOL_SWIGLU_EXACT } else { TOL_EXACT };
+                s.record(SEC, &format!("{name} vs f32 reference"), &check(&g, &ex, tol, String::new()), "");
+                s.record(SEC, &format!("{name} vs bf16 emulation"), &check(&g, &em, TOL_EMUL, String::new()), "");
+            }
+        }
+    }
+    cx.set_gemm_splitk(cuda::gemm::default_splitk());
+    scratch.force = None;
+    // the grouped experts (codes group-major in place, as the prefill holds them): the wide
+    // tile against the big one bit for bit (act and output) at T = 2,048 (64 entries per expert:
+    // one fitted 64-wide tile each) and 8,192 (256: a full tile, and a second partly filled
+    // one for the experts above 256), lean and plain loops; and against the references at 2,048
+    {
+        drop(scratch);
+        let tmax = 8192;
+        let mut scratch = cx.gemm_scratch(tmax).unwrap();
+        let mut routing = cx.moe_routing(tmax).unwrap();
+        let mut w4c = moe_weights(cx, 4, 0x3E4);
+        cx.regroup_codes(&mut w4c.dgu).unwrap();
+        cx.regroup_codes(&mut w4c.ddn).unwrap();
+        for t in [2048usize, tmax] {
+            let inp = moe_inputs(t, 0x31E2 ^ t as u64);
+            for engine in [GemmEngine::WgmmaLean, GemmEngine::Wgmma] {
+                let big = moe_outputs(cx, &w4c, t, Some(GemmVariant { engine, tile: GemmTile::Big }), &mut scratch, &mut routing, &inp);
+                let wv = GemmVariant { engine, tile: GemmTile::Wide };
+                let wide = if t == 2048 {
+                    let r = moe_case(s, &w4c, 4, t, Some(wv), &mut scratch, &mut routing, &inp);
+                    let mut g = vec![f32::from_bits(SENTINEL); GUARD];
+                    g.extend_from_slice(&r.out);
+                    g.extend(std::iter::repeat_n(f32::from_bits(SENTINEL), GUARD));
+                    (g, r.act)
+                } else {
+                    moe_outputs(cx, &w4c, t, Some(wv), &mut scratch, &mut routing, &inp)
+                };
+                let d = p::D_MODEL;
+                let c = match guards_and_finite(&wide.0, t * d).and(guards_and_finite(&big.0, t * d)) {
+                    Err(e) => failed(e),
+                    Ok(()) if wide.1 != big.1 => failed("act differs".into()),
+                    Ok(()) => check_bits(&wide.0[GUARD..GUARD + t * d], &big.0[GUARD..GUARD + t * d], "outputs"),
+                };
+                s.record(SEC, &format!("moe q4 T={t} gm codes {}: wide tile = big tile, act and out bit for bit", vname(Some(wv))), &c, "");
+            }
+        }
+        routing.force = None;
+        time_grouped_pair(s, &w4c, "wide timing (grouped): automatic tile / wide tile from 192 entries per expert", "wide_moe_t", &|c, on| c.set_gemm_wide(on));
+    }
+
+    // timing: the automatic choice without and with the wide tile
+    let reps = if s.quick { 3 } else { 7 };
+    let tmax = 8192;
+    let mut scratch = cx.gemm_scratch(tmax).unwrap();
+    let stream = cx.stream().clone();
+    println!("\n{SEC} wide timing: automatic tile / wide tile (graph replay, median of {reps}, 8 calls per graph)");
+    let shapes = [
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, false),
+        ("gdn out_proj", p::D_MODEL, p::N_V_HEADS * p::D_V, false),
+        ("attn q|gate|k|v", ATTN_PROJ, p::D_MODEL, false),
+        ("attn o_proj", p::D_MODEL, ATTN_OUT, false),
+        ("shared gate|up swiglu", 2 * p::D_SHARED_EXPERT, p::D_MODEL, true),
+    ];
+    for (si, (name, n, kk, swiglu)) in shapes.into_iter().enumerate() {
+        let hq = random_qmat(n, kk, 4, 0x7300 + si as u64);
+        let mut dmc = cx.upload_qmat(hq.r()).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
+        let x = cx.upload_f32(&rand_x(tmax * kk, 0x7400 + si as u64)).unwrap();
+        let cols = if swiglu { n / 2 } else { n };
+        let mut yd = stream.alloc_zeros::<f32>(tmax * cols).unwrap();
+        for t in [1024usize, 2048, tmax] {
+            cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
+            let mut us = Vec::new();
+            for wide in [false, true] {
+                cx.set_gemm_wide(wide);
+                us.push(s.time_graph(reps, || {
+                    for _ in 0..8 {
+                        let mut yv = yd.slice_mut(..t * cols);
+                        let epi = if swiglu { Epilogue::SwiGlu } else { Epilogue::Store };
+                        cx.qgemm_converted(&mut yv, &dmc, &scratch, t, epi).unwrap();
+                    }
+                }) / 8.0);
+            }
+            cx.set_gemm_wide(false);
+            let fl = gemm_flops(t, n, kk);
+            println!(
+                "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%; {:.0} / {:.0} TFLOP/s)",
+                us[0] * 1e6,
+                us[1] * 1e6,
+                100.0 * (us[1] / us[0] - 1.0),
+                fl / us[0] / 1e12,
+                fl / us[1] / 1e12
+            );
+            s.json.push((SEC.into(), format!("{{\"wide_dense\":\"{name}\",\"t\":{t},\"us\":[{:.1},{:.1}]}}", us[0] * 1e6, us[1] * 1e6)));
+        }
+    }
+    cx.set_gemm_wide(cuda::gemm::default_gemm_wide());
 }
