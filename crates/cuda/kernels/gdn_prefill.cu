@@ -87,35 +87,85 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1
 // With BR, B already holds TF32-rounded values (no cvt on load); with ARD, A does. (A cvt.rna
 // is not one instruction on sm_90: ptxas expands it into a compare with infinity, a predicated
 // add and a mask, about four instructions per element.)
-// One k-step of warp_mma.
-template <int NT, int AR, int AK, int BK, int BN, bool BR, bool ARD>
+// LDS (shared-memory operands laid out for it): A row-major (AK = 1) and B n-major (BK = 1),
+// both row strides multiples of 4 floats and the tiles 16-byte aligned, so that one
+// `ldmatrix.x4` (8 x 8 b16 matrices = 8 rows x 4 floats) fetches a k-step's four A values and
+// another the two B values of two n-tiles, instead of 4 + 2·NT scalar loads: thread t receives
+// word t%4 of row t/4 of each matrix, i.e. element (g, q) of an 8 x 4 float block. The same
+// values reach the same registers, so the same bits.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const float* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// This lane's row address for the ldmatrix form (matrix m = lane/8, row lane%8): A's matrices
+// are rows 0-7 / 8-15 (m&1) x columns 0-3 / 4-7 (m>>1), giving a0..a3; B's (n-major) are
+// n 0-7 / 8-15 (m>>1) x k 0-3 / 4-7 (m&1), giving b0, b1 of n-tile 0, then of n-tile 1.
+template <int AR>
+__device__ __forceinline__ const float* ldsm_a_lane(const float* A) {
+    const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    return A + (r + 8 * (m & 1)) * AR + 4 * (m >> 1);
+}
+template <int BN>
+__device__ __forceinline__ const float* ldsm_b_lane(const float* B) {
+    const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    return B + (r + 8 * (m >> 1)) * BN + 4 * (m & 1);
+}
+// One k-step of warp_mma; ak, bk: this lane's addresses (ldsm_*_lane for the ldmatrix forms,
+// else A + g*AR + q*AK and B + q*BK + g*BN), advanced by the k-step. ALD / BLD: A / B by
+// ldmatrix (layouts above).
+template <int NT, int AR, int AK, int BK, int BN, bool BR, bool ARD, bool ALD, bool BLD>
 __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const float* ak, const float* bk) {
+    static_assert(!ALD || (AK == 1 && AR % 4 == 0), "ldmatrix A: row-major, rows of whole 16-byte chunks");
+    static_assert(!BLD || (BK == 1 && BN % 4 == 0 && NT % 2 == 0), "ldmatrix B: n-major, rows of whole 16-byte chunks, n-tile pairs");
     const auto ld = [](float x) { return ARD ? __float_as_uint(x) : to_tf32(x); };
-    const unsigned a0 = ld(ak[0]), a1 = ld(ak[8 * AR]);
-    const unsigned a2 = ld(ak[4 * AK]), a3 = ld(ak[8 * AR + 4 * AK]);
+    unsigned a[4];
+    if constexpr (ALD) {
+        ldsm_x4(a, ak);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const float f0 = bk[nt * 8 * BN], f1 = bk[4 * BK + nt * 8 * BN];
-        mma_tf32(acc[nt], a0, a1, a2, a3, BR ? __float_as_uint(f0) : to_tf32(f0), BR ? __float_as_uint(f1) : to_tf32(f1));
+        for (int i = 0; i < 4; ++i) a[i] = ld(__uint_as_float(a[i]));
+    } else {
+        a[0] = ld(ak[0]);
+        a[1] = ld(ak[8 * AR]);
+        a[2] = ld(ak[4 * AK]);
+        a[3] = ld(ak[8 * AR + 4 * AK]);
+    }
+    if constexpr (BLD) {
+        const auto cvb = [](unsigned x) { return BR ? x : to_tf32(__uint_as_float(x)); };
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            unsigned b[4];
+            ldsm_x4(b, bk + np * 16 * BN);
+            mma_tf32(acc[2 * np], a[0], a[1], a[2], a[3], cvb(b[0]), cvb(b[1]));
+            mma_tf32(acc[2 * np + 1], a[0], a[1], a[2], a[3], cvb(b[2]), cvb(b[3]));
+        }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float f0 = bk[nt * 8 * BN], f1 = bk[4 * BK + nt * 8 * BN];
+            mma_tf32(acc[nt], a[0], a[1], a[2], a[3], BR ? __float_as_uint(f0) : to_tf32(f0), BR ? __float_as_uint(f1) : to_tf32(f1));
+        }
     }
 }
-template <int NT, int AR, int AK, int BK, int BN, bool BR = false, bool ARD = false>
+template <int NT, int AR, int AK, int BK, int BN, bool BR = false, bool ARD = false, bool ALD = false, bool BLD = false>
 __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const float* A, const float* B, int ksteps) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const float* a = A + g * AR + q * AK;
-    const float* b = B + q * BK + g * BN;
+    const float* a = ALD ? ldsm_a_lane<AR>(A) : A + g * AR + q * AK;
+    const float* b = BLD ? ldsm_b_lane<BN>(B) : B + q * BK + g * BN;
 #pragma unroll 2
-    for (int ks = 0; ks < ksteps; ++ks) warp_mma_step<NT, AR, AK, BK, BN, BR, ARD>(acc, a + ks * 8 * AK, b + ks * 8 * BK);
+    for (int ks = 0; ks < ksteps; ++ks) warp_mma_step<NT, AR, AK, BK, BN, BR, ARD, ALD, BLD>(acc, a + ks * 8 * AK, b + ks * 8 * BK);
 }
 // warp_mma over a compile-time number of k-steps, fully unrolled (every shared-memory address
-// one base register plus an immediate).
-template <int KSTEPS, int NT, int AR, int AK, int BK, int BN, bool BR = false, bool ARD = false>
+// an immediate offset from one base).
+template <int KSTEPS, int NT, int AR, int AK, int BK, int BN, bool BR = false, bool ARD = false, bool ALD = false,
+          bool BLD = false>
 __device__ __forceinline__ void warp_mma_k(float (&acc)[NT][4], const float* A, const float* B) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const float* a = A + g * AR + q * AK;
-    const float* b = B + q * BK + g * BN;
+    const float* a = ALD ? ldsm_a_lane<AR>(A) : A + g * AR + q * AK;
+    const float* b = BLD ? ldsm_b_lane<BN>(B) : B + q * BK + g * BN;
 #pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) warp_mma_step<NT, AR, AK, BK, BN, BR, ARD>(acc, a + ks * 8 * AK, b + ks * 8 * BK);
+    for (int ks = 0; ks < KSTEPS; ++ks) warp_mma_step<NT, AR, AK, BK, BN, BR, ARD, ALD, BLD>(acc, a + ks * 8 * AK, b + ks * 8 * BK);
 }
 
 // ---- cp.async (16-byte global -> shared copies, grouped)
@@ -282,7 +332,8 @@ __device__ __forceinline__ void gram(float (&acc)[32], const float* Arows, const
     if constexpr (TC) {
         float(&a)[8][4] = *reinterpret_cast<float(*)[8][4]>(acc);
         const int wq = tid >> 5;
-        warp_mma<8, KSP, 1, 1, KSP, PRE, PRE>(a, Arows + 16 * wq * KSP, Brows, DK / 8);  // q̂, k̂ TF32 already
+        // q̂, k̂ TF32 already (PRE); both row-major with stride KSP: ldmatrix fragments
+        warp_mma<8, KSP, 1, 1, KSP, PRE, PRE, true, true>(a, Arows + 16 * wq * KSP, Brows, DK / 8);
     } else {
         const int rt = tid >> 3, ct = tid & 7;
 #pragma unroll 2
@@ -384,7 +435,7 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-        warp_mma<8, AP, 1, XSP, 1>(acc, Tm + 16 * mt * AP, X + 64 * nh, 2 * mt + 2);
+        warp_mma<8, AP, 1, XSP, 1, false, false, true, false>(acc, Tm + 16 * mt * AP, X + 64 * nh, 2 * mt + 2);
         const int lane = t & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -600,7 +651,8 @@ gdnp_prep_tf32(float* __restrict__ vb, float* __restrict__ w_out, float* __restr
 // gdnp_state_{f32,tf32}: grid (n_v · SPLIT), 256 (f32) or 512 (tf32) threads, dynamic shared
 // memory SC_FLOATS floats.
 // Block = (V head j, value columns [c0, c0 + CW)); the block's slice of S lives in registers
-// (16 per thread) and, as the B operand of W·S and Q̂·S, in shared memory.
+// (16 per thread) and, as the B operand of W·S and Q̂·S, in shared memory (TC: n-major, as V'
+// and e^{γ_C−γ}V', so that ldmatrix fetches the mma fragments; SKP, VKP).
 //
 // Pipeline (cp.async groups, committed in this order per chunk n, one group each):
 //   H(g): half g%2 (key columns 64·(g%2) ..) of the W and Q̂ rows of chunk g/2, into ring slot
@@ -634,6 +686,15 @@ constexpr int SC_S = SC_P + CH * PP;        // [DK][CWP]
 constexpr int SC_VP = SC_S + DK * CWP;      // [CH][CWP] V'
 constexpr int SC_VD = SC_VP + CH * CWP;     // [CH][CWP] e^{γ_C − γ} V'
 constexpr int SC_OB = SC_VD + CH * CWP;     // [CH][CWP] e^γ Q̂ S (f32 variant)
+// TC: the mma B operands S, V' and e^{γ_C − γ}V' are stored n-major (column c of the block at
+// row c), in the regions above, so that ldmatrix fetches their fragments (warp_mma's BLD):
+// S as [CW][SKP], V' and e^{γ_C − γ}V' as [CW][VKP]. Row strides of 132 and 68 floats put the
+// 8 rows of an ldmatrix and the lanes' transposed stores in distinct banks.
+constexpr int SKP = DK + 4;
+constexpr int VKP = CH + 4;
+static_assert(CW * SKP <= DK * CWP && CW * VKP <= CH * CWP, "the n-major operands fit their regions");
+static_assert(SKP % 4 == 0 && VKP % 4 == 0 && HP % 4 == 0 && PP % 4 == 0 && SC_SLOT % 4 == 0 && SC_VP % 4 == 0 &&
+                  SC_VD % 4 == 0, "ldmatrix rows are whole 16-byte chunks");
 constexpr int SC_FLOATS = SC_OB + CH * CWP;
 static_assert(CW == 32, "thread mappings assume 32 value columns per block");
 static_assert(SC_U % 4 == 0 && SC_GAM % 4 == 0 && SC_KC % 4 == 0 && SC_P % 4 == 0 && SC_S % 4 == 0, "alignment");
@@ -664,7 +725,11 @@ struct StateArgs {
     int j, c0, Tpad, NC;
 };
 
-// Issues H(g) and commits it (an empty group past the last chunk); NTH threads.
+static_assert(HK / 4 == 16 && CW / 4 == 8 && DK / 4 == 32 && CH / 4 == 16, "the copy mappings' chunks per row");
+// Issues H(g) and commits it (an empty group past the last chunk); NTH threads. Thread t
+// copies 16-byte column chunk t % (row chunks) of every (NTH / row chunks)-th row from row
+// t / (row chunks) on: compile-time trip counts, so every copy is a fixed offset from a few
+// per-chunk bases.
 template <int NTH>
 __device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, int t) {
     const int n = g >> 1, half = g & 1;
@@ -672,17 +737,26 @@ __device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, 
         float* slot = S + SC_WQ + (g % 3) * SC_SLOT;
         const float* wsrc = a.w + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DK + HK * half;
         const float* qsrc = a.qn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK + HK * half;
-        for (int e = t; e < 2 * CH * HK / 4; e += NTH) {
-            const int r = e >> 4, c4 = e & 15;
-            const float* src = r < CH ? wsrc + (size_t)r * DK : qsrc + (size_t)(r - CH) * DK;
+        // W rows 0..CH-1, then Q̂ rows CH..2CH-1; HK / 4 = 16 chunks per row
+        constexpr int RPV = NTH / 16, NV = 2 * CH / RPV;
+        static_assert(NTH % 16 == 0 && (2 * CH) % RPV == 0 && CH % RPV == 0, "whole rows per pass, W and Q̂ apart");
+        const int c4 = t & 15, r0 = t >> 4;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+            const int r = r0 + v * RPV;
+            const float* src = v < NV / 2 ? wsrc + r * DK : qsrc + (r - CH) * DK;
             cp16(slot + r * HP + 4 * c4, src + 4 * c4);
         }
         if (half == 1) {
             const int ub = n & 1;
             const float* usrc = a.vu + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DV + a.c0;
-            for (int e = t; e < CH * CW / 4; e += NTH) {
-                const int r = e >> 3, c4 = e & 7;
-                cp16(S + SC_U + ub * CH * CWP + r * CWP + 4 * c4, usrc + (size_t)r * DV + 4 * c4);
+            constexpr int URPV = NTH / 8, UNV = CH / URPV;  // CW / 4 = 8 chunks per row
+            static_assert(NTH % 8 == 0 && CH % URPV == 0, "whole rows per pass");
+            const int uc = t & 7, ur = t >> 3;
+#pragma unroll
+            for (int v = 0; v < UNV; ++v) {
+                const int r = ur + v * URPV;
+                cp16(S + SC_U + ub * CH * CWP + r * CWP + 4 * uc, usrc + r * DV + 4 * uc);
             }
             if (t < CH / 4) cp16(S + SC_GAM + ub * CH + 4 * t, a.gam + (size_t)a.j * a.Tpad + (size_t)n * CH + 4 * t);
         }
@@ -690,19 +764,27 @@ __device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, 
     cp_commit();
 }
 
-// Issues KP(n) and commits it (empty past the last chunk); NTH threads.
+// Issues KP(n) and commits it (empty past the last chunk); NTH threads (copies as issue_half).
 template <int NTH>
 __device__ __forceinline__ void issue_kp(float* S, const StateArgs& a, int n, int t) {
     if (n < a.NC) {
         const float* ksrc = a.kn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK;
-        for (int e = t; e < CH * DK / 4; e += NTH) {
-            const int r = e >> 5, c4 = e & 31;
-            cp16(S + SC_KC + r * KCP + 4 * c4, ksrc + (size_t)r * DK + 4 * c4);
+        constexpr int KRPV = NTH / 32, KNV = CH / KRPV;  // DK / 4 = 32 chunks per row
+        static_assert(NTH % 32 == 0 && CH % KRPV == 0, "whole rows per pass");
+        const int kc = t & 31, kr = t >> 5;
+#pragma unroll
+        for (int v = 0; v < KNV; ++v) {
+            const int r = kr + v * KRPV;
+            cp16(S + SC_KC + r * KCP + 4 * kc, ksrc + r * DK + 4 * kc);
         }
         const float* psrc = a.P + ((size_t)a.j * a.NC + n) * CH * CH;
-        for (int e = t; e < CH * CH / 4; e += NTH) {
-            const int r = e >> 4, c4 = e & 15;
-            cp16(S + SC_P + r * PP + 4 * c4, psrc + (size_t)r * CH + 4 * c4);
+        constexpr int PRPV = NTH / 16, PNV = CH / PRPV;  // CH / 4 = 16 chunks per row
+        static_assert(NTH % 16 == 0 && CH % PRPV == 0, "whole rows per pass");
+        const int pc = t & 15, pr = t >> 4;
+#pragma unroll
+        for (int v = 0; v < PNV; ++v) {
+            const int r = pr + v * PRPV;
+            cp16(S + SC_P + r * PP + 4 * pc, psrc + r * CH + 4 * pc);
         }
     }
     cp_commit();
@@ -712,15 +794,19 @@ __device__ __forceinline__ void issue_kp(float* S, const StateArgs& a, int n, in
 // 16·(w%8).. and columns 16·(w/8)..+15 (acc[0..8)); S in shared memory is TF32-rounded.
 // f32: rows 4·(t/8)..+3 x columns 4·(t%8)..+3 (acc[0..16)).
 template <bool TC, bool PRE = true>
-__device__ __forceinline__ void half_product(float (&acc)[16], const float* slot, const float* Srows, int t) {
+__device__ __forceinline__ void half_product(float (&acc)[16], const float* slot, const float* Ssl, int half, int t) {
     if constexpr (TC) {
+        // S n-major (SKP): key rows HK·half .. of columns 16·(warp/8) ..
         float(&a2)[2][4] = *reinterpret_cast<float(*)[2][4]>(acc);
         const int warp = t >> 5;
+        const float* a = slot + 16 * (warp & 7) * HP;
+        const float* b = Ssl + 16 * (warp >> 3) * SKP + HK * half;
         if constexpr (PRE)
-            warp_mma_k<HK / 8, 2, HP, 1, CWP, 1, true, true>(a2, slot + 16 * (warp & 7) * HP, Srows + 16 * (warp >> 3));
+            warp_mma_k<HK / 8, 2, HP, 1, 1, SKP, true, true, true, true>(a2, a, b);
         else
-            warp_mma<2, HP, 1, CWP, 1, true>(a2, slot + 16 * (warp & 7) * HP, Srows + 16 * (warp >> 3), HK / 8);
+            warp_mma<2, HP, 1, 1, SKP, true, false, true, true>(a2, a, b, HK / 8);
     } else {
+        const float* Srows = Ssl + HK * CWP * half;
         const int rg = t >> 3, cg = t & 7;
         const float* A = slot + 4 * rg * HP;
 #pragma unroll 2
@@ -786,7 +872,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         for (int e = 0; e < NS; ++e) {
             int r, c;
             s_pos<TC>(e, t, r, c);
-            S[SC_S + r * CWP + c] = round_tf32(sr[e]);
+            S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major (the other threads' reads are done)
         }
         __syncthreads();
     }
@@ -797,11 +883,11 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         float acc[16];
 #pragma unroll
         for (int e = 0; e < 16; ++e) acc[e] = 0.f;  // TC uses acc[0..8)
-        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, t);
+        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, 0, t);
         cp_wait<2>();  // H(2n+1)
         __syncthreads();
         issue_half<NTH>(S, a, 2 * n + 3, t);  // into the slot just read
-        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S + HK * CWP, t);
+        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S, 1, t);
 
         const float* U = S + SC_U + (n & 1) * CH * CWP;
         const float* GM = S + SC_GAM + (n & 1) * CH;
@@ -818,9 +904,10 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
                         const int c = cn + 8 * nt + 2 * q;
                         const float2 u = *reinterpret_cast<const float2*>(U + r * CWP + c);
                         const float p0 = u.x - acc[nt * 4 + 2 * h], p1 = u.y - acc[nt * 4 + 2 * h + 1];
-                        *reinterpret_cast<float2*>(S + SC_VP + r * CWP + c) = make_float2(round_tf32(p0), round_tf32(p1));
-                        *reinterpret_cast<float2*>(S + SC_VD + r * CWP + c) =
-                            make_float2(round_tf32(p0 * d), round_tf32(p1 * d));
+                        S[SC_VP + c * VKP + r] = round_tf32(p0);  // n-major
+                        S[SC_VP + (c + 1) * VKP + r] = round_tf32(p1);
+                        S[SC_VD + c * VKP + r] = round_tf32(p0 * d);
+                        S[SC_VD + (c + 1) * VKP + r] = round_tf32(p1 * d);
                     }
                 }
             } else {
@@ -870,13 +957,13 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         if constexpr (TC) {
             float(&s2)[2][4] = *reinterpret_cast<float(*)[2][4]>(sr);
             if constexpr (PRE)
-                warp_mma_k<CH / 8, 2, 1, KCP, CWP, 1, true, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn);
+                warp_mma_k<CH / 8, 2, 1, KCP, 1, VKP, true, true, false, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn * VKP);
             else
-                warp_mma<2, 1, KCP, CWP, 1, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn, CH / 8);
+                warp_mma<2, 1, KCP, 1, VKP, true, false, false, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn * VKP, CH / 8);
             if (mt >= 4) {
                 const int om = mt - 4;
                 float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
-                warp_mma<2, PP, 1, CWP, 1, true, PRE>(o2, S + SC_P + 16 * om * PP, S + SC_VP + cn, 2 * om + 2);
+                warp_mma<2, PP, 1, 1, VKP, true, PRE, true, true>(o2, S + SC_P + 16 * om * PP, S + SC_VP + cn * VKP, 2 * om + 2);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = 16 * om + g + 8 * h, tok = n * CH + r;
@@ -946,7 +1033,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         for (int e = 0; e < NS; ++e) {
             int r, c;
             s_pos<TC>(e, t, r, c);
-            S[SC_S + r * CWP + c] = TC ? round_tf32(sr[e]) : sr[e];
+            if constexpr (TC) S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major
+            else S[SC_S + r * CWP + c] = sr[e];
         }
         __syncthreads();
         issue_kp<NTH>(S, a, n + 1, t);  // K̂ / P buffers are free now
