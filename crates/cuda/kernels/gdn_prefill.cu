@@ -963,7 +963,16 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
             if (mt >= 4) {
                 const int om = mt - 4;
                 float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
-                warp_mma<2, PP, 1, 1, VKP, true, PRE, true, true>(o2, S + SC_P + 16 * om * PP, S + SC_VP + cn * VKP, 2 * om + 2);
+                // P's causal rows: 2·om + 2 k-steps, compile-time per (warp-uniform) om
+                const float* pa = S + SC_P + 16 * om * PP;
+                const float* vb = S + SC_VP + cn * VKP;
+                switch (om) {
+                    case 0: warp_mma_k<2, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                    case 1: warp_mma_k<4, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                    case 2: warp_mma_k<6, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                    default: warp_mma_k<8, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                }
+                static_assert(CH / 16 == 4, "four 16-row blocks of O");
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = 16 * om + g + 8 * h, tok = n * CH + r;
