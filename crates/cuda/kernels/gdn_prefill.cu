@@ -725,11 +725,22 @@ struct StateArgs {
     int j, c0, Tpad, NC;
 };
 
-static_assert(HK / 4 == 16 && CW / 4 == 8 && DK / 4 == 32 && CH / 4 == 16, "the copy mappings' chunks per row");
-// Issues H(g) and commits it (an empty group past the last chunk); NTH threads. Thread t
-// copies 16-byte column chunk t % (row chunks) of every (NTH / row chunks)-th row from row
-// t / (row chunks) on: compile-time trip counts, so every copy is a fixed offset from a few
-// per-chunk bases.
+// Copies ROWS rows of CHUNKS 16-byte chunks from src (row stride SS floats) to dst (row stride DS
+// floats) with NTH threads: thread t takes chunk t % CHUNKS of rows t / CHUNKS + v · (NTH /
+// CHUNKS), a compile-time trip count, so every copy is a fixed offset from the two bases.
+template <int NTH, int ROWS, int CHUNKS, int SS, int DS>
+__device__ __forceinline__ void copy_rows(float* dst, const float* src, int t) {
+    constexpr int RPV = NTH / CHUNKS, NV = ROWS / RPV;
+    static_assert(NTH % CHUNKS == 0 && ROWS % RPV == 0, "whole rows per pass");
+    const int c = t % CHUNKS, r0 = t / CHUNKS;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+        const int r = r0 + v * RPV;
+        cp16(dst + r * DS + 4 * c, src + r * SS + 4 * c);
+    }
+}
+
+// Issues H(g) and commits it (an empty group past the last chunk); NTH threads.
 template <int NTH>
 __device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, int t) {
     const int n = g >> 1, half = g & 1;
@@ -737,55 +748,24 @@ __device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, 
         float* slot = S + SC_WQ + (g % 3) * SC_SLOT;
         const float* wsrc = a.w + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DK + HK * half;
         const float* qsrc = a.qn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK + HK * half;
-        // W rows 0..CH-1, then Q̂ rows CH..2CH-1; HK / 4 = 16 chunks per row
-        constexpr int RPV = NTH / 16, NV = 2 * CH / RPV;
-        static_assert(NTH % 16 == 0 && (2 * CH) % RPV == 0 && CH % RPV == 0, "whole rows per pass, W and Q̂ apart");
-        const int c4 = t & 15, r0 = t >> 4;
-#pragma unroll
-        for (int v = 0; v < NV; ++v) {
-            const int r = r0 + v * RPV;
-            const float* src = v < NV / 2 ? wsrc + r * DK : qsrc + (r - CH) * DK;
-            cp16(slot + r * HP + 4 * c4, src + 4 * c4);
-        }
+        copy_rows<NTH, CH, HK / 4, DK, HP>(slot, wsrc, t);            // W rows 0..CH-1
+        copy_rows<NTH, CH, HK / 4, DK, HP>(slot + CH * HP, qsrc, t);  // Q̂ rows CH..2CH-1
         if (half == 1) {
             const int ub = n & 1;
             const float* usrc = a.vu + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DV + a.c0;
-            constexpr int URPV = NTH / 8, UNV = CH / URPV;  // CW / 4 = 8 chunks per row
-            static_assert(NTH % 8 == 0 && CH % URPV == 0, "whole rows per pass");
-            const int uc = t & 7, ur = t >> 3;
-#pragma unroll
-            for (int v = 0; v < UNV; ++v) {
-                const int r = ur + v * URPV;
-                cp16(S + SC_U + ub * CH * CWP + r * CWP + 4 * uc, usrc + r * DV + 4 * uc);
-            }
+            copy_rows<NTH, CH, CW / 4, DV, CWP>(S + SC_U + ub * CH * CWP, usrc, t);
             if (t < CH / 4) cp16(S + SC_GAM + ub * CH + 4 * t, a.gam + (size_t)a.j * a.Tpad + (size_t)n * CH + 4 * t);
         }
     }
     cp_commit();
 }
 
-// Issues KP(n) and commits it (empty past the last chunk); NTH threads (copies as issue_half).
+// Issues KP(n) and commits it (empty past the last chunk); NTH threads.
 template <int NTH>
 __device__ __forceinline__ void issue_kp(float* S, const StateArgs& a, int n, int t) {
     if (n < a.NC) {
-        const float* ksrc = a.kn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK;
-        constexpr int KRPV = NTH / 32, KNV = CH / KRPV;  // DK / 4 = 32 chunks per row
-        static_assert(NTH % 32 == 0 && CH % KRPV == 0, "whole rows per pass");
-        const int kc = t & 31, kr = t >> 5;
-#pragma unroll
-        for (int v = 0; v < KNV; ++v) {
-            const int r = kr + v * KRPV;
-            cp16(S + SC_KC + r * KCP + 4 * kc, ksrc + r * DK + 4 * kc);
-        }
-        const float* psrc = a.P + ((size_t)a.j * a.NC + n) * CH * CH;
-        constexpr int PRPV = NTH / 16, PNV = CH / PRPV;  // CH / 4 = 16 chunks per row
-        static_assert(NTH % 16 == 0 && CH % PRPV == 0, "whole rows per pass");
-        const int pc = t & 15, pr = t >> 4;
-#pragma unroll
-        for (int v = 0; v < PNV; ++v) {
-            const int r = pr + v * PRPV;
-            cp16(S + SC_P + r * PP + 4 * pc, psrc + r * CH + 4 * pc);
-        }
+        copy_rows<NTH, CH, DK / 4, DK, KCP>(S + SC_KC, a.kn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK, t);
+        copy_rows<NTH, CH, CH / 4, CH, PP>(S + SC_P, a.P + ((size_t)a.j * a.NC + n) * CH * CH, t);
     }
     cp_commit();
 }
