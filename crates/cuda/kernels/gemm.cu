@@ -40,7 +40,8 @@
 //   the swizzled shared tile through a descriptor. Asynchronous: the dequantization of the next
 //   64-row slice overlaps the running MMAs; two A register buffers, wgmma.wait_group 1.
 //   The MMAs are only as wide as the block's tokens need (fitted width: the narrowest of
-//   {16, 32, 48, 64} for BN 64, {16, 32} for BN 32, {64, 96, 128} for BN 128 that covers cnt;
+//   {16, 32, 48, 64} for BN 64, {16, 32} for BN 32, {64, 96, 128} for BN 128, {64, 128, 192,
+//   256} for BN 256 that covers cnt;
 //   mode flag MODE_FULL_N keeps BN): a grouped expert tile averaging ~32 of its 64 entries
 //   (a 1k-token prompt) no longer multiplies the padding. Same bits either way.
 // * WG = false: mma.sync m16n8k16, B fragments with ldmatrix from the same shared layout.
@@ -58,7 +59,7 @@
 // rows per block) and all BN tokens of the block. Tiles: big (MS 2, BN 128, one block per SM),
 // tall (MS 2, BN 64, two per SM), small (MS 1, BN 64, two per SM), narrow (MS 2, BN 32, two per SM),
 // wide (MS 1, BN 256, one block per SM: a warpgroup's 64 dequantized rows feed 256 tokens, a
-// quarter of the tall tile's dequantization and copy instructions per MMA; wgmma only).
+// quarter of the tall tile's dequantization instructions per MMA (the copies per MMA about the same); wgmma only).
 //
 // Modes (runtime, uniform per launch):
 //   0 dense          y[t, n] = acc (+ res[t, n])           rows n < n_rows, tokens t < T
@@ -1096,7 +1097,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
-// products that average few entries per expert) x (engine); the _ln3 / _lb3 ones 3 blocks/SM
+// products that average few entries per expert | wide: 128 x 256, 1 block/SM, wgmma engines only)
+// x (engine); the _ln3 / _lb3 ones 3 blocks/SM
 #define CALLA_QGEMM_ENTRY_B(NAME, BITS, MS, BN, WG, LEAN, MINB, BULK)                                        \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
         NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \

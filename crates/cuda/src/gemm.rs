@@ -232,8 +232,8 @@ pub enum GemmTile {
     /// few entries per expert (less padding per expert than 64-entry tiles).
     Narrow,
     /// 128 weight rows × 256 tokens, one block per SM: each warpgroup's 64 dequantized rows
-    /// feed 256 tokens (a quarter of [`GemmTile::Tall`]'s dequantization and copy instructions
-    /// per MMA) for long prompts ([`CudaContext::set_gemm_wide`]). The wgmma engines only.
+    /// feed 256 tokens (a quarter of [`GemmTile::Tall`]'s dequantization instructions per MMA;
+    /// about as many copy instructions) for long prompts ([`CudaContext::set_gemm_wide`]). The wgmma engines only.
     Wide,
 }
 

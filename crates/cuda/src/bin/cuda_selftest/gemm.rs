@@ -1955,7 +1955,7 @@ fn time_grouped_pair(s: &mut Suite, w: &MoeWeights, title: &str, key: &str, set:
 /// bit and finite between their guard words, and the wide outputs within the references' bounds
 /// (f32 reference and bf16 emulation, sampled tokens): in_proj (partial last row tile), o_proj
 /// with the residual, the shared expert's SwiGLU, a SwiGLU whose 520 gate rows end inside a
-/// tile, 8-bit in_proj; T = 7 (one narrow MMA), 300 (a full and a partial token tile) and
+/// tile, 8-bit in_proj; T = 7 (one 64-wide MMA on either tile), 300 (a full and a partial token tile) and
 /// 2,048; the lean loop with bulk copies (the default), with per-thread copies, and the plain
 /// loop. The grouped experts the same way (`GemmTile::Wide` against the big tile, act and
 /// output bit for bit at T = 2,048 and 8,192, lean and plain loops, references at 2,048). Then
