@@ -1763,22 +1763,8 @@ pub fn bulk_section(s: &mut Suite) {
     for (w, bits, t, vs) in cases {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
         for v in vs {
-            cx.set_gemm_bulk_grouped(false);
-            let n0 = cx.gemm_bulk_launches();
-            let per_thread = moe_case(s, w, bits, t, Some(v), &mut scratch, &mut routing, &inp);
-            let n1 = cx.gemm_bulk_launches();
-            cx.set_gemm_bulk_grouped(true);
-            let bulk = moe_case(s, w, bits, t, Some(v), &mut scratch, &mut routing, &inp);
-            // gate/up and down on the bulk-copy entry points, nothing before
-            let launched = (n1 - n0, cx.gemm_bulk_launches() - n1);
-            let c = if launched != (0, 2) {
-                failed(format!("bulk-copy launches: {} with the switch off, {} with it on (want 0 and 2)", launched.0, launched.1))
-            } else if bulk.act == per_thread.act {
-                check_bits(&bulk.out, &per_thread.out, "outputs")
-            } else {
-                failed("act differs".into())
-            };
-            s.record(SEC, &format!("moe q{bits} T={t} gm codes {}: bulk copies = per-thread copies, act and out bit for bit", vname(Some(v))), &c, "");
+            let pair = MoeSwitch { what: "bulk-copy", equal: "bulk copies = per-thread copies", set: &|c, on| c.set_gemm_bulk_grouped(on) };
+            switch_equal(s, &pair, w, bits, t, v, &mut scratch, &mut routing, &inp);
         }
     }
     cx.set_gemm_bulk_grouped(cuda::gemm::default_gemm_bulk_grouped());
@@ -1870,26 +1856,56 @@ pub fn ws_section(s: &mut Suite) {
     for (t, vs) in cases {
         let inp = moe_inputs(t, 0x77 ^ t as u64);
         for v in vs {
-            cx.set_gemm_ws(false);
-            let n0 = cx.gemm_bulk_launches();
-            let lean = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
-            let n1 = cx.gemm_bulk_launches();
-            cx.set_gemm_ws(true);
-            let ws = moe_case(s, &w4c, 4, t, Some(v), &mut scratch, &mut routing, &inp);
-            cx.set_gemm_ws(false);
-            let launched = (n1 - n0, cx.gemm_bulk_launches() - n1);
-            let c = if launched != (0, 2) {
-                failed(format!("warp-specialized launches: {} with the switch off, {} with it on (want 0 and 2)", launched.0, launched.1))
-            } else if ws.act == lean.act {
-                check_bits(&ws.out, &lean.out, "outputs")
-            } else {
-                failed("act differs".into())
-            };
-            s.record(SEC, &format!("moe q4 T={t} gm codes {}: warp-specialized = lean loop, act and out bit for bit", vname(Some(v))), &c, "");
+            let pair = MoeSwitch { what: "warp-specialized", equal: "warp-specialized = lean loop", set: &|c, on| c.set_gemm_ws(on) };
+            switch_equal(s, &pair, &w4c, 4, t, v, &mut scratch, &mut routing, &inp);
         }
     }
     drop(routing);
     time_grouped_pair(s, &w4c, "warp-specialized timing: lean loop / warp-specialized", "ws_moe_t", &|c, on| c.set_gemm_ws(on));
+}
+
+/// A switch whose two states must give the grouped experts the same bits, the "on" state on
+/// entry points that `CudaContext::gemm_bulk_launches` counts (sections `bulk` and `ws`).
+struct MoeSwitch<'a> {
+    /// The entry points' name in a failure message ("bulk-copy").
+    what: &'a str,
+    /// The equality the record states ("bulk copies = per-thread copies").
+    equal: &'a str,
+    set: &'a dyn Fn(&CudaContext, bool),
+}
+
+/// Runs [`moe_case`] (its reference checks included) on variant `v` with `pair`'s switch off,
+/// then on, and records whether `act` and the output are equal bit for bit and the counted
+/// entry points ran for gate/up and down only with the switch on. Leaves the switch off.
+#[allow(clippy::too_many_arguments)]
+fn switch_equal(
+    s: &mut Suite,
+    pair: &MoeSwitch<'_>,
+    w: &MoeWeights,
+    bits: u32,
+    t: usize,
+    v: GemmVariant,
+    scratch: &mut GemmScratch,
+    routing: &mut MoeRouting,
+    inp: &MoeInputs,
+) {
+    let cx = s.cx;
+    (pair.set)(cx, false);
+    let n0 = cx.gemm_bulk_launches();
+    let off = moe_case(s, w, bits, t, Some(v), scratch, routing, inp);
+    let n1 = cx.gemm_bulk_launches();
+    (pair.set)(cx, true);
+    let on = moe_case(s, w, bits, t, Some(v), scratch, routing, inp);
+    (pair.set)(cx, false);
+    let launched = (n1 - n0, cx.gemm_bulk_launches() - n1);
+    let c = if launched != (0, 2) {
+        failed(format!("{} launches: {} with the switch off, {} with it on (want 0 and 2)", pair.what, launched.0, launched.1))
+    } else if on.act == off.act {
+        check_bits(&on.out, &off.out, "outputs")
+    } else {
+        failed("act differs".into())
+    };
+    s.record(SEC, &format!("moe q{bits} T={t} gm codes {}: {}, act and out bit for bit", vname(Some(v)), pair.equal), &c, "");
 }
 
 /// Times the grouped expert products (automatic variant, uniform routing) at T = 512, 1,024 and
