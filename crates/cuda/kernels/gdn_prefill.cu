@@ -239,6 +239,15 @@ gdnp_conv(float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vb
             v = *reinterpret_cast<const float4*>(proj + (size_t)tt * PROJ + ch);
         x[r] = v;
     }
+    // V heads: lane r < CV_TOK loads the gate inputs a, b of token t0 + r together with the
+    // window (not one dependent load pair per token inside the loop) and writes g, β below
+    float a_in = 0.f, b_in = 0.f;
+    const int tg = t0 + lane;
+    if (kind == 2 && lane < CV_TOK && tg < T) {
+        const float* pr = proj + (size_t)tg * PROJ;
+        a_in = pr[A_OFF + head];
+        b_in = pr[B_OFF + head];
+    }
     const float qscale = 1.0f / sqrtf((float)DK);
 #pragma unroll
     for (int r = 0; r < CV_TOK; ++r) {
@@ -272,16 +281,11 @@ gdnp_conv(float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vb
             }
         }
         reinterpret_cast<float4*>(dst + ((size_t)head * Tpad + tt) * DK)[lane] = y;
-        if (kind == 2 && lane == 0) {
-            float gv = 0.f, bv = 0.f;
-            if (tt < T) {
-                const float* pr = proj + (size_t)tt * PROJ;
-                gv = ane * softplus_acc(pr[A_OFF + head] + dtb);
-                bv = sigmoid_acc(pr[B_OFF + head]);
-            }
-            g_out[(size_t)head * Tpad + tt] = gv;
-            beta_out[(size_t)head * Tpad + tt] = bv;
-        }
+    }
+    if (kind == 2 && lane < CV_TOK && tg < Tpad) {
+        const bool real = tg < T;
+        g_out[(size_t)head * Tpad + tg] = real ? ane * softplus_acc(a_in + dtb) : 0.f;
+        beta_out[(size_t)head * Tpad + tg] = real ? sigmoid_acc(b_in) : 0.f;
     }
 }
 
