@@ -317,6 +317,11 @@ pub struct CudaBenchArgs {
     /// (`CudaContext::set_gdn_step_early_trigger`); `--out-proj-compare` also times it.
     #[arg(long)]
     gdn_early_trigger: bool,
+    /// The decode step's MoE combine: by f64 atomics (`true`) or by the last block of each
+    /// row slice (`false`); default `cuda::moe::MOE_HSUM_DEFAULT` (`CudaContext::set_moe_hsum`,
+    /// process-wide).
+    #[arg(long)]
+    moe_hsum: Option<bool>,
     /// Also time decode (first decode context) with the MoE cluster kernel streaming fixed
     /// experts' tiles every token instead of the chosen ones (wrong outputs, timing only:
     /// `CudaContext::set_moe_cluster_pin_experts`), between two rows as configured: what reading
@@ -336,6 +341,17 @@ pub struct CudaBenchArgs {
     /// Without `--gemv-staged` that flips the LM head's copies alone.
     #[arg(long)]
     lm_head_compare: bool,
+    /// Also time decode (first decode context) with parts of the GEMVs and of the MoE cluster
+    /// kernel left out (wrong outputs, timing only: `CudaContext::set_decode_diag`), between
+    /// two rows as configured: what the digit table, the fused norm, the router fold's
+    /// epilogue and the MoE's counted combine cost in place, and a combine by f64 atomics.
+    #[arg(long)]
+    diag_compare: bool,
+    /// Also time decode (first decode context) with the MoE's combine flipped between the
+    /// counted last block and f64 atomics (`CudaContext::set_moe_hsum`), alternating with rows
+    /// as configured.
+    #[arg(long)]
+    hsum_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -369,6 +385,10 @@ struct FocusRow {
     /// The staged GEMVs (`CudaContext::set_gemv_staged`) flipped off (`false`: on, as
     /// configured).
     staged_flip: bool,
+    /// `CudaContext::set_decode_diag` bits `(gemv, moe)` (`(0, 0)`: the kernels whole).
+    diag: (u32, u32),
+    /// The MoE's combine (`CudaContext::set_moe_hsum`) flipped from as configured.
+    hsum_flip: bool,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
@@ -460,6 +480,12 @@ pub struct CudaCheckArgs {
     /// (`CudaContext::set_gdn_step_early_trigger`; the same bits).
     #[arg(long)]
     gdn_early_trigger: bool,
+    /// The decode step's MoE combine: by f64 atomics (`true`) or by the last block of each
+    /// row slice (`false`); default `cuda::moe::MOE_HSUM_DEFAULT` (`CudaContext::set_moe_hsum`,
+    /// process-wide: the engine's accelerator too; other bits: one f32 rounding of the exact
+    /// sum against the f32 sum).
+    #[arg(long)]
+    moe_hsum: Option<bool>,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -868,6 +894,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     cx.set_out_proj_variant(a.out_proj.variant());
     cx.set_gdn_step_smem_pad(a.gdn_pad);
     cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
+    if let Some(on) = a.moe_hsum {
+        cuda::moe::set_default_moe_hsum(on); // the engine's accelerator too
+        cx.set_moe_hsum(on);
+    }
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -1009,7 +1039,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -1127,8 +1157,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false, diag: (0, 0), hsum_flip: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -1169,8 +1199,28 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 rows.push(row("as configured, again".into(), None, false, false));
                 rows.push(FocusRow { staged_flip: true, ..row(format!("{what}, again"), None, false, false) });
             }
+            if a.diag_compare {
+                use cuda::{DIAG_GEMV_NO_FOLD, DIAG_GEMV_NO_NORM, DIAG_GEMV_NO_TABLE, DIAG_MOE_NO_COMBINE};
+                for (d, what) in [
+                    ((DIAG_GEMV_NO_TABLE, 0), "GEMVs: no x, no digit table"),
+                    ((DIAG_GEMV_NO_NORM, 0), "GEMVs: table without the norm"),
+                    ((DIAG_GEMV_NO_FOLD, 0), "out_proj: no router-fold epilogue"),
+                    ((0, DIAG_MOE_NO_COMBINE), "MoE: no count, no combine"),
+                    ((DIAG_GEMV_NO_TABLE, DIAG_MOE_NO_COMBINE), "no table, no combine"),
+                ] {
+                    rows.push(FocusRow { diag: d, ..row(format!("diag {what}"), None, false, false) });
+                }
+            }
+            if a.hsum_compare {
+                let what = if cx.moe_hsum() { "MoE combine by the last block" } else { "MoE combine by f64 atomics" };
+                for again in ["", ", again"] {
+                    rows.push(FocusRow { hsum_flip: true, ..row(format!("{what}{again}"), None, false, false) });
+                    rows.push(row(format!("as configured{again}"), None, false, false));
+                }
+            }
             rows.push(row("as configured, again".into(), None, false, false));
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip } in rows {
+            let hsum0 = cx.moe_hsum();
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip, diag, hsum_flip } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -1193,10 +1243,12 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 set_gdn_out_split(&mut sess, &cx, &gm, split, "--gdn-out-split-compare")?;
                 cx.set_gdn_out_flags(split_flags);
                 cx.set_gemv_staged(!staged_flip);
+                cx.set_decode_diag(diag.0, diag.1);
+                cx.set_moe_hsum(hsum0 ^ hsum_flip);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags,
+                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -1210,6 +1262,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             sess.set_gdn_out_split(a.gdn_out_split);
             cx.set_gdn_out_flags(0);
             cx.set_gemv_staged(true);
+            cx.set_decode_diag(0, 0);
+            cx.set_moe_hsum(hsum0);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -1358,6 +1412,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["out_proj"] = serde_json::json!(format!("{:?}", a.out_proj));
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
+    out["moe_hsum"] = serde_json::json!(cx.moe_hsum());
     out["gdn_out_split"] = serde_json::json!(sess.gdn_out_split_applies(&cx, &gm));
     let f = &a.prefill_flags;
     out["prefill_router"] = serde_json::json!(format!("{:?}", f.prefill_router));
@@ -1462,6 +1517,10 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
     cx.set_in_proj_grid(a.in_proj_grid);
     cx.set_out_proj_variant(a.out_proj.variant());
     cx.set_gdn_step_early_trigger(a.gdn_early_trigger);
+    if let Some(on) = a.moe_hsum {
+        cuda::moe::set_default_moe_hsum(on); // the engine's accelerator too
+        cx.set_moe_hsum(on);
+    }
     cx.set_gemv_staged_unit(a.gemv_staged_unit);
     cx.set_in_proj_late_weights(a.in_proj_late_weights);
     cx.set_moe_cluster_late_trigger(a.moe_late_trigger);

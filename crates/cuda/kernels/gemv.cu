@@ -66,6 +66,13 @@ constexpr int GEMV_STAGED_UNIT = 8;
 // Request no weights before the PDL wait (all of them right after x's loads): what the early
 // requests cost the kernel that is still running (measurement; lib.rs GEMV_LATE_WEIGHTS).
 constexpr int GEMV_LATE_WEIGHTS = 16;
+// Measurement only, wrong outputs (lib.rs set_decode_diag): skip x's loads and the digit table
+// (the products read whatever the table holds), to time what building it costs in place.
+constexpr int GEMV_DIAG_NO_TABLE = 32;
+// ... build the table from x without the fused RMSNorm (no Σ x² reduction and its barrier).
+constexpr int GEMV_DIAG_NO_NORM = 64;
+// ... skip the router fold's epilogue (the shares and Σ h² atomics) of the output projection.
+constexpr int GEMV_DIAG_NO_FOLD = 128;
 constexpr float MAGIC = 12582912.0f; // 1.5 * 2^23: x + MAGIC rounds x to an integer in the low mantissa bits
 
 // ST > 0: a ring of ST stages instead of the default (the slim output projections below).
@@ -127,6 +134,21 @@ __device__ __forceinline__ void load_x(const float* __restrict__ x, float4& xa, 
     if (c0 < K) {
         xa = __ldcg(reinterpret_cast<const float4*>(x + c0)); // L2: written by the previous kernel
         xb = __ldcg(reinterpret_cast<const float4*>(x + c0 + 4));
+    }
+}
+
+// The same from x in f64 (the MoE's combine by atomics: moe.cu CL_HSUM), each value rounded to
+// the nearest f32 as the combine's f32 sum would be stored.
+template <int K>
+__device__ __forceinline__ void load_x_f64(const double* __restrict__ x, float4& xa, float4& xb) {
+    const int c0 = threadIdx.x * 8;
+    xa = make_float4(0.f, 0.f, 0.f, 0.f);
+    xb = xa;
+    if (c0 < K) {
+        const double2* p = reinterpret_cast<const double2*>(x + c0);
+        const double2 a = __ldcg(p), b = __ldcg(p + 1), c = __ldcg(p + 2), d = __ldcg(p + 3);
+        xa = make_float4((float)a.x, (float)a.y, (float)b.x, (float)b.y);
+        xb = make_float4((float)c.x, (float)c.y, (float)d.x, (float)d.y);
     }
 }
 
@@ -292,15 +314,17 @@ using calla_qt::rf_part;
 // previous GEMV of the same launch, so instead of calla_pdl_wait() the block waits at the flag
 // barrier for epoch `chain_epoch` (every block done with that GEMV); its first weight copies
 // are issued before, as before a PDL wait.
+// XD: x is f64 (load_x_f64; `x` points at doubles), and block 0 stores x rounded to f32 into
+// `xout` (the residual stream the output projection adds to: moe.cu CL_HSUM).
 template <int BITS, int K, bool RESID, bool NORM, bool CHAIN = false, int RB = 0, int GB = 0, bool STAGED = false,
-          int ST = 0>
+          int ST = 0, bool XD = false>
 __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ scales,
                                           const unsigned short* __restrict__ biases, const float* __restrict__ x,
                                           const float* __restrict__ resid, const float* __restrict__ norm_w,
                                           float eps, int rows, int ks_log2, int flags,
                                           const unsigned* chain_flags = nullptr, unsigned chain_epoch = 0,
-                                          const RouterFold rf = {}) {
+                                          const RouterFold rf = {}, float* __restrict__ xout = nullptr) {
     using C = Cfg<BITS, K, ST>;
     constexpr int STAGES = C::STAGES;
     constexpr int CPT = C::CPT;
@@ -449,10 +473,27 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
     const bool early = flags & GEMV_EARLY_TRIGGER;
     if (early) calla_pdl_launch_dependents();
     float4 xa, xb;
-    load_x<K>(x, xa, xb);
+    const bool diag_no_table = flags & GEMV_DIAG_NO_TABLE;
+    if (diag_no_table) {
+    } else if constexpr (XD) {
+        load_x_f64<K>(reinterpret_cast<const double*>(x), xa, xb);
+    } else {
+        load_x<K>(x, xa, xb);
+    }
 #pragma unroll 1
     for (int s = PRE; s < STAGES - 1; ++s) CALLA_GEMV_ISSUE();
-    build_x_table<BITS, K, NORM>(smem, xa, xb, nw, eps, ss_red);
+    if constexpr (XD) {
+        if (B == 0 && !diag_no_table && (int)threadIdx.x * 8 < K) { // the residual stream in f32
+            reinterpret_cast<float4*>(xout)[2 * threadIdx.x] = xa;
+            reinterpret_cast<float4*>(xout)[2 * threadIdx.x + 1] = xb;
+        }
+    }
+    if (diag_no_table) {
+    } else if (NORM && (flags & GEMV_DIAG_NO_NORM)) {
+        build_x_table<BITS, K, false>(smem, xa, xb, nw, eps, ss_red);
+    } else {
+        build_x_table<BITS, K, NORM>(smem, xa, xb, nw, eps, ss_red);
+    }
     __syncthreads();
 
     const uint4* btab = reinterpret_cast<const uint4*>(smem) + lane;
@@ -557,7 +598,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
         }
     }
     cp_async_wait<0>();
-    if constexpr (RF) { // this block's share of every router row's logit (see RouterFold)
+    if constexpr (RF) if (!(flags & GEMV_DIAG_NO_FOLD)) { // this block's share of every router row's logit (see RouterFold)
         __syncthreads(); // s_h complete
         const int r = threadIdx.x;
         if (r <= CALLA_N_EXPERTS) {
@@ -646,6 +687,18 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ out, const unsigne
                                                                          ks_log2, flags);                  \
     }
 #define CALLA_GEMV_NORM_ENTRY(NAME, BITS, K, QUALS) CALLA_GEMV_NORM_ENTRY_S(NAME, BITS, K, QUALS, false)
+// The same with x in f64 (xd: the MoE's sums by atomics, moe.cu CL_HSUM), rounded to f32 as it
+// is read; block 0 also stores that f32 x into xout (the residual stream).
+#define CALLA_GEMV_NORM_XD_ENTRY(NAME, BITS, K, QUALS)                                                     \
+    extern "C" __global__ void QUALS                                                                       \
+        NAME(float* __restrict__ out, const unsigned char* __restrict__ packed,                            \
+             const unsigned short* __restrict__ scales, const unsigned short* __restrict__ biases,         \
+             const double* __restrict__ xd, float* __restrict__ xout, const float* __restrict__ norm_w,    \
+             float eps, int rows, int ks_log2, int flags) {                                                \
+        calla_gemv::gemv_body<BITS, K, false, true, false, 0, 0, false, 0, true>(                           \
+            out, packed, scales, biases, reinterpret_cast<const float*>(xd), nullptr, norm_w, eps, rows,   \
+            ks_log2, flags, nullptr, 0, calla_gemv::RouterFold{}, xout);                                   \
+    }
 
 // The output projection + residual with the MoE router folded in (see RouterFold): out [D_MODEL]
 // as gemv_resid_*, and every router row's share added into racc. rows = D_MODEL (= the router's
@@ -708,6 +761,10 @@ CALLA_GEMV_NORM_ENTRY(gemv_norm_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_S
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 CALLA_GEMV_NORM_ENTRY(gemv_norm_r56_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 CALLA_GEMV_NORM_ENTRY_S(gemv_norm_r56_s4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS, true)
+CALLA_GEMV_NORM_XD_ENTRY(gemv_norm_xd_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
+CALLA_GEMV_NORM_XD_ENTRY(gemv_norm_xd_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_ONE_PER_SM)
+CALLA_GEMV_NORM_XD_ENTRY(gemv_norm_r56_xd_q4_k2048, 4, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
+CALLA_GEMV_NORM_XD_ENTRY(gemv_norm_r56_xd_q8_k2048, 8, CALLA_D_MODEL, CALLA_GEMV_56_REGS)
 // K = N_Q_HEADS * HEAD_DIM = N_V_HEADS * D_V (attention o_proj, GDN out_proj)
 CALLA_GEMV_ENTRY(gemv_q4_k4096, gemv_resid_q4_k4096, 4, CALLA_ATTN_OUT)
 CALLA_GEMV_ENTRY(gemv_q8_k4096, gemv_resid_q8_k4096, 8, CALLA_ATTN_OUT)

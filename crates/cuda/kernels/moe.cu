@@ -961,6 +961,20 @@ constexpr int CL_PIN_EXPERTS = 4;
 // step whose GDN layers run the split output projection (kernels/gdn.cu step_out); always done
 // by moe_cluster_split_e4.
 constexpr int CL_ZERO_ACC_H = 8;
+// Measurement only, wrong outputs (moe.rs CL_DIAG_*; lib.rs set_decode_diag): every block leaves
+// once its rows of y are written (no count, no combine), to time the combine's tail in place ...
+constexpr int CL_DIAG_NO_COMBINE = 16;
+// With the fold (not SPLIT): the combine by f64 atomics instead of the counted last block (moe.rs
+// CL_HSUM; CudaContext::set_moe_hsum). Every block adds its rows' w_slot · y (f32 products) into
+// the next set's h accumulators (racc_zero + RF_ACC_H, D doubles, zero on entry), the shared
+// expert's blocks the residual h too, and leaves: no count, no last block reading every slot.
+// The next layer's input projection (or the LM head) reads them as f64 and rounds to f32
+// (gemv.cu gemv_norm_*xd*). Block 0 zeroes this layer's own set's accumulators (read by this
+// layer's input projection, which has completed). The terms are f32 values, so their f64 sum
+// is exact, whatever the order of the atomics, while they span fewer than 29 binades; beyond
+// that the last f64 bits can depend on the order, which changes the f32 result only when the
+// sum lies within one f64 ulp of an f32 rounding boundary.
+constexpr int CL_HSUM = 64;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -1158,6 +1172,8 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
             if (threadIdx.x <= NE + 1) rt.racc_zero[threadIdx.x * RF_STRIDE] = 0.0;
             if (SPLIT || (flags & CL_ZERO_ACC_H))
                 for (int i = threadIdx.x; i < D; i += CL_THREADS) rt.racc_zero[RF_ACC_H + i] = 0.0;
+            if (!SPLIT && (flags & CL_HSUM))  // this set's h sums: its reader has completed
+                for (int i = threadIdx.x; i < D; i += CL_THREADS) const_cast<double*>(rt.racc)[RF_ACC_H + i] = 0.0;
         }
     } else {
         const int e = routed && warp == 0 ? rt.sel_ids[slot] : 0;
@@ -1239,6 +1255,21 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         y0 += quad_sum(acc0);
         y1 += quad_sum(acc1);
     }
+    if (FOLD && !SPLIT && (flags & CL_HSUM)) {
+        if (t == 0) {
+            const int r0 = drt * 16 + (lane >> 2), r1 = r0 + 8;
+            double v0 = (double)(s_w[slot] * y0), v1 = (double)(s_w[slot] * y1);
+            if (slot == NSLOT - 1) {  // the shared expert's blocks add the residual
+                v0 += (double)resid[r0];
+                v1 += (double)resid[r1];
+            }
+            double* hs = rt.racc_zero + RF_ACC_H;
+            atomicAdd(hs + r0, v0);
+            atomicAdd(hs + r1, v1);
+        }
+        calla_tl_done();
+        return;
+    }
     if (t == 0) {
         float* py = part + slot * D + drt * 16;
         py[lane >> 2] = y0;
@@ -1250,6 +1281,10 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     // publishes them; the last block's acquire, then its barrier, orders its reads after.
     __syncthreads();
     mark(8);  // y written
+    if (flags & CL_DIAG_NO_COMBINE) {
+        calla_tl_done();
+        return;
+    }
     if (threadIdx.x == 0) s_last = atom_add_acq_rel_gpu(counts + r, 1u) == NSLOT - 1 ? 1u : 0u;
     __syncthreads();
     mark(9);  // counted

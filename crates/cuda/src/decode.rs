@@ -119,6 +119,26 @@ impl StackedQMat {
         Ok(())
     }
 
+    /// [`Self::gemv_norm`] of the residual stream held as f64 sums
+    /// ([`CudaContext::gemv_norm_xd`]): every run reads `xd` and stores the same f32 `xout`.
+    ///
+    /// # Errors
+    /// As [`CudaContext::gemv_norm_xd`].
+    pub fn gemv_norm_xd(
+        &self,
+        cx: &CudaContext,
+        out: &mut CudaViewMut<'_, f32>,
+        xd: &CudaView<'_, f64>,
+        xout: &mut CudaViewMut<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+    ) -> Result<(), CudaError> {
+        for (m, r0) in &self.runs {
+            let mut o = out.slice_mut(*r0..*r0 + m.rows);
+            cx.gemv_norm_xd(&mut o, m, xd, xout, norm_w)?;
+        }
+        Ok(())
+    }
+
     /// Bytes of weights one application reads.
     pub fn stored_bytes(&self) -> usize {
         self.runs.iter().map(|(m, _)| m.stored_bytes()).sum()
@@ -731,6 +751,10 @@ impl CudaSession {
         // all or none: every MoE launch then also zeroes the next set's h − x
         let split_all = fold && self.gdn_out_split_applies(cx, m);
         self.moe_scratch.zero_acc_h = split_all;
+        // the MoE's combine by f64 atomics (CudaContext::set_moe_hsum): layer i's MoE leaves the
+        // residual stream as f64 sums in set fold_set(i + 1)'s h accumulators; the next input
+        // projection (or the LM head) reads them and stores x. Layer 0 reads the embedding's x.
+        let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && cx.moe_hsum();
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;
@@ -755,7 +779,10 @@ impl CudaSession {
             };
             if on(ablate::IN_PROJ) && in_step.is_none() {
                 let out = &mut self.proj.slice_mut(..n_in);
-                if fuse {
+                if hsum && i > 0 {
+                    let xd = self.moe_scratch.hsum(crate::moe::fold_set(i, n_layers))?;
+                    in_mat.gemv_norm_xd(cx, out, &xd, &mut self.x.slice_mut(..), &lw.input_norm.slice(..))?;
+                } else if fuse {
                     in_mat.gemv_norm(cx, out, &self.x.slice(..), &lw.input_norm.slice(..))?;
                 } else {
                     in_mat.gemv(cx, out, &self.u.slice(..))?;
@@ -899,7 +926,10 @@ impl CudaSession {
                 cx.rms_norm(&mut self.u.slice_mut(..), &self.x.slice(..), &m.final_norm.slice(..))?;
             }
             if on(ablate::LM_HEAD) {
-                if fuse {
+                if hsum {
+                    let xd = self.moe_scratch.hsum(crate::moe::fold_set(0, n_layers))?;
+                    cx.gemv_norm_xd(&mut self.logits.slice_mut(..), &m.lm_head, &xd, &mut self.x.slice_mut(..), &m.final_norm.slice(..))?;
+                } else if fuse {
                     cx.gemv_norm(&mut self.logits.slice_mut(..), &m.lm_head, &self.x.slice(..), &m.final_norm.slice(..))?;
                 } else {
                     cx.gemv(&mut self.logits.slice_mut(..), &m.lm_head, &self.u.slice(..))?;
@@ -1225,6 +1255,13 @@ impl CudaSession {
             self.drop_graphs();
             self.graph_model = None;
             self.graph_gen = cx.launch_generation();
+        }
+        if self.graph_full.is_none() || self.graph_prompt.is_none() {
+            // the steps of one capture keep the router fold's accumulator sets (and the MoE's
+            // h sums, CudaContext::set_moe_hsum) zero where the next step expects them; steps
+            // of another configuration (the split output projection's h − x, the ablation) may
+            // have left them otherwise
+            cx.moe_fold_reset(&mut self.moe_scratch)?;
         }
         if self.graph_full.is_none() {
             self.graph_full = Some(self.capture(cx, m, true)?);

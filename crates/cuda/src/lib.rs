@@ -110,6 +110,10 @@ pub const KERNELS: &[KernelSource] = &[
             "gemv_norm_r56_q4_k2048",
             "gemv_norm_r56_q8_k2048",
             "gemv_norm_r56_s4_k2048",
+            "gemv_norm_xd_q4_k2048",
+            "gemv_norm_xd_q8_k2048",
+            "gemv_norm_r56_xd_q4_k2048",
+            "gemv_norm_r56_xd_q8_k2048",
             "gemv_resid_rf_r4_g4_q4_k4096",
             "gemv_resid_rf_r4_g8_q4_k4096",
             "gemv_resid_rf_r8_g4_q4_k4096",
@@ -528,6 +532,11 @@ pub struct CudaContext {
     /// The MoE cluster kernel streams fixed experts' tiles, for measurement
     /// ([`CudaContext::set_moe_cluster_pin_experts`]).
     pub(crate) moe_cluster_pin_experts: std::sync::atomic::AtomicBool,
+    /// The MoE cluster kernel after the fold combines by f64 atomics ([`CudaContext::set_moe_hsum`]).
+    pub(crate) moe_hsum: std::sync::atomic::AtomicBool,
+    /// Measurement-only `flags` bits ORed into every decode GEMV's and every MoE cluster
+    /// kernel's launch, packed `moe << 16 | gemv` ([`CudaContext::set_decode_diag`]).
+    pub(crate) decode_diag: std::sync::atomic::AtomicU32,
     /// The input projections' launch forced to `(ks_log2, blocks)`, packed as
     /// `ks_log2 << 32 | blocks` (0: the default of `gemv_launch`); set by
     /// [`CudaContext::set_in_proj_grid`].
@@ -658,6 +667,10 @@ impl CudaContext {
                 allow_block_smem(&func, gemv_smem_bytes(*b, p::D_MODEL))?;
                 slot[bi] = Some(func);
             }
+            // the same reading x as f64 sums (gemv_norm_xd)
+            for name in [format!("gemv_norm_xd_q{b}_k2048"), format!("gemv_norm_r56_xd_q{b}_k2048")] {
+                allow_block_smem(&f("gemv", &name)?, gemv_smem_bytes(*b, p::D_MODEL))?;
+            }
             // the output projection with the MoE router folded in (moe.rs gemv_residual_router)
             for rb in [4, 8] {
                 for gb in [4, 8] {
@@ -705,6 +718,8 @@ impl CudaContext {
             moe_cluster_late_trigger: std::sync::atomic::AtomicBool::new(false),
             moe_cluster_mark_issue: std::sync::atomic::AtomicBool::new(false),
             moe_cluster_pin_experts: std::sync::atomic::AtomicBool::new(false),
+            moe_hsum: std::sync::atomic::AtomicBool::new(moe::default_moe_hsum()),
+            decode_diag: std::sync::atomic::AtomicU32::new(0),
             in_proj_grid: std::sync::atomic::AtomicU64::new(0),
             out_proj_variant: std::sync::atomic::AtomicU8::new(OUT_PROJ_VARIANT as u8),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(0),
@@ -771,6 +786,8 @@ impl CudaContext {
             moe_cluster_late_trigger: copy(&self.moe_cluster_late_trigger),
             moe_cluster_mark_issue: copy(&self.moe_cluster_mark_issue),
             moe_cluster_pin_experts: copy(&self.moe_cluster_pin_experts),
+            moe_hsum: copy(&self.moe_hsum),
+            decode_diag: std::sync::atomic::AtomicU32::new(self.decode_diag.load(std::sync::atomic::Ordering::Relaxed)),
             in_proj_grid: std::sync::atomic::AtomicU64::new(self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed)),
             out_proj_variant: std::sync::atomic::AtomicU8::new(self.out_proj_variant.load(std::sync::atomic::Ordering::Relaxed)),
             gdn_step_smem_pad: std::sync::atomic::AtomicU32::new(self.gdn_step_smem_pad.load(std::sync::atomic::Ordering::Relaxed)),
@@ -1009,27 +1026,7 @@ impl CudaContext {
         x: &CudaView<'_, f32>,
         norm_w: &CudaView<'_, f32>,
     ) -> Result<(), CudaError> {
-        if mat.cols != p::D_MODEL || norm_w.len() != p::D_MODEL {
-            return Err(CudaError::Unsupported(format!(
-                "gemv_norm: a [{}, {}] matrix with {} norm weights (built for D_MODEL = {} columns)",
-                mat.rows,
-                mat.cols,
-                norm_w.len(),
-                p::D_MODEL
-            )));
-        }
-        let (_, mut cfg, mut ks_log2, rows) = self.gemv_prepare("gemv_norm", out.len(), mat, x, None)?;
-        cfg.shared_mem_bytes = gemv_smem_bytes(mat.bits.bits() as usize, mat.cols) as u32;
-        let in_proj = mat.rows <= gdn::GDN_PROJ.max(attention::ATTN_PROJ);
-        let forced = self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed);
-        if forced != 0 && in_proj {
-            (ks_log2, cfg.grid_dim.0) = clamp_gemv_tune(mat, (forced >> 32) as i32, forced as u32);
-        }
-        let (wp, _guard) = norm_w.device_ptr(&self.stream);
-        if wp % 16 != 0 {
-            return Err(CudaError::Unsupported(format!("gemv_norm: norm_w must be 16-byte aligned (device address {wp:#x})")));
-        }
-        let cap = self.gemv_reg_cap();
+        let (cfg, ks_log2, rows, flags, cap) = self.gemv_norm_setup("gemv_norm", out.len(), mat, x, norm_w)?;
         let table = if cap { &self.gemv_norm_r56 } else { &self.gemv_norm };
         // the staged twin (bulk copies) when the matrix has a staged copy (56 registers only)
         let staged = if cap { self.staged_of(mat) } else { None };
@@ -1043,8 +1040,6 @@ impl CudaContext {
             .expect("loaded"),
         };
         let eps = p::RMS_EPS;
-        let late = in_proj && self.in_proj_late_weights.load(std::sync::atomic::Ordering::Relaxed);
-        let flags = self.gemv_flags() | if late { GEMV_LATE_WEIGHTS } else { 0 };
         let mut b = self.stream.launch_builder(f);
         match staged {
             Some(st) => b.arg(out).arg(st),
@@ -1064,6 +1059,94 @@ impl CudaContext {
         // tile of the matrix (stage_qmat checked its rows, columns and bits).
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// [`Self::gemv_norm`] of the residual stream held as f64 sums (`xd`, `[D_MODEL]`: what the
+    /// MoE's combine by atomics leaves, [`Self::set_moe_hsum`]): every block rounds `xd` to f32
+    /// as it reads it, and block 0 also stores that f32 vector into `xout` (`[D_MODEL]`, the
+    /// residual stream the next output projection adds to). The product is then that of
+    /// [`Self::gemv_norm`] on `xout`, bit for bit (the self-test checks it). Reads the matrix in
+    /// the MLX layout even when it has a staged copy.
+    ///
+    /// # Errors
+    /// As [`Self::gemv_norm`]; also [`CudaError::Unsupported`] when `xd` is not `D_MODEL` long
+    /// or not 16-byte aligned.
+    pub fn gemv_norm_xd(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        mat: &DeviceQMat,
+        xd: &CudaView<'_, f64>,
+        xout: &mut CudaViewMut<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let (xdp, _g) = xd.device_ptr(&self.stream);
+        if xd.len() != p::D_MODEL || xdp % 16 != 0 {
+            return Err(CudaError::Unsupported(format!(
+                "gemv_norm_xd: xd has {} values at {xdp:#x} (D_MODEL = {} f64, 16-byte aligned)",
+                xd.len(),
+                p::D_MODEL
+            )));
+        }
+        let (cfg, ks_log2, rows, flags, cap) = self.gemv_norm_setup("gemv_norm_xd", out.len(), mat, &xout.as_view(), norm_w)?;
+        let bits = match mat.bits {
+            Bits::B4 => 4,
+            Bits::B8 => 8,
+        };
+        let f = self.func(&format!("gemv_norm{}_xd_q{bits}_k2048", if cap { "_r56" } else { "" }))?;
+        let eps = p::RMS_EPS;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(mat.mlx_codes()?)
+            .arg(&mat.scales)
+            .arg(&mat.biases)
+            .arg(xd)
+            .arg(xout)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(&rows)
+            .arg(&ks_log2)
+            .arg(&flags);
+        // SAFETY: argument types and lengths match `gemv_norm_*xd_*` (checked above and in
+        // gemv_prepare, xout standing for x: both D_MODEL f32); the grid never exceeds the
+        // blocks with work.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The checks and launch configuration shared by [`Self::gemv_norm`] and
+    /// [`Self::gemv_norm_xd`]: (config with the shared memory set, ks_log2, rows, flags, whether
+    /// the 56-register entry points run).
+    fn gemv_norm_setup(
+        &self,
+        op: &str,
+        out_len: usize,
+        mat: &DeviceQMat,
+        x: &CudaView<'_, f32>,
+        norm_w: &CudaView<'_, f32>,
+    ) -> Result<(LaunchConfig, i32, i32, i32, bool), CudaError> {
+        if mat.cols != p::D_MODEL || norm_w.len() != p::D_MODEL {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: a [{}, {}] matrix with {} norm weights (built for D_MODEL = {} columns)",
+                mat.rows,
+                mat.cols,
+                norm_w.len(),
+                p::D_MODEL
+            )));
+        }
+        let (_, mut cfg, mut ks_log2, rows) = self.gemv_prepare(op, out_len, mat, x, None)?;
+        cfg.shared_mem_bytes = gemv_smem_bytes(mat.bits.bits() as usize, mat.cols) as u32;
+        let in_proj = mat.rows <= gdn::GDN_PROJ.max(attention::ATTN_PROJ);
+        let forced = self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed);
+        if forced != 0 && in_proj {
+            (ks_log2, cfg.grid_dim.0) = clamp_gemv_tune(mat, (forced >> 32) as i32, forced as u32);
+        }
+        let (wp, _guard) = norm_w.device_ptr(&self.stream);
+        if wp % 16 != 0 {
+            return Err(CudaError::Unsupported(format!("{op}: norm_w must be 16-byte aligned (device address {wp:#x})")));
+        }
+        let late = in_proj && self.in_proj_late_weights.load(std::sync::atomic::Ordering::Relaxed);
+        let flags = self.gemv_flags() | if late { GEMV_LATE_WEIGHTS } else { 0 };
+        Ok((cfg, ks_log2, rows, flags, self.gemv_reg_cap()))
     }
 
     /// [`Self::gemv`] (or, with `resid`, [`Self::gemv_residual`]) with the launch configuration
@@ -1667,6 +1750,44 @@ impl CudaContext {
         self.set_launch_option(&self.moe_cluster_pin_experts, on);
     }
 
+    /// Measurement only, **wrong outputs**: parts of the decode step's kernels left out, to time
+    /// what they cost in place. `gemv` (every decode GEMV): [`DIAG_GEMV_NO_TABLE`] skips x's
+    /// loads and the digit table, [`DIAG_GEMV_NO_NORM`] builds the table without the fused
+    /// RMSNorm, [`DIAG_GEMV_NO_FOLD`] skips the router fold's epilogue; `moe` (the MoE cluster
+    /// kernels): [`DIAG_MOE_NO_COMBINE`] leaves once y is written. `(0, 0)` (the
+    /// default) runs the kernels whole. Graphs captured earlier are captured again
+    /// ([`Self::launch_generation`]).
+    #[doc(hidden)]
+    pub fn set_decode_diag(&self, gemv: u32, moe: u32) {
+        let v = (moe & 0xFFFF) << 16 | (gemv & 0xFFFF);
+        self.launch_option_changed(self.decode_diag.swap(v, std::sync::atomic::Ordering::Relaxed) != v);
+    }
+
+    /// `flags` bits of [`Self::set_decode_diag`] for the GEMVs (low half) or the MoE (high half).
+    pub(crate) fn decode_diag_bits(&self, moe: bool) -> i32 {
+        let v = self.decode_diag.load(std::sync::atomic::Ordering::Relaxed);
+        (if moe { v >> 16 } else { v & 0xFFFF }) as i32
+    }
+
+    /// Lets the decode step's MoE cluster kernel after the router fold combine the experts by
+    /// f64 atomics (`true`) instead of in the last block of each row slice (`false`): every
+    /// block adds its rows' `w · y` (the shared expert's blocks also the residual `h`) into the
+    /// next layer's accumulator set and leaves, and the next input projection (or the LM head)
+    /// reads the sums through [`Self::gemv_norm_xd`], which also stores the residual stream.
+    /// The sum of the same f32 terms in f64, rounded once: within an f32 rounding of the
+    /// counted combine's f32 sum, not bit-equal to it (`kernels/moe.cu` `CL_HSUM`). Used by
+    /// [`decode::CudaSession`] steps with the fold and the cluster kernel in every layer (not
+    /// with the split output projection or the GDN input-in-step variant). Graphs captured
+    /// earlier are captured again ([`Self::launch_generation`]).
+    pub fn set_moe_hsum(&self, on: bool) {
+        self.set_launch_option(&self.moe_hsum, on);
+    }
+
+    /// Whether the MoE combines by f64 atomics ([`Self::set_moe_hsum`]).
+    pub fn moe_hsum(&self) -> bool {
+        self.moe_hsum.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Sets one of the context-wide launch options to `on`; a change bumps the launch
     /// generation, so graphs captured earlier are captured again ([`Self::launch_generation`]).
     fn set_launch_option(&self, flag: &std::sync::atomic::AtomicBool, on: bool) {
@@ -1684,7 +1805,7 @@ impl CudaContext {
         let early = if self.gemv_early_trigger.load(std::sync::atomic::Ordering::Relaxed) { GEMV_EARLY_TRIGGER } else { 0 };
         let all = if self.gemv_staged_all_early.load(std::sync::atomic::Ordering::Relaxed) { GEMV_STAGED_ALL_EARLY } else { 0 };
         let unit = if self.gemv_staged_unit.load(std::sync::atomic::Ordering::Relaxed) { GEMV_STAGED_UNIT } else { 0 };
-        early | all | unit
+        early | all | unit | self.decode_diag_bits(false)
     }
 
     /// Lets a staged GEMV whose warps each walk exactly one unit (the input projections on
@@ -1807,6 +1928,20 @@ pub fn gemv_config(rows: usize, cols: usize, bits: usize, sm_count: u32) -> (i32
 
 /// Warps per GEMV block (`NW` in `kernels/gemv.cu`); one block per SM.
 const GEMV_WARPS: usize = 16;
+
+/// [`CudaContext::set_decode_diag`] GEMV bit: no x loads, no digit table (`GEMV_DIAG_NO_TABLE`
+/// in `kernels/gemv.cu`). Measurement only, wrong outputs.
+#[doc(hidden)]
+pub const DIAG_GEMV_NO_TABLE: u32 = 32;
+/// [`CudaContext::set_decode_diag`] GEMV bit: the table without the fused RMSNorm.
+#[doc(hidden)]
+pub const DIAG_GEMV_NO_NORM: u32 = 64;
+/// [`CudaContext::set_decode_diag`] GEMV bit: no router-fold epilogue in the output projection.
+#[doc(hidden)]
+pub const DIAG_GEMV_NO_FOLD: u32 = 128;
+/// [`CudaContext::set_decode_diag`] MoE bit: no count and no combine (`CL_DIAG_NO_COMBINE`).
+#[doc(hidden)]
+pub const DIAG_MOE_NO_COMBINE: u32 = 16;
 
 /// `flags` bit of every GEMV entry point: trigger the dependent launch right after the PDL
 /// wait (`calla_gemv::GEMV_EARLY_TRIGGER` in `kernels/gemv.cu`).

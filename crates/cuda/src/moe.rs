@@ -89,6 +89,27 @@ const CL_MARK_ISSUE: i32 = 2;
 /// whatever the top-k chose, for measurement (`CL_PIN_EXPERTS` in `moe.cu`;
 /// `CudaContext::set_moe_cluster_pin_experts`).
 const CL_PIN_EXPERTS: i32 = 4;
+/// `flags` bit of `moe_cluster_fold_e4`: combine by f64 atomics into the next set's `h` sums
+/// and zero this set's (`CL_HSUM` in `moe.cu`; `CudaContext::set_moe_hsum`).
+const CL_HSUM: i32 = 64;
+/// Whether a new context's decode step combines the MoE by f64 atomics
+/// (`CudaContext::set_moe_hsum`) unless [`set_default_moe_hsum`] said otherwise.
+pub const MOE_HSUM_DEFAULT: bool = true;
+
+static DEFAULT_MOE_HSUM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(MOE_HSUM_DEFAULT);
+
+/// The MoE combine every [`CudaContext`] created afterwards starts with
+/// ([`CudaContext::set_moe_hsum`]). Process-wide, so that the engine's accelerator and a tool's
+/// own context agree (`calla cuda-check --moe-hsum`).
+pub fn set_default_moe_hsum(on: bool) {
+    DEFAULT_MOE_HSUM.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a new [`CudaContext`] combines the decode step's MoE by f64 atomics
+/// ([`set_default_moe_hsum`]; [`MOE_HSUM_DEFAULT`] unless set).
+pub fn default_moe_hsum() -> bool {
+    DEFAULT_MOE_HSUM.load(std::sync::atomic::Ordering::Relaxed)
+}
 /// Blocks of the expert-per-cluster kernel.
 #[doc(hidden)]
 pub const CL_BLOCKS: usize = (p::TOP_K + 1) * CL;
@@ -281,6 +302,24 @@ impl MoeScratch {
     pub(crate) fn fold_set_mut(&mut self, set: usize) -> Result<CudaViewMut<'_, f64>, CudaError> {
         check_set(set)?;
         Ok(self.racc.slice_mut(set * RF_SET..(set + 1) * RF_SET))
+    }
+
+    /// The `h` sums of accumulator set `set` (`D_MODEL` f64 at [`RF_ACC_H`]): with
+    /// `CudaContext::set_moe_hsum`, the residual stream the MoE of the layer before the one
+    /// that reads `set` left, for [`CudaContext::gemv_norm_xd`].
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `set` ≥ [`FOLD_SETS`].
+    pub fn hsum(&self, set: usize) -> Result<CudaView<'_, f64>, CudaError> {
+        check_set(set)?;
+        Ok(self.racc.slice(set * RF_SET + RF_ACC_H..(set + 1) * RF_SET))
+    }
+
+    /// The expert-per-cluster kernel's unweighted expert outputs of its last counted combine
+    /// (`[TOP_K + 1][D_MODEL]` f32, slot order, the shared expert last), for checks.
+    #[doc(hidden)]
+    pub fn cluster_parts(&self) -> CudaView<'_, f32> {
+        self.part.slice(..)
     }
 
     /// The fused kernel's grid-barrier state (arrivals, generation), for checks.
@@ -1185,6 +1224,9 @@ impl CudaContext {
     /// the top-k from set `set` itself; the same results bit for bit, `sel_ids`/`sel_w` and set
     /// `zero_set` as they leave them. `h` is the residual stream the output projection wrote
     /// (and the residual of the sum), `norm_w` the post_attention_layernorm, `out` `[D_MODEL]`.
+    /// With [`CudaContext::set_moe_hsum`] on, `out` is left alone: the sum goes into set
+    /// `zero_set`'s `h` sums ([`MoeScratch::hsum`], zero on entry) by f64 atomics, and set
+    /// `set`'s are zeroed.
     ///
     /// # Errors
     /// As the two; [`CudaError::Unsupported`] when an expert matrix is not 4-bit
@@ -1209,7 +1251,11 @@ impl CudaContext {
         if out.len() != d {
             return Err(unsupported(format!("moe_fold_cluster: out {} (D_MODEL = {d})", out.len())));
         }
-        let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 };
+        let hsum = self.moe_hsum();
+        if hsum && scratch.zero_acc_h {
+            return Err(unsupported("moe_fold_cluster: the combine by atomics (set_moe_hsum) and the split output projection's h − x share the sets' h accumulators".into()));
+        }
+        let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 } | if hsum { CL_HSUM } else { 0 };
         self.fold_cluster_launch("moe_cluster_fold_e4", ClusterStream::OutH(out, h), m, norm_w, scratch, set, zero_set, flags)
     }
 
@@ -1304,7 +1350,7 @@ impl CudaContext {
         let late = self.moe_cluster_late_trigger.load(std::sync::atomic::Ordering::Relaxed);
         let issue = self.moe_cluster_mark_issue.load(std::sync::atomic::Ordering::Relaxed);
         let pin = self.moe_cluster_pin_experts.load(std::sync::atomic::Ordering::Relaxed);
-        (if late { CL_LATE_TRIGGER } else { 0 }) | (if issue { CL_MARK_ISSUE } else { 0 }) | (if pin { CL_PIN_EXPERTS } else { 0 })
+        (if late { CL_LATE_TRIGGER } else { 0 }) | (if issue { CL_MARK_ISSUE } else { 0 }) | (if pin { CL_PIN_EXPERTS } else { 0 }) | self.decode_diag_bits(true)
     }
 
     /// Zero every router-fold accumulator set (what [`Self::moe_fold_down`] does for the next

@@ -508,6 +508,31 @@ fn fused_norm(s: &mut Suite) -> bool {
                     c.msg.push_str(&format!("the unbounded entry point differs in {differ} words (guards included); "));
                 }
             }
+            // x as f64 sums (gemv_norm_xd, the MoE's combine by atomics): rounded to f32 as read,
+            // so sums whose f32 rounding is x give the same bits, and block 0 stores that x.
+            // Each x[c] + t[c] in f64 with |t| below half an f32 ulp of x[c] rounds back to x[c].
+            for cap in [true, false] {
+                let xs: Vec<f64> = x
+                    .iter()
+                    .enumerate()
+                    .map(|(c, v)| f64::from(*v) + f64::from(*v) * 2f64.powi(-26) * if c % 2 == 0 { 1.0 } else { -1.0 })
+                    .collect();
+                let xsd = cx.stream().clone_htod(&xs).unwrap();
+                let mut xout = cx.upload_f32(&vec![f32::NAN; d]).unwrap();
+                let mut xo = guarded(cx, rows);
+                cx.set_gemv_reg_cap(cap);
+                cx.gemv_norm_xd(&mut xo.slice_mut(GUARD..GUARD + rows), &dm, &xsd.slice(..), &mut xout.slice_mut(..), &wd.slice(..))
+                    .unwrap_or_else(|e| panic!("gemv_norm_xd: {e}"));
+                cx.set_gemv_reg_cap(true);
+                let xo_h = cx.download_f32(&xo).unwrap();
+                let xout_h = cx.download_f32(&xout).unwrap();
+                let differ = xo_h.iter().zip(&fused_h).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                let xdiff = xout_h.iter().zip(&x).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                if differ > 0 || xdiff > 0 {
+                    c.ok = false;
+                    c.msg.push_str(&format!("gemv_norm_xd ({} registers): {differ} words differ from gemv_norm's (guards included), {xdiff} of x stored wrong; ", if cap { "56" } else { "unbounded" }));
+                }
+            }
             // 4 bits: the staged twin (bulk copies of the staged layout) gives the same bits
             let mut dm = dm;
             if bits == 4 {

@@ -685,7 +685,28 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
         cx.moe_fold_cluster(dm, &hf.slice(..), &wd.slice(..), scratch, &mut of.slice_mut(GUARD..GUARD + d), 0, 1).expect("moe_fold_cluster");
         let ids: Vec<i32> = cx.stream().clone_dtoh(&scratch.sel_ids).unwrap();
         let racc: Vec<f64> = cx.stream().clone_dtoh(&scratch.fold_accumulators()).unwrap();
-        (cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc)
+        let parts = cx.stream().clone_dtoh(&scratch.cluster_parts()).unwrap();
+        (cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc, parts, cx.download_f32(&hf).unwrap())
+    });
+    // the same with the combine by f64 atomics (set_moe_hsum): set 1 first (its h sums into
+    // set 0's), then set 0 (into set 1's, zeroing set 0's): out untouched, the sums those of
+    // the counted run's expert outputs, twice the same
+    let hsum = cluster.is_some().then(|| {
+        let mut hf = cx.upload_f32(&vec![0f32; d]).unwrap();
+        let mut of = guarded(cx, d);
+        let before = cx.download_f32(&of).unwrap();
+        cx.moe_fold_reset(scratch).expect("moe_fold_reset");
+        cx.set_moe_hsum(true);
+        let mut sums = Vec::new();
+        for (set, zero) in [(1, 0), (0, 1)] {
+            cx.gemv_residual_router(&mut hf.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
+            cx.moe_fold_cluster(dm, &hf.slice(..), &wd.slice(..), scratch, &mut of.slice_mut(GUARD..GUARD + d), set, zero).expect("moe_fold_cluster (hsum)");
+            sums.push(cx.stream().clone_dtoh(&scratch.hsum(zero).unwrap()).unwrap());
+        }
+        cx.set_moe_hsum(false);
+        let left = cx.stream().clone_dtoh(&scratch.hsum(0).unwrap()).unwrap();
+        let untouched = cx.download_f32(&of).unwrap().iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits());
+        (sums, left, untouched)
     });
     let (hf2, of2, idsf2, wf2, racc) = run_fold(scratch, 1, 0);
     cx.moe_fold_reset(scratch).expect("moe_fold_reset");
@@ -735,7 +756,30 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
             c.msg.push_str(&format!("{v:?} equal bit for bit; "));
         }
     }
-    if let Some((oc, idsc, wc, raccc)) = cluster {
+    if let (Some((oc, _, wc, _, parts, hc)), Some((sums, left, untouched))) = (&cluster, &hsum) {
+        // the exact sum of the same f32 terms (h, then f32(w_k · y_k)), rounded once
+        let k = p::TOP_K + 1;
+        let exact: Vec<f32> = (0..d)
+            .map(|r| {
+                let mut acc = f64::from(hc[r]);
+                for slot in 0..k {
+                    acc += f64::from(wc[slot] * parts[slot * d + r]);
+                }
+                acc as f32
+            })
+            .collect();
+        let got: Vec<f32> = sums[1].iter().map(|v| *v as f32).collect();
+        let wrong = got.iter().zip(&exact).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let ulps = got.iter().zip(&oc[GUARD..GUARD + d]).map(|(a, b)| (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs()).max().unwrap_or(0);
+        let again = sums[0].iter().zip(&sums[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+        let nz = left.iter().filter(|v| **v != 0.0).count();
+        if wrong > 0 || !again || nz > 0 || !untouched {
+            fail(&mut c, format!("combine by atomics: {wrong} of {d} sums differ from the exact sum of the terms, second run equal {again}, {nz} of set 0's sums not zeroed, out untouched {untouched}; "));
+        } else {
+            c.msg.push_str(&format!("combine by atomics exact, ≤ {ulps} ulp from the counted combine; "));
+        }
+    }
+    if let Some((oc, idsc, wc, raccc, _, _)) = cluster {
         let differ = oc.iter().zip(&of).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
         if differ > 0 || idsc != idsf || !same(&wc, &wf) {
             fail(&mut c, format!("cluster kernel: {differ} words of out differ from gate/up + down's; ids {idsc:?} vs {idsf:?}; "));
