@@ -961,19 +961,21 @@ constexpr int CL_PIN_EXPERTS = 4;
 // step whose GDN layers run the split output projection (kernels/gdn.cu step_out); always done
 // by moe_cluster_split_e4.
 constexpr int CL_ZERO_ACC_H = 8;
-// Measurement only, wrong outputs (moe.rs CL_DIAG_*; lib.rs set_decode_diag): every block leaves
-// once its rows of y are written (no count, no combine), to time the combine's tail in place ...
+// Measurement only, wrong outputs (lib.rs set_decode_diag): every block leaves once its rows of y
+// are written (no count, no combine; with CL_HSUM, no atomics), to time the combine in place.
 constexpr int CL_DIAG_NO_COMBINE = 16;
 // With the fold (not SPLIT): the combine by f64 atomics instead of the counted last block (moe.rs
-// CL_HSUM; CudaContext::set_moe_hsum). Every block adds its rows' w_slot · y (f32 products) into
-// the next set's h accumulators (racc_zero + RF_ACC_H, D doubles, zero on entry), the shared
-// expert's blocks the residual h too, and leaves: no count, no last block reading every slot.
-// The next layer's input projection (or the LM head) reads them as f64 and rounds to f32
-// (gemv.cu gemv_norm_*xd*). Block 0 zeroes this layer's own set's accumulators (read by this
-// layer's input projection, which has completed). The terms are f32 values, so their f64 sum
-// is exact, whatever the order of the atomics, while they span fewer than 29 binades; beyond
-// that the last f64 bits can depend on the order, which changes the f32 result only when the
-// sum lies within one f64 ulp of an f32 rounding boundary.
+// CL_HSUM, MoeScratch::hsum_combine; CudaContext::set_moe_hsum). Every block adds its rows'
+// w_slot · y (f32 products) into the next set's h accumulators (racc_zero + RF_ACC_H, D
+// doubles, zero on entry), the shared expert's blocks the residual h too, and leaves: no count,
+// no last block reading every slot. The next layer's input projection (or the LM head) reads
+// them as f64 and rounds to f32 (gemv.cu gemv_norm_*xd*). Block 0 zeroes this layer's own
+// set's accumulators: their reader (this layer's input projection, or for the first layer the
+// previous step's LM head) has completed. The 10 terms of a row are f32 values: their f64 sum
+// is exact, whatever the order of the atomics, while their exponents span at most 25 binades
+// (53 bits = 24 + 25 + 4 for the carries); beyond that the f64 sum is rounded and may depend
+// on the order, which changes the f32 result only when it lies that close to an f32 rounding
+// boundary.
 constexpr int CL_HSUM = 64;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
@@ -1256,7 +1258,7 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         y1 += quad_sum(acc1);
     }
     if (FOLD && !SPLIT && (flags & CL_HSUM)) {
-        if (t == 0) {
+        if (t == 0 && !(flags & CL_DIAG_NO_COMBINE)) {  // (the diagnostic leaves the atomics out)
             const int r0 = drt * 16 + (lane >> 2), r1 = r0 + 8;
             double v0 = (double)(s_w[slot] * y0), v1 = (double)(s_w[slot] * y1);
             if (slot == NSLOT - 1) {  // the shared expert's blocks add the residual

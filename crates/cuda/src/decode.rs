@@ -754,7 +754,18 @@ impl CudaSession {
         // the MoE's combine by f64 atomics (CudaContext::set_moe_hsum): layer i's MoE leaves the
         // residual stream as f64 sums in set fold_set(i + 1)'s h accumulators; the next input
         // projection (or the LM head) reads them and stores x. Layer 0 reads the embedding's x.
-        let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && cx.moe_hsum();
+        // (not where a staged input projection or LM head would be bypassed: gemv_norm_xd reads
+        // the MLX layout)
+        let staged_reader = cx.gemv_reg_cap()
+            && (m.layers.iter().any(|l| {
+                let in_mat = match &l.mixer {
+                    DeviceMixer::Gdn { in_proj, .. } => in_proj,
+                    DeviceMixer::Attn { qkv, .. } => qkv,
+                };
+                in_mat.runs.iter().any(|(mm, _)| cx.staged_of(mm).is_some())
+            }) || cx.staged_of(&m.lm_head).is_some());
+        let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && !staged_reader && cx.moe_hsum();
+        self.moe_scratch.hsum_combine = hsum;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             self.gdn_scratch.l2_prefetch = mixer_pf;

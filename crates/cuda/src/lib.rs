@@ -1066,7 +1066,8 @@ impl CudaContext {
     /// as it reads it, and block 0 also stores that f32 vector into `xout` (`[D_MODEL]`, the
     /// residual stream the next output projection adds to). The product is then that of
     /// [`Self::gemv_norm`] on `xout`, bit for bit (the self-test checks it). Reads the matrix in
-    /// the MLX layout even when it has a staged copy.
+    /// the MLX layout even when it has a staged copy (the decode step does not combine by
+    /// atomics where a staged copy would be read).
     ///
     /// # Errors
     /// As [`Self::gemv_norm`]; also [`CudaError::Unsupported`] when `xd` is not `D_MODEL` long
@@ -1774,11 +1775,14 @@ impl CudaContext {
     /// block adds its rows' `w · y` (the shared expert's blocks also the residual `h`) into the
     /// next layer's accumulator set and leaves, and the next input projection (or the LM head)
     /// reads the sums through [`Self::gemv_norm_xd`], which also stores the residual stream.
-    /// The sum of the same f32 terms in f64, rounded once: within an f32 rounding of the
-    /// counted combine's f32 sum, not bit-equal to it (`kernels/moe.cu` `CL_HSUM`). Used by
-    /// [`decode::CudaSession`] steps with the fold and the cluster kernel in every layer (not
-    /// with the split output projection or the GDN input-in-step variant). Graphs captured
-    /// earlier are captured again ([`Self::launch_generation`]).
+    /// The terms (f32 products `w · y` and `h`) summed in f64 and rounded once, where the
+    /// counted combine rounds an f32 `fma` chain at every term: not bit-equal to it (the
+    /// self-test saw up to 240 f32 ulps on nearly cancelling sums; `kernels/moe.cu` `CL_HSUM`).
+    /// Used by [`decode::CudaSession`] steps with the fold and the cluster kernel in every
+    /// layer, and not with the split output projection, the GDN input-in-step variant or
+    /// staged input projections / LM head (which `gemv_norm_xd` would bypass): those steps set
+    /// `MoeScratch::hsum_combine` off and combine as before. Graphs captured earlier are
+    /// captured again ([`Self::launch_generation`]).
     pub fn set_moe_hsum(&self, on: bool) {
         self.set_launch_option(&self.moe_hsum, on);
     }

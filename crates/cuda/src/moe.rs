@@ -405,6 +405,11 @@ pub struct MoeScratch {
     /// whose GDN layers run [`CudaContext::gdn_step_out`], which adds into it; the decode step
     /// sets it). Off in a new scratch.
     pub zero_acc_h: bool,
+    /// [`CudaContext::moe_fold_cluster`] combines by f64 atomics into the `h` sums of the set
+    /// it zeroes and zeroes those of the set it reads ([`MoeScratch::hsum`]), instead of
+    /// writing `out`. The decode step sets it when [`CudaContext::moe_hsum`] is on and its
+    /// configuration reads the sums (not with [`Self::zero_acc_h`]). Off in a new scratch.
+    pub hsum_combine: bool,
     /// Finished-block counters of the expert-per-cluster kernel, one per 256-row slice (zero
     /// between launches).
     cl_counts: CudaSlice<u32>,
@@ -711,6 +716,7 @@ impl CudaContext {
             part: s.alloc_zeros::<f32>((p::TOP_K + 1) * p::D_MODEL)?,
             cl_counts: s.alloc_zeros::<u32>(CL)?,
             zero_acc_h: false,
+            hsum_combine: false,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
@@ -1224,9 +1230,8 @@ impl CudaContext {
     /// the top-k from set `set` itself; the same results bit for bit, `sel_ids`/`sel_w` and set
     /// `zero_set` as they leave them. `h` is the residual stream the output projection wrote
     /// (and the residual of the sum), `norm_w` the post_attention_layernorm, `out` `[D_MODEL]`.
-    /// With [`CudaContext::set_moe_hsum`] on, `out` is left alone: the sum goes into set
-    /// `zero_set`'s `h` sums ([`MoeScratch::hsum`], zero on entry) by f64 atomics, and set
-    /// `set`'s are zeroed.
+    /// With `scratch.hsum_combine` ([`MoeScratch`]'s field), `out` is left alone: the sum goes into set `zero_set`'s `h` sums ([`MoeScratch::hsum`],
+    /// zero on entry) by f64 atomics, and set `set`'s are zeroed.
     ///
     /// # Errors
     /// As the two; [`CudaError::Unsupported`] when an expert matrix is not 4-bit
@@ -1251,11 +1256,10 @@ impl CudaContext {
         if out.len() != d {
             return Err(unsupported(format!("moe_fold_cluster: out {} (D_MODEL = {d})", out.len())));
         }
-        let hsum = self.moe_hsum();
-        if hsum && scratch.zero_acc_h {
-            return Err(unsupported("moe_fold_cluster: the combine by atomics (set_moe_hsum) and the split output projection's h − x share the sets' h accumulators".into()));
+        if scratch.hsum_combine && scratch.zero_acc_h {
+            return Err(unsupported("moe_fold_cluster: the combine by atomics (MoeScratch::hsum_combine) and the split output projection's h − x (zero_acc_h) share the sets' h accumulators".into()));
         }
-        let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 } | if hsum { CL_HSUM } else { 0 };
+        let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 } | if scratch.hsum_combine { CL_HSUM } else { 0 };
         self.fold_cluster_launch("moe_cluster_fold_e4", ClusterStream::OutH(out, h), m, norm_w, scratch, set, zero_set, flags)
     }
 

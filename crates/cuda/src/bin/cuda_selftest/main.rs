@@ -68,10 +68,6 @@ fn main() {
         }
     };
     let t_ctx = t0.elapsed().as_secs_f64();
-    // the kernel checks call the MoE kernels one by one and read what each writes: the counted
-    // combine (the combine by f64 atomics, the decode step's default, is checked on its own in
-    // section `moe`, against the exact sum of the same terms)
-    cx.set_moe_hsum(false);
     let (ma, mi) = cuda::nvrtc::ensure_loaded().expect("nvrtc");
     let name = cx.raw().name().unwrap_or_default();
     println!(

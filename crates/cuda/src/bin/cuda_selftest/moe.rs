@@ -688,7 +688,7 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
         let parts = cx.stream().clone_dtoh(&scratch.cluster_parts()).unwrap();
         (cx.download_f32(&of).unwrap(), ids, cx.download_f32(&scratch.sel_w).unwrap(), racc, parts, cx.download_f32(&hf).unwrap())
     });
-    // the same with the combine by f64 atomics (set_moe_hsum): set 1 first (its h sums into
+    // the same with the combine by f64 atomics (MoeScratch::hsum_combine): set 1 first (its h sums into
     // set 0's), then set 0 (into set 1's, zeroing set 0's): out untouched, the sums those of
     // the counted run's expert outputs, twice the same
     let hsum = cluster.is_some().then(|| {
@@ -696,14 +696,14 @@ fn router_fold_equals_three(s: &mut Suite, label: &str, dm: &DeviceMoe, scratch:
         let mut of = guarded(cx, d);
         let before = cx.download_f32(&of).unwrap();
         cx.moe_fold_reset(scratch).expect("moe_fold_reset");
-        cx.set_moe_hsum(true);
+        scratch.hsum_combine = true;
         let mut sums = Vec::new();
         for (set, zero) in [(1, 0), (0, 1)] {
             cx.gemv_residual_router(&mut hf.slice_mut(..), &wod, &xd.slice(..), &rd.slice(..), dm, &wd.slice(..), scratch, set).expect("gemv_residual_router");
             cx.moe_fold_cluster(dm, &hf.slice(..), &wd.slice(..), scratch, &mut of.slice_mut(GUARD..GUARD + d), set, zero).expect("moe_fold_cluster (hsum)");
             sums.push(cx.stream().clone_dtoh(&scratch.hsum(zero).unwrap()).unwrap());
         }
-        cx.set_moe_hsum(false);
+        scratch.hsum_combine = false;
         let left = cx.stream().clone_dtoh(&scratch.hsum(0).unwrap()).unwrap();
         let untouched = cx.download_f32(&of).unwrap().iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits());
         (sums, left, untouched)
