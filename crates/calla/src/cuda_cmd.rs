@@ -344,7 +344,8 @@ pub struct CudaBenchArgs {
     /// Also time decode (first decode context) with parts of the GEMVs and of the MoE cluster
     /// kernel left out (wrong outputs, timing only: `CudaContext::set_decode_diag`), between
     /// two rows as configured: what the digit table, the fused norm, the router fold's
-    /// epilogue and the MoE's counted combine cost in place, and a combine by f64 atomics.
+    /// epilogue and the MoE's combine (the counted one, or the atomics where they are on) cost
+    /// in place.
     #[arg(long)]
     diag_compare: bool,
     /// Also time decode (first decode context) with the MoE's combine flipped between the

@@ -1230,8 +1230,9 @@ impl CudaContext {
     /// the top-k from set `set` itself; the same results bit for bit, `sel_ids`/`sel_w` and set
     /// `zero_set` as they leave them. `h` is the residual stream the output projection wrote
     /// (and the residual of the sum), `norm_w` the post_attention_layernorm, `out` `[D_MODEL]`.
-    /// With `scratch.hsum_combine` ([`MoeScratch`]'s field), `out` is left alone: the sum goes into set `zero_set`'s `h` sums ([`MoeScratch::hsum`],
-    /// zero on entry) by f64 atomics, and set `set`'s are zeroed.
+    /// With `scratch.hsum_combine` (a [`MoeScratch`] field) the combine is by f64 atomics
+    /// instead, not bit-equal: `out` is left alone, the sum goes into set `zero_set`'s `h` sums
+    /// ([`MoeScratch::hsum`], zero on entry), and set `set`'s are zeroed.
     ///
     /// # Errors
     /// As the two; [`CudaError::Unsupported`] when an expert matrix is not 4-bit
