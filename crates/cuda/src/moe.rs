@@ -304,7 +304,7 @@ impl MoeScratch {
         Ok(self.racc.slice_mut(set * RF_SET..(set + 1) * RF_SET))
     }
 
-    /// The `h` sums of accumulator set `set` (`D_MODEL` f64 at [`RF_ACC_H`]): with
+    /// The `h` sums of accumulator set `set` (`D_MODEL` f64 after the router sums): with
     /// `CudaContext::set_moe_hsum`, the residual stream the MoE of the layer before the one
     /// that reads `set` left, for [`CudaContext::gemv_norm_xd`].
     ///
