@@ -353,6 +353,11 @@ pub struct CudaBenchArgs {
     /// as configured.
     #[arg(long)]
     hsum_compare: bool,
+    /// Also time decode (first decode context) with each MoE cluster kernel asking L2 for the
+    /// next input projection's late-landing rows (`CudaSession::set_moe_l2_late`; hints only),
+    /// alternating with rows as configured.
+    #[arg(long)]
+    moe_l2_compare: bool,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -390,6 +395,9 @@ struct FocusRow {
     diag: (u32, u32),
     /// The MoE's combine (`CudaContext::set_moe_hsum`) flipped from as configured.
     hsum_flip: bool,
+    /// The MoE cluster kernels prefetch the next input projection's late rows into L2
+    /// (`CudaSession::set_moe_l2_late`).
+    moe_l2: bool,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
@@ -1040,7 +1048,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare || a.moe_l2_compare {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -1158,8 +1166,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false, diag: (0, 0), hsum_flip: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare || a.moe_l2_compare {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false, diag: (0, 0), hsum_flip: false, moe_l2: false };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -1219,9 +1227,15 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                     rows.push(row(format!("as configured{again}"), None, false, false));
                 }
             }
+            if a.moe_l2_compare {
+                for again in ["", ", again"] {
+                    rows.push(FocusRow { moe_l2: true, ..row(format!("MoE asks L2 for the next in_proj's late rows{again}"), None, false, false) });
+                    rows.push(row(format!("as configured{again}"), None, false, false));
+                }
+            }
             rows.push(row("as configured, again".into(), None, false, false));
             let hsum0 = cx.moe_hsum();
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip, diag, hsum_flip } in rows {
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip, diag, hsum_flip, moe_l2 } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -1246,10 +1260,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_gemv_staged(!staged_flip);
                 cx.set_decode_diag(diag.0, diag.1);
                 cx.set_moe_hsum(hsum0 ^ hsum_flip);
+                sess.set_moe_l2_late(moe_l2);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip,
+                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip, "moe_l2_late": moe_l2,
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -1265,6 +1280,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_gemv_staged(true);
             cx.set_decode_diag(0, 0);
             cx.set_moe_hsum(hsum0);
+            sess.set_moe_l2_late(false);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;

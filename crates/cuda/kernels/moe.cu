@@ -1028,7 +1028,8 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
                                              const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
                                              const uint2* __restrict__ dn_sb_s, const ClRoute rt, float* part,
                                              unsigned* counts, int* __restrict__ hist_row,
-                                             unsigned long long* probe, int flags) {
+                                             unsigned long long* probe, int flags,
+                                             const CallaL2Prefetch& pf = CallaL2Prefetch{}) {
     using S = ClSmem<BITS>;
     // Measurement (probe != null): thread 0 of each block records %globaltimer at its start and
     // after its PDL wait, then clock64 cycles since the wait at each phase (CL_MARKS words).
@@ -1150,6 +1151,9 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         }
         __syncthreads();
         if (routed && warp == 0) request((flags & CL_PIN_EXPERTS) ? slot * (NE / TOPK) + 7 : s_ids[slot]);
+        // after the block's own copies: its share of the L2 hints (the decode step's plan: the
+        // next input projection's rows that its late-landing blocks read; empty by default)
+        calla_l2_prefetch_share(pf);
         mark(2);  // bulk copies issued
         if (flags & CL_MARK_ISSUE) calla_tl_mark();
         if constexpr (!SPLIT) inv = rsqrtf((float)ss_fold / float(D) + rt.eps);
@@ -1451,10 +1455,10 @@ extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds
                         const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
                         const uint2* __restrict__ dn_sb_s, int* sel_ids, float* sel_w, const float* __restrict__ norm_w,
                         float eps, const double* racc, double* racc_zero, float* part, unsigned* counts, int* hist_row,
-                        unsigned long long* probe, int flags) {
+                        unsigned long long* probe, int flags, CallaL2Prefetch pf) {
     const calla_moe::ClRoute rt = {sel_ids, sel_w, nullptr, nullptr, h, norm_w, eps, racc, racc_zero};
     calla_moe::cluster_body<4, true>(out, h, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part, counts,
-                                     hist_row, probe, flags);
+                                     hist_row, probe, flags, pf);
 }
 
 // The same after the split output projection (kernels/gdn.cu gdn_step_out_*): x is the
@@ -1467,10 +1471,10 @@ extern "C" __global__ void __cluster_dims__(calla_moe::CL, 1, 1) __launch_bounds
                          const uint2* __restrict__ dn_sb_e, const uint4* __restrict__ dn_s,
                          const uint2* __restrict__ dn_sb_s, int* sel_ids, float* sel_w, const float* __restrict__ norm_w,
                          float eps, const double* acc, double* acc_zero, float* part, unsigned* counts, int* hist_row,
-                         unsigned long long* probe, int flags) {
+                         unsigned long long* probe, int flags, CallaL2Prefetch pf) {
     const calla_moe::ClRoute rt = {sel_ids, sel_w, nullptr, nullptr, x, norm_w, eps, acc, acc_zero};
     calla_moe::cluster_body<4, true, true>(x, x, gu_e, gu_sb_e, gu_s, gu_sb_s, dn_e, dn_sb_e, dn_s, dn_sb_s, rt, part,
-                                           counts, hist_row, probe, flags);
+                                           counts, hist_row, probe, flags, pf);
 }
 
 // Measurement only (cuda_selftest): n flag barriers (calla_flag_arrive + calla_flag_wait in

@@ -606,6 +606,9 @@ pub struct CudaSession {
     /// Latency-bound kernels prefetch the next weights into L2 (off by default: measured
     /// slower; see [`Self::set_l2_prefetch`]).
     pub(crate) l2_prefetch: bool,
+    /// The MoE cluster kernels ask L2 for the next input projection's late-landing rows
+    /// ([`Self::set_moe_l2_late`]).
+    moe_l2_late: bool,
     /// MoE launch variant (see [`Self::new`] for the default).
     pub(crate) moe_flags: crate::moe::MoeFlags,
     /// The MoE router folded into the output projection ([`Self::set_router_fold`]; used only
@@ -683,6 +686,7 @@ impl CudaSession {
             skip: 0,
             fuse_norm: true,
             l2_prefetch: false,
+            moe_l2_late: false,
             moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
             router_fold: cluster,
             gdn_in_step: false,
@@ -891,6 +895,23 @@ impl CudaSession {
                 // gate/up, down and the combine as one cluster launch (MoeFlags::cluster); the
                 // ablation leaves it out as the MoE gate/up class (it has no down launch of its
                 // own) and zeroes the next layer's accumulators instead
+                if self.moe_l2_late {
+                    // the next input projection's rows past the SMs this launch leaves free
+                    let mut pf = L2Prefetch::default();
+                    if let Some(next) = m.layers.get(i + 1) {
+                        let stacked = match &next.mixer {
+                            DeviceMixer::Gdn { in_proj, .. } => in_proj,
+                            DeviceMixer::Attn { qkv, .. } => qkv,
+                        };
+                        if let [(first, _)] = stacked.runs.as_slice() {
+                            let free = (cx.sm_count() as usize).saturating_sub(crate::moe::CL_BLOCKS);
+                            if let Some(rows) = cx.gemv_late_rows(first, free) {
+                                pf.push_qmat_rows(cx, first, rows);
+                            }
+                        }
+                    }
+                    self.moe_scratch.l2_prefetch = pf;
+                }
                 if on(ablate::MOE_GATE_UP) {
                     cx.moe_fold_cluster(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
                 } else {
@@ -994,6 +1015,20 @@ impl CudaSession {
     pub fn set_l2_prefetch(&mut self, on: bool) {
         if on != self.l2_prefetch {
             self.l2_prefetch = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Lets each layer's MoE cluster kernel (after the router fold) ask L2, once its own expert
+    /// copies are issued, for the rows of the next layer's input projection that the
+    /// projection's late-landing blocks read (`true`): the blocks past the SMs the cluster
+    /// kernel leaves free (`CudaContext::gemv_late_rows`), which land only as the MoE drains
+    /// and then stream their weights from DRAM at one block's rate. Results are the same
+    /// (hints only); `false`, the default. The step graphs are captured again on the next
+    /// [`Self::start`] when this changes.
+    pub fn set_moe_l2_late(&mut self, on: bool) {
+        if on != self.moe_l2_late {
+            self.moe_l2_late = on;
             self.drop_graphs();
         }
     }

@@ -491,6 +491,22 @@ impl L2Prefetch {
         self.push(m.biases.device_ptr(st).0, m.biases.len() * 2);
         true
     }
+
+    /// Adds rows `rows` of a matrix in the MLX layout (their codes, scales and biases: three
+    /// regions); `false`, adding nothing, when fewer than three slots are free, the matrix is
+    /// group-major or the range is empty or out of bounds.
+    pub fn push_qmat_rows(&mut self, cx: &CudaContext, m: &DeviceQMat, rows: std::ops::Range<usize>) -> bool {
+        if 4 - self.len() < 3 || m.codes_group_major || rows.is_empty() || rows.end > m.rows {
+            return false;
+        }
+        let st = cx.stream();
+        let (code_row, sb_row) = (m.packed.len() * 4 / m.rows, m.scales.len() * 2 / m.rows);
+        let n = rows.end - rows.start;
+        self.push(m.packed.device_ptr(st).0 + (rows.start * code_row) as u64, n * code_row);
+        self.push(m.scales.device_ptr(st).0 + (rows.start * sb_row) as u64, n * sb_row);
+        self.push(m.biases.device_ptr(st).0 + (rows.start * sb_row) as u64, n * sb_row);
+        true
+    }
 }
 
 /// A CUDA context on one device with every kernel of [`KERNELS`] loaded, and one stream that
@@ -1471,6 +1487,24 @@ impl CudaContext {
     /// ([`Self::launch_generation`]).
     pub fn set_gemv_staged(&self, on: bool) {
         self.set_launch_option(&self.gemv_staged, on);
+    }
+
+    /// The rows of `mat` that the blocks of its decode GEMV past the first `free_sms` compute
+    /// (its default launch, one block-iteration: block `b` owns rows `b·R .. (b+1)·R`): the
+    /// blocks that land only once SMs beyond the `free_sms` free ones drain. `None` when every
+    /// block fits, the launch takes more than one round of blocks, or it is forced
+    /// ([`Self::set_in_proj_grid`]).
+    pub(crate) fn gemv_late_rows(&self, mat: &DeviceQMat, free_sms: usize) -> Option<std::ops::Range<usize>> {
+        if self.in_proj_grid.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+            return None;
+        }
+        let (ks_log2, blocks) = gemv_split(mat.rows, mat.cols, self.sm_count());
+        let rows_per_block = (GEMV_WARPS >> ks_log2) * 16;
+        if blocks * rows_per_block < mat.rows {
+            return None;
+        }
+        let row0 = free_sms * rows_per_block;
+        (row0 < mat.rows).then_some(row0..mat.rows)
     }
 
     /// Whether the fused-norm GEMVs run at 56 registers ([`Self::set_gemv_reg_cap`]).

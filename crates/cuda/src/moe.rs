@@ -420,8 +420,11 @@ pub struct MoeScratch {
     /// Blocks of the fused kernel per expert width (index 0: 4 bits, 1: 8 bits); 0 where its
     /// blocks cannot all be resident at once (it then never launches).
     fused_grid: [u32; 2],
-    /// L2 prefetch hints passed with the next router launch (the decode step sets the next
-    /// layer's input projection and GDN state here); empty by default.
+    /// L2 prefetch hints passed with the next router launch, or the next cluster launch after
+    /// the fold (issued once its blocks' own copies are), each block taking its share (the
+    /// decode step sets the next layer's input projection and GDN state here with
+    /// `CudaSession::set_l2_prefetch`, or the input projection's late-landing rows with
+    /// `CudaSession::set_moe_l2_late`); empty by default.
     pub l2_prefetch: crate::L2Prefetch,
     /// Device address of an `[N_EXPERTS]` i32 row the down launch (or the cluster kernel) adds
     /// one to for each chosen expert (expert-load telemetry: the decode step points it at its session's row of the
@@ -1327,7 +1330,8 @@ impl CudaContext {
                 .arg(&mut scratch.cl_counts)
                 .arg(&scratch.hist_row)
                 .arg(&scratch.cl_probe)
-                .arg(&flags);
+                .arg(&flags)
+                .arg(&scratch.l2_prefetch);
             // SAFETY: arguments match `moe_cluster_fold_e4` / `moe_cluster_split_e4` in
             // kernels/moe.cu (out then h, or x alone, then the same list); lengths checked by the
             // callers and fixed by upload_moe_refs (4-bit experts) and moe_scratch; racc sets
