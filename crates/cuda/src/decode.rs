@@ -211,6 +211,16 @@ pub enum DeviceMixer {
     },
 }
 
+impl DeviceMixer {
+    /// The stacked input projection: GDN `in_proj` (qkv | z | b | a) or attention `q|k|v`.
+    pub fn input_projection(&self) -> &StackedQMat {
+        match self {
+            DeviceMixer::Gdn { in_proj, .. } => in_proj,
+            DeviceMixer::Attn { qkv, .. } => qkv,
+        }
+    }
+}
+
 /// One decoder layer on the device.
 pub struct DeviceLayer {
     /// `input_layernorm` weight [D_MODEL] (zero-centred).
@@ -761,13 +771,8 @@ impl CudaSession {
         // (not where a staged input projection or LM head would be bypassed: gemv_norm_xd reads
         // the MLX layout)
         let staged_reader = cx.gemv_reg_cap()
-            && (m.layers.iter().any(|l| {
-                let in_mat = match &l.mixer {
-                    DeviceMixer::Gdn { in_proj, .. } => in_proj,
-                    DeviceMixer::Attn { qkv, .. } => qkv,
-                };
-                in_mat.runs.iter().any(|(mm, _)| cx.staged_of(mm).is_some())
-            }) || cx.staged_of(&m.lm_head).is_some());
+            && (m.layers.iter().any(|l| l.mixer.input_projection().runs.iter().any(|(mm, _)| cx.staged_of(mm).is_some()))
+                || cx.staged_of(&m.lm_head).is_some());
         let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && !staged_reader && cx.moe_hsum();
         self.moe_scratch.hsum_combine = hsum;
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
@@ -899,11 +904,7 @@ impl CudaSession {
                     // the next input projection's rows past the SMs this launch leaves free
                     let mut pf = L2Prefetch::default();
                     if let Some(next) = m.layers.get(i + 1) {
-                        let stacked = match &next.mixer {
-                            DeviceMixer::Gdn { in_proj, .. } => in_proj,
-                            DeviceMixer::Attn { qkv, .. } => qkv,
-                        };
-                        if let [(first, _)] = stacked.runs.as_slice() {
+                        if let [(first, _)] = next.mixer.input_projection().runs.as_slice() {
                             let free = (cx.sm_count() as usize).saturating_sub(crate::moe::CL_BLOCKS);
                             if let Some(rows) = cx.gemv_late_rows(first, free) {
                                 pf.push_qmat_rows(cx, first, rows);
@@ -991,11 +992,7 @@ impl CudaSession {
             };
             mixer[i].push_qmat(cx, out);
             if let Some(next) = m.layers.get(i + 1) {
-                let stacked = match &next.mixer {
-                    DeviceMixer::Gdn { in_proj, .. } => in_proj,
-                    DeviceMixer::Attn { qkv, .. } => qkv,
-                };
-                if let Some((first, _)) = stacked.runs.first() {
+                if let Some((first, _)) = next.mixer.input_projection().runs.first() {
                     router[i].push_qmat(cx, first);
                 }
                 if let Some(DeviceLayerState::Gdn { s, .. }) = self.layers.get(i + 1) {

@@ -1105,11 +1105,7 @@ impl CudaContext {
             )));
         }
         let (cfg, ks_log2, rows, flags, cap) = self.gemv_norm_setup("gemv_norm_xd", out.len(), mat, &xout.as_view(), norm_w)?;
-        let bits = match mat.bits {
-            Bits::B4 => 4,
-            Bits::B8 => 8,
-        };
-        let f = self.func(&format!("gemv_norm{}_xd_q{bits}_k2048", if cap { "_r56" } else { "" }))?;
+        let f = self.func(&format!("gemv_norm{}_xd_q{}_k2048", if cap { "_r56" } else { "" }, mat.bits.bits()))?;
         let eps = p::RMS_EPS;
         let mut b = self.stream.launch_builder(f);
         b.arg(out)

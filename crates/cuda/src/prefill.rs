@@ -217,10 +217,7 @@ impl Prefiller {
             return Err(CudaError::Unsupported("prefill chunk of 0 tokens".into()));
         }
         for (l, lw) in m.layers.iter().enumerate() {
-            let runs = match &lw.mixer {
-                DeviceMixer::Gdn { in_proj, .. } => in_proj.runs.len(),
-                DeviceMixer::Attn { qkv, .. } => qkv.runs.len(),
-            };
+            let runs = lw.mixer.input_projection().runs.len();
             if runs != 1 {
                 return Err(CudaError::Unsupported(format!(
                     "layer {l}: the stacked input projections are stored in {runs} different formats; \
