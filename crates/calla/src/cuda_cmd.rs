@@ -358,6 +358,17 @@ pub struct CudaBenchArgs {
     /// alternating with rows as configured.
     #[arg(long)]
     moe_l2_compare: bool,
+    /// For the whole run: the L2 follower beside the decode step (`CudaSession::set_l2_follow`,
+    /// `cuda::follow::FollowPlan::parse`: parts `in`, `out`, `out-next` joined by `+`, then
+    /// `:BLOCKS`, `:last` and `:ef`, e.g. `in:16`; `none`: no follower), process-wide; default
+    /// `cuda::follow::FollowPlan::DEFAULT` (`out+out-next:16`).
+    #[arg(long, value_parser = parse_follow)]
+    l2_follow: Option<FollowArg>,
+    /// Also time decode (first decode context) with each of these L2 follower plans (comma
+    /// separated, as `--l2-follow`, `none` for no follower), alternating with rows as
+    /// configured.
+    #[arg(long, value_delimiter = ',')]
+    follow_compare: Vec<String>,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -398,9 +409,24 @@ struct FocusRow {
     /// The MoE cluster kernels prefetch the next input projection's late rows into L2
     /// (`CudaSession::set_moe_l2_late`).
     moe_l2: bool,
+    /// The L2 follower's plan (`None`: as configured; `Some(None)`: no follower).
+    follow: Option<Option<cuda::follow::FollowPlan>>,
 }
 
 /// `KS:BLOCKS` of `--in-proj-grid`: the log2 of the K split and the number of blocks.
+/// `--l2-follow`'s value: a plan, or `none` (no follower).
+#[derive(Clone, Copy, Debug)]
+struct FollowArg(Option<cuda::follow::FollowPlan>);
+
+/// `--l2-follow`'s and `--follow-compare`'s values (`cuda::follow::FollowPlan::parse`, or
+/// `none`).
+fn parse_follow(s: &str) -> Result<FollowArg, String> {
+    if s == "none" {
+        return Ok(FollowArg(None));
+    }
+    cuda::follow::FollowPlan::parse(s).map(|p| FollowArg(Some(p)))
+}
+
 fn parse_grid(s: &str) -> Result<(i32, u32), String> {
     let (ks, blocks) = s.split_once(':').ok_or_else(|| format!("expected KS:BLOCKS, found {s:?}"))?;
     let ks: i32 = ks.trim().parse().map_err(|e| format!("KS in {s:?}: {e}"))?;
@@ -495,6 +521,11 @@ pub struct CudaCheckArgs {
     /// sum against the f32 sum).
     #[arg(long)]
     moe_hsum: Option<bool>,
+    /// The L2 follower beside the decode step (`cuda::follow`; hints only, the same bits),
+    /// process-wide: the engine's sessions too. Form as `cuda-bench --l2-follow` (`none`: no
+    /// follower); default `cuda::follow::FollowPlan::DEFAULT`.
+    #[arg(long, value_parser = parse_follow)]
+    l2_follow: Option<FollowArg>,
     /// Print every layer's error of the batched prefill against the CPU trace (prompts that
     /// fit one chunk); without it only routing differences are printed.
     #[arg(long)]
@@ -668,7 +699,8 @@ fn step_timeline(
     let us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
     let (records, lost) = cx.timeline_records()?;
     anyhow::ensure!(lost == 0, "the timeline log overflowed by {lost} records");
-    let kernels = sess.step_kernel_launches()?;
+    // the L2 follower (a root node beside the chain) logs nothing
+    let kernels: Vec<_> = sess.step_kernel_launches()?.into_iter().filter(|(name, _)| name != "l2_follow").collect();
     if let Some(path) = raw {
         let mut b = Vec::with_capacity(records.len() * 64);
         for r in &records {
@@ -907,6 +939,9 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         cuda::moe::set_default_moe_hsum(on); // the engine's accelerator too
         cx.set_moe_hsum(on);
     }
+    if let Some(FollowArg(p)) = a.l2_follow {
+        cuda::follow::set_default_plan(p);
+    }
     let name = cx.raw().name().unwrap_or_default();
     let bw = copy_bandwidth(&cx)?;
     let max_ctx = a.prompt_tokens.iter().chain(&a.decode_contexts).max().copied().unwrap_or(1) + a.gen_tokens + 2;
@@ -1048,7 +1083,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.out_proj_compare && a.gemv_staged {
         bail!("--out-proj-compare measures the MLX-layout output projections; --gemv-staged runs the staged one in every row");
     }
-    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare || a.moe_l2_compare {
+    if a.compare || !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare || a.moe_l2_compare || !a.follow_compare.is_empty() {
         let ctx = a.decode_contexts.first().copied().unwrap_or(128).max(1);
         let prompt = random_prompt(ctx, vocab, 100);
         use cuda::moe::MoeFlags;
@@ -1166,8 +1201,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         // the input projections' launch (--in-proj-grid) and when the weights of the input
         // projection stream beside the MoE's experts (--prefetch-compare), between two rows as
         // configured: (name, grid, input projection's weights after its wait, MoE late trigger)
-        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare || a.moe_l2_compare {
-            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false, diag: (0, 0), hsum_flip: false, moe_l2: false };
+        if !a.in_proj_grid.is_empty() || a.prefetch_compare || a.out_proj_compare || a.moe_pin_compare || a.gdn_out_split_compare || a.lm_head_compare || a.diag_compare || a.hsum_compare || a.moe_l2_compare || !a.follow_compare.is_empty() {
+            let row = |name: String, grid: Option<(i32, u32)>, late_w: bool, late_t: bool| FocusRow { name, grid, late_w, late_t, out: None, carve: None, gdn_pad: None, gdn_early: false, split: false, split_flags: 0, moe_carve: false, moe_pin: false, staged_flip: false, diag: (0, 0), hsum_flip: false, moe_l2: false, follow: None };
             let mut rows = vec![row("as configured".into(), None, false, false)];
             for &(ks, blocks) in &a.in_proj_grid {
                 rows.push(row(format!("in_proj split {} on {blocks} blocks", 1 << ks), Some((ks, blocks)), false, false));
@@ -1233,9 +1268,22 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                     rows.push(row(format!("as configured{again}"), None, false, false));
                 }
             }
+            if !a.follow_compare.is_empty() {
+                let mut plans = Vec::new();
+                for spec in &a.follow_compare {
+                    plans.push(parse_follow(spec).map_err(|e| anyhow::anyhow!("--follow-compare: {e}"))?.0);
+                }
+                for again in ["", ", again"] {
+                    for (spec, plan) in a.follow_compare.iter().zip(&plans) {
+                        rows.push(FocusRow { follow: Some(*plan), ..row(format!("L2 follower {spec}{again}"), None, false, false) });
+                    }
+                    rows.push(row(format!("as configured{again}"), None, false, false));
+                }
+            }
             rows.push(row("as configured, again".into(), None, false, false));
             let hsum0 = cx.moe_hsum();
-            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip, diag, hsum_flip, moe_l2 } in rows {
+            let follow0 = sess.l2_follow();
+            for FocusRow { name, grid, late_w, late_t, out, carve, gdn_pad, gdn_early, split, split_flags, moe_carve, moe_pin, staged_flip, diag, hsum_flip, moe_l2, follow } in rows {
                 // what a row does not vary stays as configured
                 let (grid, late_w, late_t) = (grid.or(a.in_proj_grid_set), late_w || a.in_proj_late_weights, late_t || a.moe_late_trigger);
                 let out = out.unwrap_or(a.out_proj);
@@ -1261,10 +1309,12 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_decode_diag(diag.0, diag.1);
                 cx.set_moe_hsum(hsum0 ^ hsum_flip);
                 sess.set_moe_l2_late(moe_l2);
+                let follow = follow.unwrap_or(follow0);
+                sess.set_l2_follow(follow);
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip, "moe_l2_late": moe_l2,
+                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip, "moe_l2_late": moe_l2, "l2_follow": follow.map(|p| format!("{p:?}")), "l2_follow_active": sess.l2_follow_active(),
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -1281,6 +1331,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_decode_diag(0, 0);
             cx.set_moe_hsum(hsum0);
             sess.set_moe_l2_late(false);
+            sess.set_l2_follow(follow0);
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -1430,6 +1481,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gdn_pad"] = serde_json::json!(a.gdn_pad);
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
     out["moe_hsum"] = serde_json::json!(cx.moe_hsum());
+    out["l2_follow"] = serde_json::json!(sess.l2_follow().map(|p| format!("{p:?}")));
     out["gdn_out_split"] = serde_json::json!(sess.gdn_out_split_applies(&cx, &gm));
     let f = &a.prefill_flags;
     out["prefill_router"] = serde_json::json!(format!("{:?}", f.prefill_router));
@@ -1538,6 +1590,10 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
         cuda::moe::set_default_moe_hsum(on); // the engine's accelerator too
         cx.set_moe_hsum(on);
     }
+    if let Some(FollowArg(p)) = a.l2_follow {
+        cuda::follow::set_default_plan(p); // the engine's sessions too
+    }
+    eprintln!("L2 follower: {:?}", cuda::follow::default_plan());
     cx.set_gemv_staged_unit(a.gemv_staged_unit);
     cx.set_in_proj_late_weights(a.in_proj_late_weights);
     cx.set_moe_cluster_late_trigger(a.moe_late_trigger);

@@ -184,6 +184,7 @@ attn_decode_split(const float* __restrict__ proj, const float* __restrict__ q_no
     // as every block of this one runs; it still waits for this grid's completion
     if (early) calla_pdl_launch_dependents();
     calla_pdl_wait();
+    calla_l2_progress_bump(pf);  // the input projection has completed (the L2 follower's cue)
     // this warp's two query heads, loaded together with pos (one memory round trip)
     float4 qin[2][2];
 #pragma unroll

@@ -395,7 +395,7 @@ __device__ __forceinline__ void step_core(const StepLoads<NT>& L, const StepAt& 
 __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict__ s, float* __restrict__ conv_state,
                                      const float* __restrict__ proj, const float* __restrict__ conv_w,
                                      const float* __restrict__ a_neg_exp, const float* __restrict__ dt_bias,
-                                     const float* __restrict__ norm_w) {
+                                     const float* __restrict__ norm_w, const CallaL2Prefetch* pf = nullptr) {
     __shared__ float ssq_s[CLUSTER];               // sum of o^2 of every block of the cluster, by rank
     __shared__ __align__(8) unsigned long long mbar;  // completes when all CLUSTER sums arrived
     const int t = threadIdx.x;
@@ -407,6 +407,7 @@ __device__ __forceinline__ void step(float* __restrict__ out, float* __restrict_
     step_loads<THREADS>(L, at, s, conv_state, conv_w, a_neg_exp, dt_bias, norm_w);
 
     calla_pdl_wait();
+    if (pf != nullptr) calla_l2_progress_bump(*pf);  // the input projection has completed
 
     // --- proj, written by the previous kernel
     float xx, yx;
@@ -990,7 +991,7 @@ gdn_decode_step(float* __restrict__ out, float* __restrict__ s, float* __restric
                 const float* __restrict__ norm_w, CallaL2Prefetch pf, int flags) {
     if (flags & GDN_STEP_EARLY_TRIGGER) calla_pdl_launch_dependents();
     calla_l2_prefetch_share(pf);  // e.g. out_proj's weights, read by the next kernel
-    calla_gdn::step(out, s, conv_state, proj, conv_w, a_neg_exp, dt_bias, norm_w);
+    calla_gdn::step(out, s, conv_state, proj, conv_w, a_neg_exp, dt_bias, norm_w, &pf);
 }
 
 // The input projection fused in front of the step (see calla_gdn::in_step): grid N_V *

@@ -977,6 +977,10 @@ constexpr int CL_DIAG_NO_COMBINE = 16;
 // on the order, which changes the f32 result only when it lies that close to an f32 rounding
 // boundary.
 constexpr int CL_HSUM = 64;
+// The routed experts' bulk copies carry an L2 evict_first policy (moe.rs CL_EVICT_FIRST; the L2
+// follower's `ef` plans, cuda::follow): each expert tile is read once per token, so it should
+// not evict what the follower asked L2 to hold for the next input projection. Hints only.
+constexpr int CL_EVICT_FIRST = 128;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");
 static_assert(CL_GU_RT * GU_KS == 2 * CL_WARPS && CL_WARPS % GU_KS == 0, "two gate/up units (row tile, K quarter) per warp");
@@ -1075,6 +1079,15 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     calla_cluster_arrive_relaxed();  // "started, mbarrier ready"; waited for before the first send
     __syncthreads();                 // the mbarriers are initialised before anyone polls them
     // lanes of warp 0: one bulk copy each (expert e)
+    unsigned long long policy = 0;
+    const bool hint = routed && (flags & CL_EVICT_FIRST);
+    if (hint) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    auto copy = [&](void* dst, const void* src, unsigned bytes, unsigned long long* m) {
+        if (hint)
+            calla_bulk_copy_hint(dst, src, bytes, m, policy);
+        else
+            calla_bulk_copy(dst, src, bytes, m);
+    };
     auto request = [&](int e) {
         const uint4* gu = routed ? gu_e : gu_s;
         const uint2* gsb = routed ? gu_sb_e : gu_sb_s;
@@ -1085,14 +1098,14 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
         // row tile j's codes and scales from lanes 2j, 2j + 1 (in the order they are used)
         if (lane < 2 * CL_GU_RT && (lane & 1) == 0) {
             const int j = lane >> 1;
-            calla_bulk_copy(cl_dyn + j * DG * BITS * 128, gu + (gt + j * DG) * tile_u4<BITS>(), DG * BITS * 128, &mbar_gu[j]);
+            copy(cl_dyn + j * DG * BITS * 128, gu + (gt + j * DG) * tile_u4<BITS>(), DG * BITS * 128, &mbar_gu[j]);
         } else if (lane < 2 * CL_GU_RT) {
             const int j = lane >> 1;
-            calla_bulk_copy(cl_dyn + S::GU_CODES + j * DG * 64, gsb + (gt + j * DG) * 8, DG * 64, &mbar_gu[j]);
+            copy(cl_dyn + S::GU_CODES + j * DG * 64, gsb + (gt + j * DG) * 8, DG * 64, &mbar_gu[j]);
         } else if (lane == 2 * CL_GU_RT) {
-            calla_bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB, dn + dt * tile_u4<BITS>(), S::DN_CODES, &mbar_dn);
+            copy(cl_dyn + S::GU_CODES + S::GU_SB, dn + dt * tile_u4<BITS>(), S::DN_CODES, &mbar_dn);
         } else if (lane == 2 * CL_GU_RT + 1) {
-            calla_bulk_copy(cl_dyn + S::GU_CODES + S::GU_SB + S::DN_CODES, dsb + dt * 8, S::DN_SB, &mbar_dn);
+            copy(cl_dyn + S::GU_CODES + S::GU_SB + S::DN_CODES, dsb + dt * 8, S::DN_SB, &mbar_dn);
         }
     };
     if (!routed && warp == 0) request(0);  // the shared expert: before the wait

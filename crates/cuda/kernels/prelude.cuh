@@ -336,13 +336,27 @@ static_assert(CONV_DIM == CALLA_GDN_CONV_DIM && PROJ == CALLA_GDN_PROJ,
 // split-K attention), so those bytes are on chip when their reader starts. Hints only: nothing
 // depends on them, and they are issued before calla_pdl_wait() (they read no data). Each block
 // takes its 1/grid share of every region (256-byte aligned pieces); warp 0's lanes issue 16 KB
-// bulk prefetches. Host side: cuda::L2Prefetch (same layout: 4 pointers, then 4 byte counts).
+// bulk prefetches. Host side: cuda::L2Prefetch (same layout: 4 pointers, 4 byte counts, then
+// the progress word below).
 // Measured in the decode step (docs/CUDA.md): slower, because a block's bulk prefetches drain
 // before it retires, so the decode step leaves the hints empty unless asked (--l2-prefetch).
+//
+// `progress` (nullptr: none): the L2 follower's progress word (step.cu l2_follow, host
+// cuda::follow). The mixer kernels that get one (GDN step, split attention) add 1 to it from
+// one thread once their PDL wait has returned, i.e. once the layer's input projection has
+// completed; the follower, running beside the step's chain, asks L2 for later weights at those
+// points. A relaxed atomic that nothing in the chain waits for: timing only.
 struct CallaL2Prefetch {
     const char* ptr[4];
     unsigned long long bytes[4];
+    unsigned* progress;
 };
+
+// The bump described above: block 0's thread 0, after calla_pdl_wait().
+__device__ __forceinline__ void calla_l2_progress_bump(const CallaL2Prefetch& pf) {
+    if (pf.progress != nullptr && (threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) == 0)
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(pf.progress) : "memory");
+}
 
 __device__ __forceinline__ void calla_l2_prefetch_share(const CallaL2Prefetch& pf) {
     const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
@@ -493,6 +507,16 @@ __device__ __forceinline__ void calla_bulk_copy(void* dst, const void* src, unsi
     asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(calla_smem_u32(dst)),
                  "l"(g), "r"(bytes), "r"(calla_smem_u32(m))
+                 : "memory");
+}
+
+// The same with an L2 cache policy (createpolicy; e.g. evict_first for bytes read once).
+__device__ __forceinline__ void calla_bulk_copy_hint(void* dst, const void* src, unsigned bytes, unsigned long long* m,
+                                                     unsigned long long policy) {
+    unsigned long long g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(calla_smem_u32(dst)),
+                 "l"(g), "r"(bytes), "r"(calla_smem_u32(m)), "l"(policy)
                  : "memory");
 }
 

@@ -116,3 +116,72 @@ extern "C" __global__ void advance_pos(int* __restrict__ pos) {
     calla_pdl_wait();
     if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += 1;
 }
+
+// The L2 follower (host: cuda::follow, CudaSession::set_l2_follow): a root node of the decode
+// step's graph, beside the chain of kernels and never waited for by any of them, that asks L2
+// for weights the chain reads later, at points the chain signals. The mixer kernels (GDN step,
+// split attention) add 1 to `progress` once their PDL wait returns, i.e. once the layer's input
+// projection has completed (calla_l2_progress_bump, prelude.cuh). Entry j is asked for once
+// `progress` has advanced by entries[j].trigger since this block's `base`, so the next layer's
+// input projection streams into L2 while the GDN step and the output projection leave DRAM
+// mostly idle, and is on chip when the MoE's experts stream (docs/CUDA.md "L2 follower").
+//
+// Grid: G blocks of 32 threads; block b asks for its 1/G share of every entry (256-byte
+// aligned, 16 KB bulk prefetches from its lanes). Only hints: no result depends on this kernel.
+// base[b]: `progress` as block b last saw it at the end of the previous replay (the host zeroes
+// both between captures); block b waits for `total` bumps, then stores what it saw. Entries are
+// in trigger order. A block that has waited `timeout_ns` in all stops waiting (asks for the rest
+// at once) so that a chain that bumps less than expected costs one replay that much, not a hang.
+// flags: FOLLOW_EVICT_LAST: the prefetches carry an L2 evict_last policy.
+namespace calla_step {
+constexpr int FOLLOW_EVICT_LAST = 1;
+struct FollowEntry {
+    const char* ptr;
+    unsigned long long bytes;
+    unsigned long long trigger;
+};
+__device__ __forceinline__ unsigned follow_poll(const unsigned* progress) {
+    unsigned v = 0;
+    if ((threadIdx.x & 31) == 0) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(progress) : "memory");
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+}  // namespace calla_step
+
+extern "C" __global__ void __launch_bounds__(32)
+l2_follow(const calla_step::FollowEntry* __restrict__ entries, int n, const unsigned* progress, unsigned* base,
+          unsigned total, unsigned long long timeout_ns, int flags) {
+    using namespace calla_step;
+    const unsigned lane = threadIdx.x;
+    const unsigned b0 = base[blockIdx.x];
+    const unsigned long long t0 = calla_globaltimer();
+    bool late = false;  // timed out: stop waiting
+    unsigned seen = follow_poll(progress);
+    unsigned long long policy = 0;
+    if (flags & FOLLOW_EVICT_LAST) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    const unsigned long long G = gridDim.x, B = blockIdx.x;
+    constexpr unsigned long long PIECE = 16384;
+    for (int j = 0; j <= n; ++j) {
+        const unsigned long long want = j < n ? entries[j].trigger : total;
+        while (!late && (unsigned long long)(seen - b0) < want) {
+            __nanosleep(64);
+            seen = follow_poll(progress);
+            late = calla_globaltimer() - t0 > timeout_ns;
+        }
+        if (j == n) break;
+        const FollowEntry e = entries[j];
+        const unsigned long long len = e.bytes & ~15ull;  // the size operand is a multiple of 16
+        const unsigned long long share = ((len + G - 1) / G + 255) & ~255ull;
+        const unsigned long long lo = share * B, hi = lo + share < len ? lo + share : len;
+        for (unsigned long long o = lo + lane * PIECE; o < hi; o += 32 * PIECE) {
+            const unsigned sz = (unsigned)(hi - o < PIECE ? hi - o : PIECE);
+            unsigned long long g;
+            asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(e.ptr + o));
+            if (flags & FOLLOW_EVICT_LAST)
+                asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(g), "r"(sz), "l"(policy) : "memory");
+            else
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(sz) : "memory");
+        }
+    }
+    if (late) seen = follow_poll(progress);
+    if (lane == 0) base[blockIdx.x] = seen;
+}

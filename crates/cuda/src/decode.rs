@@ -619,6 +619,15 @@ pub struct CudaSession {
     /// The MoE cluster kernels ask L2 for the next input projection's late-landing rows
     /// ([`Self::set_moe_l2_late`]).
     moe_l2_late: bool,
+    /// The L2 follower's plan ([`Self::set_l2_follow`]; `None`: no follower).
+    l2_follow: Option<crate::follow::FollowPlan>,
+    /// The follower the step graphs hold (its table, progress and base words), and the
+    /// [`CudaModel`] id it was built for.
+    follower: Option<(crate::follow::Follower, u64)>,
+    /// While a step with the follower is captured: the progress word's device address (0
+    /// otherwise), and the mixer launches that bump it.
+    follow_progress: u64,
+    follow_bumps: usize,
     /// MoE launch variant (see [`Self::new`] for the default).
     pub(crate) moe_flags: crate::moe::MoeFlags,
     /// The MoE router folded into the output projection ([`Self::set_router_fold`]; used only
@@ -697,6 +706,10 @@ impl CudaSession {
             fuse_norm: true,
             l2_prefetch: false,
             moe_l2_late: false,
+            l2_follow: crate::follow::default_plan(),
+            follower: None,
+            follow_progress: 0,
+            follow_bumps: 0,
             moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
             router_fold: cluster,
             gdn_in_step: false,
@@ -775,8 +788,12 @@ impl CudaSession {
                 || cx.staged_of(&m.lm_head).is_some());
         let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && !staged_reader && cx.moe_hsum();
         self.moe_scratch.hsum_combine = hsum;
+        // the L2 follower's plan may ask the experts' copies to leave L2 first
+        self.moe_scratch.evict_first = self.follow_progress != 0 && self.follower.as_ref().is_some_and(|(f, _)| f.plan().experts_evict_first);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
-            let (mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
+            let (mut mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
+            // the L2 follower's cue (0: none): the mixer kernel bumps it once its input is here
+            mixer_pf.progress = self.follow_progress;
             self.gdn_scratch.l2_prefetch = mixer_pf;
             self.attn_scratch.l2_prefetch = mixer_pf;
             self.moe_scratch.l2_prefetch = router_pf;
@@ -849,6 +866,7 @@ impl CudaSession {
                             &mut self.mix.slice_mut(..n_out),
                         )?;
                     } else if in_step.is_none() && on(ablate::MIXER) {
+                        self.follow_bumps += usize::from(self.follow_progress != 0);
                         cx.gdn_decode_step(
                             &self.proj.slice(..n_in),
                             &conv_w.slice(..),
@@ -864,6 +882,7 @@ impl CudaSession {
                 }
                 (DeviceMixer::Attn { q_norm, k_norm, .. }, DeviceLayerState::Attn { k, v }) => {
                     if on(ablate::MIXER) {
+                        self.follow_bumps += usize::from(self.follow_progress != 0);
                         cx.attn_decode_step(
                             &self.proj.slice(..n_in),
                             &q_norm.slice(..),
@@ -1164,7 +1183,70 @@ impl CudaSession {
     fn capture(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<StepGraph, CudaError> {
         let st = cx.stream().clone();
         let pdl = self.pdl;
-        StepGraph::capture(&st, pdl, || self.enqueue_step(cx, m, with_head))
+        // with the L2 follower (built by ensure_graphs), every layer's mixer kernel bumps its
+        // progress word once: n_layers bumps per replay
+        let n_layers = m.layers.len();
+        let root = match &self.follower {
+            Some((f, _)) => Some(f.root_kernel(cx, n_layers as u32)?),
+            None => None,
+        };
+        self.follow_progress = self.follower.as_ref().map_or(0, |(f, _)| f.progress(cx));
+        self.follow_bumps = 0;
+        let g = StepGraph::capture_with_root(&st, pdl, || self.enqueue_step(cx, m, with_head), root);
+        let (progress, bumps) = (std::mem::take(&mut self.follow_progress), std::mem::take(&mut self.follow_bumps));
+        let g = g?;
+        if progress != 0 && bumps != n_layers {
+            return Err(CudaError::Unsupported(format!(
+                "the L2 follower expects {n_layers} mixer launches per step; the step has {bumps}"
+            )));
+        }
+        Ok(g)
+    }
+
+    /// Runs the L2 follower beside the step graphs with `plan` ([`crate::follow`]; a new
+    /// session starts with [`crate::follow::default_plan`], normally
+    /// [`crate::follow::FollowPlan::DEFAULT`]; `None`: no follower). It applies only where every layer's mixer kernel bumps its
+    /// progress word (no class left out by the ablation, no GDN input projection in the step,
+    /// no split output projection); elsewhere the step runs without it. Results are the same
+    /// bit for bit (hints only). The step graphs are captured again on the next [`Self::start`]
+    /// when this changes.
+    pub fn set_l2_follow(&mut self, plan: Option<crate::follow::FollowPlan>) {
+        if plan != self.l2_follow {
+            self.l2_follow = plan;
+            self.drop_graphs();
+        }
+    }
+
+    /// The L2 follower's plan ([`Self::set_l2_follow`]).
+    pub fn l2_follow(&self) -> Option<crate::follow::FollowPlan> {
+        self.l2_follow
+    }
+
+    /// Whether the step graphs hold an L2 follower (after the first [`Self::start`]).
+    pub fn l2_follow_active(&self) -> bool {
+        self.follower.is_some()
+    }
+
+    /// The follower the next captures use: [`Self::set_l2_follow`]'s plan where it applies,
+    /// built for `m`; rebuilt (and every graph dropped, since graphs hold its buffers) when
+    /// the plan or the model changed. Its words are zeroed (between replays, before captures).
+    fn ensure_follower(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
+        let applies = self.skip == 0
+            && !self.gdn_out_split_applies(cx, m)
+            && !(self.gdn_in_step && self.fuse_norm && m.layers.iter().any(|l| matches!(&l.mixer, DeviceMixer::Gdn { in_step: Some(_), .. })));
+        let want = self.l2_follow.filter(|_| applies);
+        let have = self.follower.as_ref().map(|(f, id)| (f.plan(), *id));
+        if want.map(|p| (p, m.id)) != have {
+            self.drop_graphs();
+            self.follower = None;
+            if let Some(plan) = want {
+                self.follower = Some((crate::follow::Follower::new(cx, m, plan)?, m.id));
+            }
+        }
+        if let Some((f, _)) = &mut self.follower {
+            f.reset(cx)?;
+        }
+        Ok(())
     }
 
     /// Chooses programmatic dependent launch for the step graphs (captured again on the next
@@ -1305,6 +1387,7 @@ impl CudaSession {
             // of another configuration (the split output projection's h − x, the ablation) may
             // have left them otherwise
             cx.moe_fold_reset(&mut self.moe_scratch)?;
+            self.ensure_follower(cx, m)?;
         }
         if self.graph_full.is_none() {
             self.graph_full = Some(self.capture(cx, m, true)?);

@@ -31,6 +31,16 @@ fn check(r: sys::CUresult) -> Result<(), CudaError> {
     }
 }
 
+/// A kernel for [`StepGraph::capture_with_root`]: entry point, blocks of `block` threads (no
+/// dynamic shared memory), and its arguments in order, each in the low bytes of one `u64`
+/// (pointers as device addresses; 4-byte integers as their value).
+pub struct RootKernel {
+    pub func: sys::CUfunction,
+    pub grid: u32,
+    pub block: u32,
+    pub args: Vec<u64>,
+}
+
 /// An instantiated graph captured from one stream; launched on the same stream.
 pub struct StepGraph {
     graph: sys::CUgraph,
@@ -58,6 +68,21 @@ impl StepGraph {
         pdl: bool,
         enqueue: impl FnOnce() -> Result<(), CudaError>,
     ) -> Result<StepGraph, CudaError> {
+        Self::capture_with_root(stream, pdl, enqueue, None)
+    }
+
+    /// [`Self::capture`], then `root` added as a kernel node with no dependencies: it starts
+    /// with the graph, runs beside the captured chain, and the graph completes when both have
+    /// (the L2 follower, [`crate::follow`]). It gets no programmatic edge.
+    ///
+    /// # Errors
+    /// As [`Self::capture`].
+    pub fn capture_with_root(
+        stream: &Arc<CudaStream>,
+        pdl: bool,
+        enqueue: impl FnOnce() -> Result<(), CudaError>,
+        root: Option<RootKernel>,
+    ) -> Result<StepGraph, CudaError> {
         let s = stream.cu_stream();
         stream.context().bind_to_thread()?;
         // SAFETY: plain driver calls on a live stream; the graph is destroyed on every path.
@@ -82,10 +107,23 @@ impl StepGraph {
                 programmatic_edges: 0,
                 kernels: 0,
             };
-            g.kernels = g.kernel_nodes()?;
             if pdl {
                 g.programmatic_edges = g.make_edges_programmatic()?;
             }
+            if let Some(r) = root {
+                // every argument in its own 8-byte slot; the driver copies them at the call
+                let mut slots = r.args;
+                let mut ptrs: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|a| a as *mut u64 as *mut std::ffi::c_void).collect();
+                let mut p: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+                p.func = r.func;
+                (p.gridDimX, p.gridDimY, p.gridDimZ) = (r.grid, 1, 1);
+                (p.blockDimX, p.blockDimY, p.blockDimZ) = (r.block, 1, 1);
+                p.sharedMemBytes = 0;
+                p.kernelParams = ptrs.as_mut_ptr();
+                let mut node: sys::CUgraphNode = std::ptr::null_mut();
+                check(sys::cuGraphAddKernelNode_v2(&mut node, g.graph, std::ptr::null(), 0, &p))?;
+            }
+            g.kernels = g.kernel_nodes()?;
             check(sys::cuGraphInstantiateWithFlags(&mut g.exec, g.graph, 0))?;
             Ok(g)
         }

@@ -19,6 +19,7 @@ pub mod gemm;
 pub mod gdn_prefill;
 pub mod moe;
 pub mod decode;
+pub mod follow;
 pub mod graph;
 pub mod launch;
 pub mod nvrtc;
@@ -140,7 +141,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "step",
         src: include_str!("../kernels/step.cu"),
-        entries: &["embed_gather_q4", "embed_gather_q8", "argmax_step", "advance_pos"],
+        entries: &["embed_gather_q4", "embed_gather_q8", "argmax_step", "advance_pos", "l2_follow"],
     },
     KernelSource {
         name: "stream",
@@ -448,9 +449,12 @@ impl DeviceQMat {
 pub struct L2Prefetch {
     ptr: [u64; 4],
     bytes: [u64; 4],
+    /// Device address of the L2 follower's progress word (0: none), which the mixer kernels
+    /// (GDN step, split attention) bump once their input has arrived ([`crate::follow`]).
+    pub(crate) progress: u64,
 }
 
-// SAFETY: plain old data with the C layout of CallaL2Prefetch (4 pointers, 4 u64).
+// SAFETY: plain old data with the C layout of CallaL2Prefetch (4 pointers, 4 u64, a pointer).
 unsafe impl cudarc::driver::DeviceRepr for L2Prefetch {}
 
 impl L2Prefetch {

@@ -92,6 +92,9 @@ const CL_PIN_EXPERTS: i32 = 4;
 /// `flags` bit of `moe_cluster_fold_e4`: combine by f64 atomics into the next set's `h` sums
 /// and zero this set's (`CL_HSUM` in `moe.cu`; `CudaContext::set_moe_hsum`).
 const CL_HSUM: i32 = 64;
+/// The routed experts' bulk copies carry an L2 evict_first policy (`CL_EVICT_FIRST` in
+/// `moe.cu`; [`MoeScratch::evict_first`]).
+const CL_EVICT_FIRST: i32 = 128;
 /// Whether a new context's decode step combines the MoE by f64 atomics
 /// (`CudaContext::set_moe_hsum`) unless [`set_default_moe_hsum`] said otherwise.
 pub const MOE_HSUM_DEFAULT: bool = true;
@@ -410,6 +413,11 @@ pub struct MoeScratch {
     /// writing `out`. The decode step sets it when [`CudaContext::moe_hsum`] is on and its
     /// configuration reads the sums (not with [`Self::zero_acc_h`]). Off in a new scratch.
     pub hsum_combine: bool,
+    /// The cluster kernels' routed-expert copies carry an L2 evict_first policy (hints only:
+    /// the same results), so that the experts, read once per token, do not evict what the L2
+    /// follower asked L2 to hold ([`crate::follow`]). Set by the decode step from the
+    /// follower's plan; off in a new scratch.
+    pub evict_first: bool,
     /// Finished-block counters of the expert-per-cluster kernel, one per 256-row slice (zero
     /// between launches).
     cl_counts: CudaSlice<u32>,
@@ -720,6 +728,7 @@ impl CudaContext {
             cl_counts: s.alloc_zeros::<u32>(CL)?,
             zero_acc_h: false,
             hsum_combine: false,
+            evict_first: false,
             // the fused kernel is a measured variant: if its shared-memory size or occupancy
             // cannot be set up here, it is off (grid 0), never an error of the default path
             fused_grid: self.fused_grids().unwrap_or([0, 0]),
@@ -1263,7 +1272,10 @@ impl CudaContext {
         if scratch.hsum_combine && scratch.zero_acc_h {
             return Err(unsupported("moe_fold_cluster: the combine by atomics (MoeScratch::hsum_combine) and the split output projection's h − x (zero_acc_h) share the sets' h accumulators".into()));
         }
-        let flags = self.moe_cluster_flags() | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 } | if scratch.hsum_combine { CL_HSUM } else { 0 };
+        let flags = self.moe_cluster_flags()
+            | if scratch.zero_acc_h { CL_ZERO_ACC_H } else { 0 }
+            | if scratch.hsum_combine { CL_HSUM } else { 0 }
+            | if scratch.evict_first { CL_EVICT_FIRST } else { 0 };
         self.fold_cluster_launch("moe_cluster_fold_e4", ClusterStream::OutH(out, h), m, norm_w, scratch, set, zero_set, flags)
     }
 
