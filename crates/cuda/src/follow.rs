@@ -57,8 +57,8 @@ pub struct FollowPlan {
 impl FollowPlan {
     /// The default of new sessions ([`default_plan`]): layer `i`'s and layer `i + 1`'s output
     /// projections once layer `i`'s input projection has completed, 16 blocks, no cache
-    /// policies. Measured on the H200 (docs/CUDA.md "L2 follower"): 3.7-9.1 µs per token
-    /// faster than no follower in four processes; asking for the next input projection too
+    /// policies. Measured on the H200 (docs/CUDA.md "L2 follower"): 2.3-9.5 µs per token
+    /// faster than no follower in five processes; asking for the next input projection too
     /// was slower.
     pub const DEFAULT: FollowPlan = FollowPlan { blocks: 16, parts: parts::OUT_SAME | parts::OUT_NEXT, evict_last: false, experts_evict_first: false };
 
