@@ -1310,7 +1310,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 cx.set_moe_hsum(hsum0 ^ hsum_flip);
                 sess.set_moe_l2_late(moe_l2);
                 let follow = follow.unwrap_or(follow0);
-                sess.set_l2_follow(follow);
+                sess.set_l2_follow(follow)?;
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
@@ -1331,7 +1331,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             cx.set_decode_diag(0, 0);
             cx.set_moe_hsum(hsum0);
             sess.set_moe_l2_late(false);
-            sess.set_l2_follow(follow0);
+            sess.set_l2_follow(follow0)?;
         }
         for params in sampling_cases().iter().filter(|_| a.compare) {
             sess.set_sampling(&cx, &gm, Some(params))?;
@@ -1357,6 +1357,10 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let kernels = sess.graph_stats().map(|(k, _)| k).unwrap_or(0);
             Ok((t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64, kernels))
         };
+        // every ablated step runs without the L2 follower (it needs every mixer launch), so
+        // the full step here does too
+        let follow0 = sess.l2_follow();
+        sess.set_l2_follow(None)?;
         let (full_us, full_k) = time_step(&mut sess, 0)?;
         let all = cuda::decode::ablate::ALL.iter().fold(0, |acc, (c, _)| acc | c);
         let (floor_us, floor_k) = time_step(&mut sess, all)?;
@@ -1381,6 +1385,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             ablation.push(serde_json::json!({"class": name, "us_without": us, "us_saved": saved, "launches": launches}));
         }
         sess.set_ablation(0);
+        sess.set_l2_follow(follow0)?;
         ablation.insert(0, serde_json::json!({"class": "full", "us_without": full_us, "launches": full_k, "context": ctx}));
         ablation.push(serde_json::json!({"class": "all left out", "us_without": floor_us, "launches": floor_k}));
     }

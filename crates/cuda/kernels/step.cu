@@ -128,10 +128,12 @@ extern "C" __global__ void advance_pos(int* __restrict__ pos) {
 //
 // Grid: G blocks of 32 threads; block b asks for its 1/G share of every entry (256-byte
 // aligned, 16 KB bulk prefetches from its lanes). Only hints: no result depends on this kernel.
-// base[b]: `progress` as block b last saw it at the end of the previous replay (the host zeroes
-// both between captures); block b waits for `total` bumps, then stores what it saw. Entries are
-// in trigger order. A block that has waited `timeout_ns` in all stops waiting (asks for the rest
-// at once) so that a chain that bumps less than expected costs one replay that much, not a hang.
+// base[b]: `progress` at the start of this replay as block b counts it (the host zeroes both
+// between captures). Every replay bumps exactly `total` times (the host checks it when it
+// captures), so block b waits for `total` bumps and stores base[b] + total. Entries are in
+// trigger order. A block that has waited `timeout_ns` in all stops waiting and asks for the
+// rest at once (a chain held back for that long, e.g. kernels serialised by a profiler): that
+// replay's hints come early, and base[b] + total keeps the next replay in step.
 // flags: FOLLOW_EVICT_LAST: the prefetches carry an L2 evict_last policy.
 namespace calla_step {
 constexpr int FOLLOW_EVICT_LAST = 1;
@@ -165,7 +167,8 @@ l2_follow(const calla_step::FollowEntry* __restrict__ entries, int n, const unsi
         while (!late && (unsigned long long)(seen - b0) < want) {
             __nanosleep(64);
             seen = follow_poll(progress);
-            late = calla_globaltimer() - t0 > timeout_ns;
+            // lane 0's clock decides for the warp (follow_poll's shuffle needs every lane)
+            late = __shfl_sync(0xffffffffu, (int)(calla_globaltimer() - t0 > timeout_ns), 0) != 0;
         }
         if (j == n) break;
         const FollowEntry e = entries[j];
@@ -182,6 +185,5 @@ l2_follow(const calla_step::FollowEntry* __restrict__ entries, int n, const unsi
                 asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(sz) : "memory");
         }
     }
-    if (late) seen = follow_poll(progress);
-    if (lane == 0) base[blockIdx.x] = seen;
+    if (lane == 0) base[blockIdx.x] = b0 + total;
 }

@@ -621,9 +621,11 @@ pub struct CudaSession {
     moe_l2_late: bool,
     /// The L2 follower's plan ([`Self::set_l2_follow`]; `None`: no follower).
     l2_follow: Option<crate::follow::FollowPlan>,
-    /// The follower the step graphs hold (its table, progress and base words), and the
-    /// [`CudaModel`] id it was built for.
-    follower: Option<(crate::follow::Follower, u64)>,
+    /// The follower the step graphs hold (its table, progress and base words), and the plan
+    /// and [`CudaModel`] id it was built for (`follow_key`; `None` with a follower of `None`:
+    /// none asked for or applicable; a key with no follower: the plan asks for nothing here).
+    follower: Option<crate::follow::Follower>,
+    follow_key: Option<(crate::follow::FollowPlan, u64)>,
     /// While a step with the follower is captured: the progress word's device address (0
     /// otherwise), and the mixer launches that bump it.
     follow_progress: u64,
@@ -708,6 +710,7 @@ impl CudaSession {
             moe_l2_late: false,
             l2_follow: crate::follow::default_plan(),
             follower: None,
+            follow_key: None,
             follow_progress: 0,
             follow_bumps: 0,
             moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
@@ -789,7 +792,7 @@ impl CudaSession {
         let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && !staged_reader && cx.moe_hsum();
         self.moe_scratch.hsum_combine = hsum;
         // the L2 follower's plan may ask the experts' copies to leave L2 first
-        self.moe_scratch.evict_first = self.follow_progress != 0 && self.follower.as_ref().is_some_and(|(f, _)| f.plan().experts_evict_first);
+        self.moe_scratch.evict_first = self.follow_progress != 0 && self.follower.as_ref().is_some_and(|f| f.plan().experts_evict_first);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mut mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             // the L2 follower's cue (0: none): the mixer kernel bumps it once its input is here
@@ -1187,10 +1190,10 @@ impl CudaSession {
         // progress word once: n_layers bumps per replay
         let n_layers = m.layers.len();
         let root = match &self.follower {
-            Some((f, _)) => Some(f.root_kernel(cx, n_layers as u32)?),
+            Some(f) => Some(f.root_kernel(cx, n_layers as u32)?),
             None => None,
         };
-        self.follow_progress = self.follower.as_ref().map_or(0, |(f, _)| f.progress(cx));
+        self.follow_progress = self.follower.as_ref().map_or(0, |f| f.progress(cx));
         self.follow_bumps = 0;
         let g = StepGraph::capture_with_root(&st, pdl, || self.enqueue_step(cx, m, with_head), root);
         let (progress, bumps) = (std::mem::take(&mut self.follow_progress), std::mem::take(&mut self.follow_bumps));
@@ -1210,11 +1213,19 @@ impl CudaSession {
     /// no split output projection); elsewhere the step runs without it. Results are the same
     /// bit for bit (hints only). The step graphs are captured again on the next [`Self::start`]
     /// when this changes.
-    pub fn set_l2_follow(&mut self, plan: Option<crate::follow::FollowPlan>) {
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] for a plan that [`crate::follow::FollowPlan::check`] rejects
+    /// (nothing changes then).
+    pub fn set_l2_follow(&mut self, plan: Option<crate::follow::FollowPlan>) -> Result<(), CudaError> {
+        if let Some(p) = &plan {
+            p.check()?;
+        }
         if plan != self.l2_follow {
             self.l2_follow = plan;
             self.drop_graphs();
         }
+        Ok(())
     }
 
     /// The L2 follower's plan ([`Self::set_l2_follow`]).
@@ -1234,16 +1245,17 @@ impl CudaSession {
         let applies = self.skip == 0
             && !self.gdn_out_split_applies(cx, m)
             && !(self.gdn_in_step && self.fuse_norm && m.layers.iter().any(|l| matches!(&l.mixer, DeviceMixer::Gdn { in_step: Some(_), .. })));
-        let want = self.l2_follow.filter(|_| applies);
-        let have = self.follower.as_ref().map(|(f, id)| (f.plan(), *id));
-        if want.map(|p| (p, m.id)) != have {
+        let want = self.l2_follow.filter(|_| applies).map(|p| (p, m.id));
+        if want != self.follow_key {
             self.drop_graphs();
             self.follower = None;
-            if let Some(plan) = want {
-                self.follower = Some((crate::follow::Follower::new(cx, m, plan)?, m.id));
+            self.follow_key = None;
+            if let Some((plan, _)) = want {
+                self.follower = crate::follow::Follower::new(cx, m, plan)?;
             }
+            self.follow_key = want;
         }
-        if let Some((f, _)) = &mut self.follower {
+        if let Some(f) = &mut self.follower {
             f.reset(cx)?;
         }
         Ok(())

@@ -34,8 +34,14 @@ pub mod parts {
     pub const OUT_SAME: u32 = 2;
     /// Layer `i + 1`'s output projection, at the same point.
     pub const OUT_NEXT: u32 = 4;
+    /// Layer `i`'s router and shared-expert gate rows (read by its output projection's router
+    /// fold), at the same point.
+    pub const ROUTER: u32 = 8;
+    /// Layer `i`'s shared expert (read by its MoE cluster kernel before its PDL wait), at the
+    /// same point.
+    pub const SHARED: u32 = 16;
     /// Every part with its name (for `cuda-bench --l2-follow`).
-    pub const ALL: [(u32, &str); 3] = [(IN_NEXT, "in"), (OUT_SAME, "out"), (OUT_NEXT, "out-next")];
+    pub const ALL: [(u32, &str); 5] = [(IN_NEXT, "in"), (OUT_SAME, "out"), (OUT_NEXT, "out-next"), (ROUTER, "router"), (SHARED, "shared")];
 }
 
 /// How the follower runs: its blocks (one warp each, on as many SMs), which weights
@@ -62,6 +68,18 @@ impl FollowPlan {
     /// was slower.
     pub const DEFAULT: FollowPlan = FollowPlan { blocks: 16, parts: parts::OUT_SAME | parts::OUT_NEXT, evict_last: false, experts_evict_first: false };
 
+    /// Checks the fields a caller may have set by hand.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] naming `blocks` when it is outside 1..=1024.
+    pub fn check(&self) -> Result<(), CudaError> {
+        if (1..=1024).contains(&self.blocks) {
+            Ok(())
+        } else {
+            Err(CudaError::Unsupported(format!("L2 follower blocks {}: 1..=1024", self.blocks)))
+        }
+    }
+
     /// Parses `cuda-bench --l2-follow`'s form: parts joined by `+` (`in`, `out`, `out-next`),
     /// then optionally `:BLOCKS` (default 16), `:last` (evict_last) and `:ef` (the experts
     /// evict_first), e.g. `in+out:24:last`.
@@ -73,7 +91,7 @@ impl FollowPlan {
         let mut plan = FollowPlan { blocks: 16, parts: 0, evict_last: false, experts_evict_first: false };
         for name in it.next().unwrap_or("").split('+') {
             let bit = parts::ALL.iter().find(|(_, n)| *n == name).map(|(b, _)| *b);
-            plan.parts |= bit.ok_or_else(|| format!("unknown L2 follower part {name:?} (in, out, out-next)"))?;
+            plan.parts |= bit.ok_or_else(|| format!("unknown L2 follower part {name:?} (in, out, out-next, router, shared)"))?;
         }
         for opt in it {
             if opt == "last" {
@@ -127,9 +145,14 @@ pub(crate) struct Follower {
     words: CudaSlice<u32>,
 }
 
-/// Adds a quantized matrix's codes, scales and biases (the MLX layout the decode GEMVs read).
+/// Adds a quantized matrix as the decode GEMVs read it: its staged copy where they read that
+/// ([`CudaContext::set_gemv_staged`]), else its codes, scales and biases (the MLX layout).
 fn push_qmat(out: &mut Vec<Entry>, cx: &CudaContext, m: &DeviceQMat, trigger: u64) {
     let st = cx.stream();
+    if let Some(staged) = cx.staged_of(m) {
+        out.push(Entry { ptr: staged.device_ptr(st).0, bytes: (staged.len() * 4) as u64, trigger });
+        return;
+    }
     for (ptr, bytes) in [
         (m.packed.device_ptr(st).0, m.packed.len() * 4),
         (m.scales.device_ptr(st).0, m.scales.len() * 2),
@@ -155,6 +178,18 @@ fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry
         if plan.parts & parts::OUT_SAME != 0 {
             push_qmat(&mut e, cx, out_of(l), trigger);
         }
+        if plan.parts & parts::ROUTER != 0 {
+            let st = cx.stream();
+            let r = l.moe.router_refs();
+            for s in [r.router_packed, r.router_sb, r.gate_packed, r.gate_sb] {
+                e.push(Entry { ptr: s.device_ptr(st).0, bytes: (s.len() * 4) as u64, trigger });
+            }
+        }
+        if plan.parts & parts::SHARED != 0 {
+            for (ptr, bytes) in l.moe.shared_expert_regions(cx) {
+                e.push(Entry { ptr, bytes: bytes as u64, trigger });
+            }
+        }
         if let Some(next) = m.layers.get(i + 1) {
             if plan.parts & parts::IN_NEXT != 0 {
                 for (run, _) in &next.mixer.input_projection().runs {
@@ -170,18 +205,21 @@ fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry
 }
 
 impl Follower {
-    /// Uploads `plan`'s table for `model`; the progress and base words start at zero.
+    /// Uploads `plan`'s table for `model`; the progress and base words start at zero. `None`
+    /// when the plan asks for nothing in this model (e.g. only the next layer's weights in a
+    /// one-layer model).
     ///
     /// # Errors
-    /// [`CudaError::Unsupported`] for a plan with no region; driver errors.
-    pub(crate) fn new(cx: &CudaContext, m: &CudaModel, plan: FollowPlan) -> Result<Follower, CudaError> {
+    /// [`CudaError::Unsupported`] for a plan whose `blocks` is outside 1..=1024; driver errors.
+    pub(crate) fn new(cx: &CudaContext, m: &CudaModel, plan: FollowPlan) -> Result<Option<Follower>, CudaError> {
+        plan.check()?;
         let e = plan_entries(cx, m, &plan);
         if e.is_empty() {
-            return Err(CudaError::Unsupported(format!("the L2 follower plan {plan:?} asks for nothing in a {}-layer model", m.layers.len())));
+            return Ok(None);
         }
         let flat: Vec<u64> = e.iter().flat_map(|x| [x.ptr, x.bytes, x.trigger]).collect();
         let st = cx.stream();
-        Ok(Follower { plan, entries: st.clone_htod(&flat)?, n: e.len(), words: st.alloc_zeros::<u32>(1 + plan.blocks as usize)? })
+        Ok(Some(Follower { plan, entries: st.clone_htod(&flat)?, n: e.len(), words: st.alloc_zeros::<u32>(1 + plan.blocks as usize)? }))
     }
 
     /// The plan this follower was built for.

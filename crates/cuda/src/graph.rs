@@ -48,8 +48,11 @@ pub struct StepGraph {
     stream: Arc<CudaStream>,
     /// Kernel-to-kernel edges made programmatic.
     pub programmatic_edges: usize,
-    /// Kernel nodes in the graph.
+    /// Kernel nodes captured from the stream (the root kernel of
+    /// [`Self::capture_with_root`] not counted).
     pub kernels: usize,
+    /// Root kernels added beside the captured ones (0 or 1).
+    pub root_kernels: usize,
 }
 
 // SAFETY: the handles are only used through &self/&mut self with the stream they belong to;
@@ -106,7 +109,9 @@ impl StepGraph {
                 stream: stream.clone(),
                 programmatic_edges: 0,
                 kernels: 0,
+                root_kernels: 0,
             };
+            g.kernels = g.kernel_nodes()?;
             if pdl {
                 g.programmatic_edges = g.make_edges_programmatic()?;
             }
@@ -122,8 +127,8 @@ impl StepGraph {
                 p.kernelParams = ptrs.as_mut_ptr();
                 let mut node: sys::CUgraphNode = std::ptr::null_mut();
                 check(sys::cuGraphAddKernelNode_v2(&mut node, g.graph, std::ptr::null(), 0, &p))?;
+                g.root_kernels = 1;
             }
-            g.kernels = g.kernel_nodes()?;
             check(sys::cuGraphInstantiateWithFlags(&mut g.exec, g.graph, 0))?;
             Ok(g)
         }

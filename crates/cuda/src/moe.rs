@@ -295,6 +295,15 @@ impl DeviceMoe {
             gate_sb: &self.sgate_sb,
         }
     }
+
+    /// The shared expert's restacked tiles as device regions `(address, bytes)`: gate/up codes
+    /// and scales, down codes and scales (what the cluster kernels copy before their PDL
+    /// wait), for the L2 follower ([`crate::follow`]).
+    pub(crate) fn shared_expert_regions(&self, cx: &CudaContext) -> [(u64, usize); 4] {
+        let st = cx.stream();
+        let r = |s: &CudaSlice<u32>| (s.device_ptr(st).0, s.len() * 4);
+        [r(&self.sh_gu_codes), r(&self.sh_gu_sb), r(&self.sh_down_codes), r(&self.sh_down_sb)]
+    }
 }
 
 impl MoeScratch {
