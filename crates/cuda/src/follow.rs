@@ -8,9 +8,10 @@
 //! SMs drain then pull their rows from DRAM at one block's rate (docs/CUDA.md, sessions 19 and
 //! 34). Meanwhile the GDN step and the output projection before the MoE read ~9 MB in ~10 µs
 //! and leave DRAM mostly idle. The follower fills that idle time: once layer `i`'s mixer kernel
-//! signals that layer `i`'s input projection has completed, it asks L2 for layer `i + 1`'s input
-//! projection (and, on request, output projections), so those bytes are on chip before the MoE
-//! starts and the projection reads them from L2.
+//! signals that layer `i`'s input projection has completed, it can ask L2 for layer `i + 1`'s
+//! input projection, so those bytes are on chip before the MoE starts. Measured, that did not
+//! pay (docs/CUDA.md "L2 follower"); what did, a little, is asking at the same point for layer
+//! `i`'s output projection, read ~4.5 µs later, and layer `i + 1`'s ([`FollowPlan::DEFAULT`]).
 //!
 //! How: the mixer kernels (GDN step, split attention) add 1 to a progress word once their PDL
 //! wait returns ([`crate::L2Prefetch`]'s `progress`); the follower is a root node of the step
@@ -64,7 +65,7 @@ impl FollowPlan {
     /// The default of new sessions ([`default_plan`]): layer `i`'s and layer `i + 1`'s output
     /// projections once layer `i`'s input projection has completed, 16 blocks, no cache
     /// policies. Measured on the H200 (docs/CUDA.md "L2 follower"): 2.3-9.5 µs per token
-    /// faster than no follower in five processes; asking for the next input projection too
+    /// faster than no follower in six processes; asking for the next input projection too
     /// was slower.
     pub const DEFAULT: FollowPlan = FollowPlan { blocks: 16, parts: parts::OUT_SAME | parts::OUT_NEXT, evict_last: false, experts_evict_first: false };
 
@@ -80,8 +81,8 @@ impl FollowPlan {
         }
     }
 
-    /// Parses `cuda-bench --l2-follow`'s form: parts joined by `+` (`in`, `out`, `out-next`),
-    /// then optionally `:BLOCKS` (default 16), `:last` (evict_last) and `:ef` (the experts
+    /// Parses `cuda-bench --l2-follow`'s form: parts joined by `+` (`in`, `out`, `out-next`,
+    /// `router`, `shared`: [`parts::ALL`]), then optionally `:BLOCKS` (default 16), `:last` (evict_last) and `:ef` (the experts
     /// evict_first), e.g. `in+out:24:last`.
     ///
     /// # Errors
