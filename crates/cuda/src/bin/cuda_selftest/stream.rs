@@ -19,6 +19,18 @@
 //! The `spread:` cases read the same bytes per block from a 16 GiB source, one 4 MiB region per
 //! block, as the decode step's experts lie across their ~15 GB of tensors: if address
 //! translation (TLB misses) slows the step's streams, these cases are slower than their twins.
+//!
+//! **L2 retention** (session 35, after the L2 follower's prefetch of the next input projection
+//! did not pay, docs/CUDA.md "L2 follower"): does an input projection's 14 MB stay in L2 while
+//! the MoE's experts stream through it, and is it read faster from there? Each `retention:`
+//! case launches, in stream order and 8 times (the first a warm-up): 97 blocks reading region A
+//! by per-thread copies (A is then in L2, as the follower's prefetch would leave it), X MB of
+//! other regions streamed by bulk copies (whole launches of the MoE's 72 blocks × 216 KB, 15.9
+//! MB each, regions nothing read for a while), then the same 97 blocks reading A again; printed
+//! is that last read (span, GB/s, a block's time), against the same read of a
+//! region read by nothing before (`cold`). If the 14 MB survive X MB, the last read matches the
+//! X = 0 row; if they do not, it matches `cold`.
+//!
 //! No correctness check: a measurement only, run when named (`--only stream`).
 
 use cuda::cudarc::driver::CudaSlice;
@@ -90,6 +102,7 @@ pub fn run(s: &mut Suite) {
             None
         }
     };
+    retention(s, &src);
     let mut next = [0u32; 2]; // the next unread block region of each source
     println!("{SEC:<10} {:<52} {:>8} {:>9} | per part: span us, GB/s, block us, GB/s per block", "case", "us/launch", "GB/s");
     for (name, parts, spread) in &cases {
@@ -177,6 +190,69 @@ pub fn run(s: &mut Suite) {
                 total as f64 / t / 1e9,
                 parts_json.join(",")
             ),
+        ));
+    }
+}
+
+/// The `retention:` cases (module docs): per case and replay [A read] [X MB streamed] [A read
+/// again], launched in stream order (not a graph: every replay streams regions read by nothing
+/// for a while, cycling through the 1 GiB source, since a read that hits in L2 evicts nothing);
+/// the last read timed from its blocks' stamps, medians over 7 replays after a warm-up.
+fn retention(s: &mut Suite, src: &CudaSlice<u8>) {
+    let cx = s.cx;
+    let stream = cx.stream();
+    let regions = (src.len() / STRIDE) as u32;
+    const READER: u32 = 97; // the GDN input projection's blocks
+    // A: regions [0, 97); the streamed and cold regions cycle through the ones after it
+    let moe_launch = 72 * MOE_BYTES as u64;
+    let mut t = stream.alloc_zeros::<u64>(2 * READER as usize).expect("alloc times");
+    let mut scratch = stream.alloc_zeros::<u64>(2 * READER as usize).expect("alloc times");
+    let mut next = READER;
+    let mut take = |n: u32| {
+        if next + n > regions {
+            next = READER;
+        }
+        let b = next;
+        next += n;
+        b
+    };
+    for (name, stream_launches, cold) in [
+        ("retention: A read again at once", 0u32, false),
+        ("retention: A after 1 MoE stream (15.9 MB)", 1, false),
+        ("retention: A after 2 MoE streams (31.9 MB)", 2, false),
+        ("retention: A after 3 MoE streams (47.8 MB)", 3, false),
+        ("retention: cold (a region nothing read)", 0, true),
+    ] {
+        let mut figs = Vec::new();
+        for rep in 0..8 {
+            if !cold {
+                cx.stream_probe(StreamProbe::Threads, src, STRIDE, 0, READER, GEMV_BYTES, 0, &mut scratch).expect("read A");
+            }
+            for _ in 0..stream_launches {
+                let b = take(72);
+                cx.stream_probe(StreamProbe::BulkClusters, src, STRIDE, b, 72, MOE_BYTES, MOE_BYTES / 16, &mut scratch).expect("stream");
+            }
+            let base = if cold { take(READER) } else { 0 };
+            cx.stream_probe(StreamProbe::Threads, src, STRIDE, base, READER, GEMV_BYTES, 0, &mut t).expect("read A again");
+            let w = stream.clone_dtoh(&t).expect("download times");
+            if rep == 0 {
+                continue; // warm-up
+            }
+            let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
+            let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
+            let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / READER as f64;
+            figs.push([t1.saturating_sub(t0) as f64 / 1e3, block_ns / 1e3]);
+        }
+        let (span, block) = (median(figs.iter().map(|f| f[0]).collect()), median(figs.iter().map(|f| f[1]).collect()));
+        let bytes = READER as f64 * GEMV_BYTES as f64;
+        println!(
+            "{SEC:<10} {name:<52} last read: span {span:.2} us, {:.0} GB/s, a block {block:.2} us ({} MB streamed between)",
+            bytes / (span * 1e3).max(1.0),
+            stream_launches as u64 * moe_launch / 1_000_000
+        );
+        s.json.push((
+            SEC.into(),
+            format!("{{\"case\":{name:?},\"streamed_bytes\":{},\"cold\":{cold},\"span_us\":{span:.3},\"block_us\":{block:.3}}}", stream_launches as u64 * moe_launch),
         ));
     }
 }
