@@ -979,7 +979,8 @@ constexpr int CL_DIAG_NO_COMBINE = 16;
 constexpr int CL_HSUM = 64;
 // The routed experts' bulk copies carry an L2 evict_first policy (moe.rs CL_EVICT_FIRST; the L2
 // follower's `ef` plans, cuda::follow): each expert tile is read once per token, so it should
-// not evict what the follower asked L2 to hold for the next input projection. Hints only.
+// not evict what the follower asked L2 to hold for the next input projection. Hints only
+// (measured in session 35: it did not make that prefetch pay).
 constexpr int CL_EVICT_FIRST = 128;
 static_assert(GU_RT % CL == 0 && CL_GU_RT * 8 == GROUP && EG == CL, "a block's gate/up outputs are one group of the down's K");
 static_assert(CL_DN_RT == CL_WARPS, "one down row tile per warp");

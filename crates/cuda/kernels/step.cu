@@ -122,9 +122,9 @@ extern "C" __global__ void advance_pos(int* __restrict__ pos) {
 // for weights the chain reads later, at points the chain signals. The mixer kernels (GDN step,
 // split attention) add 1 to `progress` once their PDL wait returns, i.e. once the layer's input
 // projection has completed (calla_l2_progress_bump, prelude.cuh). Entry j is asked for once
-// `progress` has advanced by entries[j].trigger since this block's `base`, so the next layer's
-// input projection streams into L2 while the GDN step and the output projection leave DRAM
-// mostly idle, and is on chip when the MoE's experts stream (docs/CUDA.md "L2 follower").
+// `progress` has advanced by entries[j].trigger since this block's `base`: weights stream into
+// L2 while the GDN step and the output projection leave DRAM mostly idle (the default plan: the
+// layer's and the next layer's output projections; docs/CUDA.md "L2 follower").
 //
 // Grid: G blocks of 32 threads; block b asks for its 1/G share of every entry (256-byte
 // aligned, 16 KB bulk prefetches from its lanes). Only hints: no result depends on this kernel.

@@ -1208,10 +1208,11 @@ impl CudaSession {
 
     /// Runs the L2 follower beside the step graphs with `plan` ([`crate::follow`]; a new
     /// session starts with [`crate::follow::default_plan`], normally
-    /// [`crate::follow::FollowPlan::DEFAULT`]; `None`: no follower). It applies only where every layer's mixer kernel bumps its
-    /// progress word (no class left out by the ablation, no GDN input projection in the step,
-    /// no split output projection); elsewhere the step runs without it. Results are the same
-    /// bit for bit (hints only). The step graphs are captured again on the next [`Self::start`]
+    /// [`crate::follow::FollowPlan::DEFAULT`]; `None`: no follower). It applies only where
+    /// every layer's mixer kernel bumps its progress word (no class left out by the ablation,
+    /// no GDN input projection in the step, no split output projection) and the plan asks for
+    /// something in this model; elsewhere the step runs without it. Results are the same bit
+    /// for bit (hints only). The step graphs are captured again on the next [`Self::start`]
     /// when this changes.
     ///
     /// # Errors

@@ -163,8 +163,7 @@ fn push_qmat(out: &mut Vec<Entry>, cx: &CudaContext, m: &DeviceQMat, trigger: u6
     }
 }
 
-/// The regions of `plan` for `model`, in trigger order: layer `i`'s mixer bumps the progress
-/// word to `i + 1`, so parts asked for at layer `i` get trigger `i + 1`.
+/// A layer's output projection (GDN `out_proj`, attention `o_proj`).
 fn out_of(l: &crate::decode::DeviceLayer) -> &DeviceQMat {
     match &l.mixer {
         DeviceMixer::Gdn { out_proj, .. } => out_proj,
@@ -172,6 +171,8 @@ fn out_of(l: &crate::decode::DeviceLayer) -> &DeviceQMat {
     }
 }
 
+/// The regions of `plan` for `model`, in trigger order: layer `i`'s mixer bumps the progress
+/// word to `i + 1`, so parts asked for at layer `i` get trigger `i + 1`.
 fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry> {
     let mut e = Vec::new();
     for (i, l) in m.layers.iter().enumerate() {

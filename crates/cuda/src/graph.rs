@@ -35,9 +35,13 @@ fn check(r: sys::CUresult) -> Result<(), CudaError> {
 /// dynamic shared memory), and its arguments in order, each in the low bytes of one `u64`
 /// (pointers as device addresses; 4-byte integers as their value).
 pub struct RootKernel {
+    /// The loaded entry point.
     pub func: sys::CUfunction,
+    /// Blocks (one-dimensional grid).
     pub grid: u32,
+    /// Threads per block.
     pub block: u32,
+    /// The kernel's arguments in order, one per slot.
     pub args: Vec<u64>,
 }
 
