@@ -29,7 +29,8 @@
 //! MB each, regions nothing read for a while), then the same 97 blocks reading A again; printed
 //! is that last read (span, GB/s, a block's time), against the same read of a
 //! region read by nothing before (`cold`). If the 14 MB survive X MB, the last read matches the
-//! X = 0 row; if they do not, it matches `cold`.
+//! X = 0 row; if they do not, it matches `cold`. The `bulk` rows make the last read by bulk
+//! copies (9 KB each) instead: whether a block reads faster from L2 that way.
 //!
 //! No correctness check: a measurement only, run when named (`--only stream`).
 
@@ -216,13 +217,18 @@ fn retention(s: &mut Suite, src: &CudaSlice<u8>) {
         next += n;
         b
     };
-    for (name, stream_launches, cold) in [
-        ("retention: A read again at once", 0u32, false),
-        ("retention: A after 1 MoE stream (15.9 MB)", 1, false),
-        ("retention: A after 2 MoE streams (31.9 MB)", 2, false),
-        ("retention: A after 3 MoE streams (47.8 MB)", 3, false),
-        ("retention: cold (a region nothing read)", 0, true),
+    // (name, MoE streams between, a cold region instead of A, the last read by bulk copies)
+    for (name, stream_launches, cold, bulk) in [
+        ("retention: A read again at once", 0u32, false, false),
+        ("retention: A after 1 MoE stream (15.9 MB)", 1, false, false),
+        ("retention: A after 2 MoE streams (31.9 MB)", 2, false, false),
+        ("retention: A after 3 MoE streams (47.8 MB)", 3, false, false),
+        ("retention: cold (a region nothing read)", 0, true, false),
+        ("retention: bulk, A read again at once", 0, false, true),
+        ("retention: bulk, A after 3 MoE streams", 3, false, true),
+        ("retention: bulk, cold", 0, true, true),
     ] {
+        let last = if bulk { (StreamProbe::Bulk, GEMV_BYTES / 16) } else { (StreamProbe::Threads, 0) };
         let mut figs = Vec::new();
         for rep in 0..8 {
             if !cold {
@@ -233,7 +239,7 @@ fn retention(s: &mut Suite, src: &CudaSlice<u8>) {
                 cx.stream_probe(StreamProbe::BulkClusters, src, STRIDE, b, 72, MOE_BYTES, MOE_BYTES / 16, &mut scratch).expect("stream");
             }
             let base = if cold { take(READER) } else { 0 };
-            cx.stream_probe(StreamProbe::Threads, src, STRIDE, base, READER, GEMV_BYTES, 0, &mut t).expect("read A again");
+            cx.stream_probe(last.0, src, STRIDE, base, READER, GEMV_BYTES, last.1, &mut t).expect("read A again");
             let w = stream.clone_dtoh(&t).expect("download times");
             if rep == 0 {
                 continue; // warm-up
@@ -252,7 +258,7 @@ fn retention(s: &mut Suite, src: &CudaSlice<u8>) {
         );
         s.json.push((
             SEC.into(),
-            format!("{{\"case\":{name:?},\"streamed_bytes\":{},\"cold\":{cold},\"span_us\":{span:.3},\"block_us\":{block:.3}}}", stream_launches as u64 * moe_launch),
+            format!("{{\"case\":{name:?},\"streamed_bytes\":{},\"cold\":{cold},\"bulk\":{bulk},\"span_us\":{span:.3},\"block_us\":{block:.3}}}", stream_launches as u64 * moe_launch),
         ));
     }
 }
