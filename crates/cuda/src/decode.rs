@@ -221,6 +221,17 @@ impl DeviceMixer {
     }
 }
 
+/// The weights with which layer `l` runs its GDN input projection and step as one launch
+/// ([`CudaContext::gdn_in_step`]: its restacked rows and its stacked `in_proj`), where `on`
+/// (the step fuses its norms and [`CudaSession::set_gdn_in_step`] asks for it) and the layer
+/// has them ([`CudaModel::upload_gdn_in_step`]) in one stacked run; `None` otherwise.
+fn in_step_weights(l: &DeviceLayer, on: bool) -> Option<(&crate::gdn::GdnInProj, &DeviceQMat)> {
+    match &l.mixer {
+        DeviceMixer::Gdn { in_step: Some(w), in_proj, .. } if on && in_proj.runs.len() == 1 => Some((w, &in_proj.runs[0].0)),
+        _ => None,
+    }
+}
+
 /// One decoder layer on the device.
 pub struct DeviceLayer {
     /// `input_layernorm` weight [D_MODEL] (zero-centred).
@@ -626,10 +637,6 @@ pub struct CudaSession {
     /// none asked for or applicable; a key with no follower: the plan asks for nothing here).
     follower: Option<crate::follow::Follower>,
     follow_key: Option<(crate::follow::FollowPlan, u64)>,
-    /// While a step with the follower is captured: the progress word's device address (0
-    /// otherwise), and the mixer launches that bump it.
-    follow_progress: u64,
-    follow_bumps: usize,
     /// MoE launch variant (see [`Self::new`] for the default).
     pub(crate) moe_flags: crate::moe::MoeFlags,
     /// The MoE router folded into the output projection ([`Self::set_router_fold`]; used only
@@ -711,8 +718,6 @@ impl CudaSession {
             l2_follow: crate::follow::default_plan(),
             follower: None,
             follow_key: None,
-            follow_progress: 0,
-            follow_bumps: 0,
             moe_flags: crate::moe::MoeFlags { cluster, ..crate::moe::MoeFlags::DEFAULT },
             router_fold: cluster,
             gdn_in_step: false,
@@ -754,8 +759,9 @@ impl CudaSession {
         self.host_pos
     }
 
-    /// Queues one decode step on the stream (not captured: used for capture and for tests).
-    fn enqueue_step(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<(), CudaError> {
+    /// Queues one decode step on the stream (for [`Self::capture`]). Returns the mixer launches
+    /// that bump the L2 follower's progress word (0 without a follower).
+    fn enqueue_step(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<usize, CudaError> {
         let on = |class: u32| self.skip & class == 0;
         let fuse = self.fuse_norm;
         let (mixer_pf, router_pf) = if self.l2_prefetch { self.prefetch_plan(cx, m) } else { Default::default() };
@@ -791,12 +797,15 @@ impl CudaSession {
                 || cx.staged_of(&m.lm_head).is_some());
         let hsum = fold && cluster_all && !split_all && !self.gdn_in_step && !staged_reader && cx.moe_hsum();
         self.moe_scratch.hsum_combine = hsum;
-        // the L2 follower's plan may ask the experts' copies to leave L2 first
-        self.moe_scratch.evict_first = self.follow_progress != 0 && self.follower.as_ref().is_some_and(|f| f.plan().experts_evict_first);
+        // the L2 follower's progress word (0: none), which the mixer kernels bump; its plan may
+        // ask the experts' copies to leave L2 first
+        let progress = self.follower.as_ref().map_or(0, |f| f.progress(cx));
+        let mut bumps = 0;
+        self.moe_scratch.evict_first = self.follower.as_ref().is_some_and(|f| f.plan().experts_evict_first);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
             let (mut mixer_pf, router_pf) = (mixer_pf.get(i).copied().unwrap_or_default(), router_pf.get(i).copied().unwrap_or_default());
             // the L2 follower's cue (0: none): the mixer kernel bumps it once its input is here
-            mixer_pf.progress = self.follow_progress;
+            mixer_pf.progress = progress;
             self.gdn_scratch.l2_prefetch = mixer_pf;
             self.attn_scratch.l2_prefetch = mixer_pf;
             self.moe_scratch.l2_prefetch = router_pf;
@@ -811,12 +820,7 @@ impl CudaSession {
             };
             // the GDN input projection and step as one launch (gdn_in_step; the ablation
             // leaves it out as the mixer core)
-            let in_step = match &lw.mixer {
-                DeviceMixer::Gdn { in_step: Some(w), in_proj, .. } if fuse && self.gdn_in_step && in_proj.runs.len() == 1 => {
-                    Some((w, &in_proj.runs[0].0))
-                }
-                _ => None,
-            };
+            let in_step = in_step_weights(lw, fuse && self.gdn_in_step);
             if on(ablate::IN_PROJ) && in_step.is_none() {
                 let out = &mut self.proj.slice_mut(..n_in);
                 if hsum && i > 0 {
@@ -869,7 +873,7 @@ impl CudaSession {
                             &mut self.mix.slice_mut(..n_out),
                         )?;
                     } else if in_step.is_none() && on(ablate::MIXER) {
-                        self.follow_bumps += usize::from(self.follow_progress != 0);
+                        bumps += usize::from(progress != 0);
                         cx.gdn_decode_step(
                             &self.proj.slice(..n_in),
                             &conv_w.slice(..),
@@ -885,7 +889,7 @@ impl CudaSession {
                 }
                 (DeviceMixer::Attn { q_norm, k_norm, .. }, DeviceLayerState::Attn { k, v }) => {
                     if on(ablate::MIXER) {
-                        self.follow_bumps += usize::from(self.follow_progress != 0);
+                        bumps += usize::from(progress != 0);
                         cx.attn_decode_step(
                             &self.proj.slice(..n_in),
                             &q_norm.slice(..),
@@ -994,7 +998,7 @@ impl CudaSession {
         } else {
             cx.advance_pos(&mut self.pos.slice_mut(..))?;
         }
-        Ok(())
+        Ok(bumps)
     }
 
     /// Per layer, the L2 prefetch hints of its latency-bound kernels: the mixer core (GDN step,
@@ -1164,9 +1168,7 @@ impl CudaSession {
             && cluster_all
             && self.skip == 0
             && m.layers.iter().all(|l| match &l.mixer {
-                DeviceMixer::Gdn { out_split, in_step, in_proj, .. } => {
-                    out_split.is_some() && !(self.gdn_in_step && in_step.is_some() && in_proj.runs.len() == 1)
-                }
+                DeviceMixer::Gdn { out_split, .. } => out_split.is_some() && in_step_weights(l, self.gdn_in_step).is_none(),
                 DeviceMixer::Attn { .. } => true,
             })
     }
@@ -1193,12 +1195,18 @@ impl CudaSession {
             Some(f) => Some(f.root_kernel(cx, n_layers as u32)?),
             None => None,
         };
-        self.follow_progress = self.follower.as_ref().map_or(0, |f| f.progress(cx));
-        self.follow_bumps = 0;
-        let g = StepGraph::capture_with_root(&st, pdl, || self.enqueue_step(cx, m, with_head), root);
-        let (progress, bumps) = (std::mem::take(&mut self.follow_progress), std::mem::take(&mut self.follow_bumps));
-        let g = g?;
-        if progress != 0 && bumps != n_layers {
+        let follows = root.is_some();
+        let mut bumps = 0;
+        let g = StepGraph::capture_with_root(
+            &st,
+            pdl,
+            || {
+                bumps = self.enqueue_step(cx, m, with_head)?;
+                Ok(())
+            },
+            root,
+        )?;
+        if follows && bumps != n_layers {
             return Err(CudaError::Unsupported(format!(
                 "the L2 follower expects {n_layers} mixer launches per step; the step has {bumps}"
             )));
@@ -1245,7 +1253,7 @@ impl CudaSession {
     fn ensure_follower(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
         let applies = self.skip == 0
             && !self.gdn_out_split_applies(cx, m)
-            && !(self.gdn_in_step && self.fuse_norm && m.layers.iter().any(|l| matches!(&l.mixer, DeviceMixer::Gdn { in_step: Some(_), .. })));
+            && !m.layers.iter().any(|l| in_step_weights(l, self.fuse_norm && self.gdn_in_step).is_some());
         let want = self.l2_follow.filter(|_| applies).map(|p| (p, m.id));
         if want != self.follow_key {
             self.drop_graphs();

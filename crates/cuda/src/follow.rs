@@ -154,11 +154,7 @@ fn push_qmat(out: &mut Vec<Entry>, cx: &CudaContext, m: &DeviceQMat, trigger: u6
         out.push(Entry { ptr: staged.device_ptr(st).0, bytes: (staged.len() * 4) as u64, trigger });
         return;
     }
-    for (ptr, bytes) in [
-        (m.packed.device_ptr(st).0, m.packed.len() * 4),
-        (m.scales.device_ptr(st).0, m.scales.len() * 2),
-        (m.biases.device_ptr(st).0, m.biases.len() * 2),
-    ] {
+    for (ptr, bytes) in m.regions(st) {
         out.push(Entry { ptr, bytes: bytes as u64, trigger });
     }
 }

@@ -437,6 +437,16 @@ impl DeviceQMat {
     pub fn stored_bytes(&self) -> usize {
         self.packed.len() * 4 + (self.scales.len() + self.biases.len()) * 2
     }
+
+    /// The packed codes, scales and biases as device regions `(address, bytes)`, in that order
+    /// (for L2 prefetch hints: [`L2Prefetch`], [`crate::follow`]).
+    pub(crate) fn regions(&self, st: &CudaStream) -> [(u64, usize); 3] {
+        [
+            (self.packed.device_ptr(st).0, self.packed.len() * 4),
+            (self.scales.device_ptr(st).0, self.scales.len() * 2),
+            (self.biases.device_ptr(st).0, self.biases.len() * 2),
+        ]
+    }
 }
 
 /// L2 prefetch hints handed to a kernel: up to four regions of device memory that a later
@@ -489,10 +499,9 @@ impl L2Prefetch {
         if 4 - self.len() < 3 || m.codes_group_major {
             return false;
         }
-        let st = cx.stream();
-        self.push(m.packed.device_ptr(st).0, m.packed.len() * 4);
-        self.push(m.scales.device_ptr(st).0, m.scales.len() * 2);
-        self.push(m.biases.device_ptr(st).0, m.biases.len() * 2);
+        for (ptr, bytes) in m.regions(cx.stream()) {
+            self.push(ptr, bytes);
+        }
         true
     }
 
@@ -503,12 +512,11 @@ impl L2Prefetch {
         if 4 - self.len() < 3 || m.codes_group_major || rows.is_empty() || rows.end > m.rows {
             return false;
         }
-        let st = cx.stream();
-        let (code_row, sb_row) = (m.packed.len() * 4 / m.rows, m.scales.len() * 2 / m.rows);
         let n = rows.end - rows.start;
-        self.push(m.packed.device_ptr(st).0 + (rows.start * code_row) as u64, n * code_row);
-        self.push(m.scales.device_ptr(st).0 + (rows.start * sb_row) as u64, n * sb_row);
-        self.push(m.biases.device_ptr(st).0 + (rows.start * sb_row) as u64, n * sb_row);
+        for (ptr, bytes) in m.regions(cx.stream()) {
+            let per_row = bytes / m.rows;
+            self.push(ptr + (rows.start * per_row) as u64, n * per_row);
+        }
         true
     }
 }
