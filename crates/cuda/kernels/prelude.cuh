@@ -358,25 +358,35 @@ __device__ __forceinline__ void calla_l2_progress_bump(const CallaL2Prefetch& pf
         asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(pf.progress) : "memory");
 }
 
+// Share B of G of the `bytes` at `p` (256-byte aligned shares), asked of L2 in 16 KB bulk
+// prefetches from lane `lane` of 32; with `hint`, under the L2 cache policy `policy`
+// (createpolicy). Used by calla_l2_prefetch_share and the L2 follower (step.cu l2_follow).
+__device__ __forceinline__ void calla_l2_prefetch_region(const char* p, unsigned long long bytes, unsigned long long G,
+                                                         unsigned long long B, unsigned lane, bool hint = false,
+                                                         unsigned long long policy = 0) {
+    constexpr unsigned long long PIECE = 16384;
+    const unsigned long long n = bytes & ~15ull;  // the size operand is a multiple of 16
+    if (p == nullptr || n == 0) return;
+    const unsigned long long share = ((n + G - 1) / G + 255) & ~255ull;
+    const unsigned long long lo = share * B, hi = lo + share < n ? lo + share : n;
+    for (unsigned long long o = lo + lane * PIECE; o < hi; o += 32 * PIECE) {
+        const unsigned len = (unsigned)(hi - o < PIECE ? hi - o : PIECE);
+        unsigned long long g;
+        asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p + o));
+        if (hint)
+            asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(g), "r"(len), "l"(policy) : "memory");
+        else
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(len) : "memory");
+    }
+}
+
 __device__ __forceinline__ void calla_l2_prefetch_share(const CallaL2Prefetch& pf) {
     const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     if (tid >= 32) return;
     const unsigned long long G = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
     const unsigned long long B = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
-    constexpr unsigned long long PIECE = 16384;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const unsigned long long n = pf.bytes[r] & ~15ull;  // the size operand is a multiple of 16
-        if (pf.ptr[r] == nullptr || n == 0) continue;
-        const unsigned long long share = ((n + G - 1) / G + 255) & ~255ull;
-        const unsigned long long lo = share * B, hi = lo + share < n ? lo + share : n;
-        for (unsigned long long o = lo + tid * PIECE; o < hi; o += 32 * PIECE) {
-            const unsigned len = (unsigned)(hi - o < PIECE ? hi - o : PIECE);
-            unsigned long long g;
-            asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(pf.ptr[r] + o));
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(len) : "memory");
-        }
-    }
+    for (int r = 0; r < 4; ++r) calla_l2_prefetch_region(pf.ptr[r], pf.bytes[r], G, B, tid);
 }
 
 // Argmax reductions (sampler::argmax's rules): (bv, bi) <- (v, i) when v is larger, or equal

@@ -160,8 +160,6 @@ l2_follow(const calla_step::FollowEntry* __restrict__ entries, int n, const unsi
     unsigned seen = follow_poll(progress);
     unsigned long long policy = 0;
     if (flags & FOLLOW_EVICT_LAST) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    const unsigned long long G = gridDim.x, B = blockIdx.x;
-    constexpr unsigned long long PIECE = 16384;
     for (int j = 0; j <= n; ++j) {
         const unsigned long long want = j < n ? entries[j].trigger : total;
         while (!late && (unsigned long long)(seen - b0) < want) {
@@ -172,18 +170,7 @@ l2_follow(const calla_step::FollowEntry* __restrict__ entries, int n, const unsi
         }
         if (j == n) break;
         const FollowEntry e = entries[j];
-        const unsigned long long len = e.bytes & ~15ull;  // the size operand is a multiple of 16
-        const unsigned long long share = ((len + G - 1) / G + 255) & ~255ull;
-        const unsigned long long lo = share * B, hi = lo + share < len ? lo + share : len;
-        for (unsigned long long o = lo + lane * PIECE; o < hi; o += 32 * PIECE) {
-            const unsigned sz = (unsigned)(hi - o < PIECE ? hi - o : PIECE);
-            unsigned long long g;
-            asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(e.ptr + o));
-            if (flags & FOLLOW_EVICT_LAST)
-                asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(g), "r"(sz), "l"(policy) : "memory");
-            else
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(sz) : "memory");
-        }
+        calla_l2_prefetch_region(e.ptr, e.bytes, gridDim.x, blockIdx.x, lane, flags & FOLLOW_EVICT_LAST, policy);
     }
     if (lane == 0) base[blockIdx.x] = b0 + total;
 }
