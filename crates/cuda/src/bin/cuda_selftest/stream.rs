@@ -146,10 +146,7 @@ pub fn run(s: &mut Suite) {
             let mut per_part = Vec::new();
             for (i, &(_, blocks, bytes, _)) in parts.iter().enumerate() {
                 let w = stream.clone_dtoh(&times[i].slice(..2 * blocks as usize)).expect("download times");
-                let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
-                let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
-                let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / blocks as f64;
-                let span_ns = t1.saturating_sub(t0) as f64;
+                let (t0, span_ns, block_ns) = block_stamps(&w);
                 starts.push(t0);
                 per_part.push([span_ns / 1e3, blocks as f64 * bytes as f64 / span_ns.max(1.0), block_ns / 1e3, bytes as f64 / block_ns.max(1.0)]);
             }
@@ -193,6 +190,16 @@ pub fn run(s: &mut Suite) {
             ),
         ));
     }
+}
+
+/// From a launch's per-block stamps (`[start, done]` ns per block): the first start, the span
+/// (first start to last done, ns) and a block's mean duration (ns).
+fn block_stamps(w: &[u64]) -> (u64, f64, f64) {
+    let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
+    let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
+    let blocks = (w.len() / 2).max(1);
+    let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / blocks as f64;
+    (t0, t1.saturating_sub(t0) as f64, block_ns)
 }
 
 /// The `retention:` cases (module docs): per case and replay [A read] [X MB streamed] [A read
@@ -244,10 +251,8 @@ fn retention(s: &mut Suite, src: &CudaSlice<u8>) {
             if rep == 0 {
                 continue; // warm-up
             }
-            let t0 = w.chunks(2).map(|p| p[0]).min().unwrap_or(0);
-            let t1 = w.chunks(2).map(|p| p[1]).max().unwrap_or(0);
-            let block_ns = w.chunks(2).map(|p| p[1].saturating_sub(p[0]) as f64).sum::<f64>() / READER as f64;
-            figs.push([t1.saturating_sub(t0) as f64 / 1e3, block_ns / 1e3]);
+            let (_, span_ns, block_ns) = block_stamps(&w);
+            figs.push([span_ns / 1e3, block_ns / 1e3]);
         }
         let (span, block) = (median(figs.iter().map(|f| f[0]).collect()), median(figs.iter().map(|f| f[1]).collect()));
         let bytes = READER as f64 * GEMV_BYTES as f64;
