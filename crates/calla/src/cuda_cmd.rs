@@ -359,8 +359,9 @@ pub struct CudaBenchArgs {
     #[arg(long)]
     moe_l2_compare: bool,
     /// For the whole run: the L2 follower beside the decode step (`CudaSession::set_l2_follow`,
-    /// `cuda::follow::FollowPlan::parse`: parts `in`, `out`, `out-next`, `router`, `shared`
-    /// joined by `+`, then `:BLOCKS`, `:last` and `:ef`, e.g. `in:16`; `none`: no follower),
+    /// `cuda::follow::FollowPlan::parse`: parts `in`, `out`, `out-next`, `router`, `shared`,
+    /// `in-late` joined by `+`, then `:BLOCKS`, `:last`, `:ef` and `:mN`, e.g. `in:16` or
+    /// `out+out-next+in-late:m64`; `none`: no follower),
     /// process-wide; default `cuda::follow::FollowPlan::DEFAULT` (`out+out-next:16`).
     #[arg(long, value_parser = parse_follow)]
     l2_follow: Option<FollowArg>,

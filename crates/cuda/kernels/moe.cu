@@ -1252,6 +1252,12 @@ __device__ __forceinline__ void cluster_body(float* out, const float* resid, con
     }
     calla_mbar_wait_phase0(&mbar_dn);  // the down tiles
     mark(6);
+    // the L2 follower's landing cue (host: cuda::follow parts::IN_LATE; nullptr: none): every
+    // block adds 1 once all of its expert tiles are in shared memory (gate/up's were waited for
+    // before the barrier above), so the follower can ask L2 for the next input projection's
+    // late-landing rows once the experts' stream is over instead of competing with it
+    if (pf.progress != nullptr && threadIdx.x == 0)
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(pf.progress) : "memory");
     if (!(flags & CL_MARK_ISSUE)) calla_tl_mark();  // timeline probe: the block's expert tiles are all here
     if (FOLD && (flags & CL_LATE_TRIGGER)) calla_pdl_launch_dependents();
     calla_mbar_wait_phase0(&mbar_x);   // all CL groups

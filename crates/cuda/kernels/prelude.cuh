@@ -345,7 +345,9 @@ static_assert(CONV_DIM == CALLA_GDN_CONV_DIM && PROJ == CALLA_GDN_PROJ,
 // cuda::follow). The mixer kernels that get one (GDN step, split attention) add 1 to it from
 // one thread once their PDL wait has returned, i.e. once the layer's input projection has
 // completed; the follower, running beside the step's chain, asks L2 for later weights at those
-// points. A relaxed atomic that nothing in the chain waits for: timing only.
+// points. The MoE cluster kernel after the router fold, when it gets one, adds 1 from every
+// block once that block's expert tiles have all landed (moe.cu cluster_body; the follower's
+// `in-late` part). A relaxed atomic that nothing in the chain waits for: timing only.
 struct CallaL2Prefetch {
     const char* ptr[4];
     unsigned long long bytes[4];

@@ -759,8 +759,10 @@ impl CudaSession {
         self.host_pos
     }
 
-    /// Queues one decode step on the stream (for [`Self::capture`]). Returns the mixer launches
-    /// that bump the L2 follower's progress word (0 without a follower).
+    /// Queues one decode step on the stream (for [`Self::capture`]). Returns how often its
+    /// launches bump the L2 follower's progress word per replay (0 without a follower): once
+    /// per mixer launch, and with the follower's [`crate::follow::parts::IN_LATE`] once per MoE
+    /// cluster block.
     fn enqueue_step(&mut self, cx: &CudaContext, m: &CudaModel, with_head: bool) -> Result<usize, CudaError> {
         let on = |class: u32| self.skip & class == 0;
         let fuse = self.fuse_norm;
@@ -772,17 +774,8 @@ impl CudaSession {
         let hist_row = self.expert_hist_rows(cx);
         // the experts of every layer as one cluster launch (MoeFlags::cluster; with the fold,
         // all layers or none, so that every layer's accumulator set is zeroed by the layer before)
-        let cluster_all = self.moe_flags.cluster
-            && !self.moe_flags.fused
-            && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
+        let (cluster_all, fold) = self.moe_cluster_fold(cx, m);
         let n_layers = m.layers.len();
-        // the router folded into the output projection: no router launch (fused norms, not
-        // the fused MoE kernel)
-        // (a single layer would read and zero one accumulator set: not folded)
-        // (with gate/up and down as two kernels, not with gate/up left out by the ablation:
-        // down's top-k before its wait relies on gate/up's wait having seen the output
-        // projection complete)
-        let fold = self.router_fold && fuse && !self.moe_flags.fused && n_layers >= 2 && (cluster_all || on(ablate::MOE_GATE_UP));
         // the split output projection in every GDN layer (gdn_step_out + moe_split_cluster),
         // all or none: every MoE launch then also zeroes the next set's h − x
         let split_all = fold && self.gdn_out_split_applies(cx, m);
@@ -800,6 +793,8 @@ impl CudaSession {
         // the L2 follower's progress word (0: none), which the mixer kernels bump; its plan may
         // ask the experts' copies to leave L2 first
         let progress = self.follower.as_ref().map_or(0, |f| f.progress(cx));
+        // ... and which the MoE cluster kernels bump too, once per block as its tiles land
+        let moe_progress = self.follower.as_ref().filter(|f| f.plan().parts & crate::follow::parts::IN_LATE != 0).map_or(0, |f| f.progress(cx));
         let mut bumps = 0;
         self.moe_scratch.evict_first = self.follower.as_ref().is_some_and(|f| f.plan().experts_evict_first);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
@@ -939,7 +934,9 @@ impl CudaSession {
                     }
                     self.moe_scratch.l2_prefetch = pf;
                 }
+                self.moe_scratch.l2_prefetch.progress = moe_progress;
                 if on(ablate::MOE_GATE_UP) {
+                    bumps += if moe_progress != 0 { crate::moe::CL_BLOCKS } else { 0 };
                     cx.moe_fold_cluster(&lw.moe, &self.h.slice(..), &lw.post_norm.slice(..), &mut self.moe_scratch, &mut self.x.slice_mut(..), set, next_set)?;
                 } else {
                     cx.moe_fold_reset(&mut self.moe_scratch)?;
@@ -1189,10 +1186,11 @@ impl CudaSession {
         let st = cx.stream().clone();
         let pdl = self.pdl;
         // with the L2 follower (built by ensure_graphs), every layer's mixer kernel bumps its
-        // progress word once: n_layers bumps per replay
-        let n_layers = m.layers.len();
+        // progress word once (and with its in-late part every MoE cluster block): n_layers ×
+        // bumps_per_layer per replay
+        let total = self.follower.as_ref().map_or(0, |f| m.layers.len() * f.plan().bumps_per_layer());
         let root = match &self.follower {
-            Some(f) => Some(f.root_kernel(cx, n_layers as u32)?),
+            Some(f) => Some(f.root_kernel(cx, total as u32)?),
             None => None,
         };
         let follows = root.is_some();
@@ -1206,10 +1204,8 @@ impl CudaSession {
             },
             root,
         )?;
-        if follows && bumps != n_layers {
-            return Err(CudaError::Unsupported(format!(
-                "the L2 follower expects {n_layers} mixer launches per step; the step has {bumps}"
-            )));
+        if follows && bumps != total {
+            return Err(CudaError::Unsupported(format!("the L2 follower expects {total} progress bumps per step; the step has {bumps}")));
         }
         Ok(g)
     }
@@ -1259,7 +1255,13 @@ impl CudaSession {
             self.drop_graphs();
             self.follower = None;
             self.follow_key = None;
-            if let Some((plan, _)) = want {
+            if let Some((mut plan, _)) = want {
+                // the in-late part needs every layer's experts as the cluster kernel after the
+                // router fold (the kernel that bumps as its tiles land)
+                let (cluster_all, fold) = self.moe_cluster_fold(cx, m);
+                if !(cluster_all && fold) {
+                    plan.parts &= !crate::follow::parts::IN_LATE;
+                }
                 self.follower = crate::follow::Follower::new(cx, m, plan)?;
             }
             self.follow_key = want;
@@ -1268,6 +1270,25 @@ impl CudaSession {
             f.reset(cx)?;
         }
         Ok(())
+    }
+
+    /// How the step runs its experts: `(cluster_all, fold)`, i.e. every layer's experts as one
+    /// cluster launch ([`crate::moe::MoeFlags::cluster`]; with the fold, all layers or none, so
+    /// that every layer's accumulator set is zeroed by the layer before), and the router folded
+    /// into the output projection (no router launch; fused norms, not the fused MoE kernel; a
+    /// single layer would read and zero one accumulator set, so not folded; with gate/up and
+    /// down as two kernels, not with gate/up left out by the ablation: down's top-k before its
+    /// wait relies on gate/up's wait having seen the output projection complete).
+    fn moe_cluster_fold(&self, cx: &CudaContext, m: &CudaModel) -> (bool, bool) {
+        let cluster_all = self.moe_flags.cluster
+            && !self.moe_flags.fused
+            && m.layers.iter().all(|l| cx.moe_cluster_ready(&l.moe, &self.moe_scratch));
+        let fold = self.router_fold
+            && self.fuse_norm
+            && !self.moe_flags.fused
+            && m.layers.len() >= 2
+            && (cluster_all || self.skip & ablate::MOE_GATE_UP == 0);
+        (cluster_all, fold)
     }
 
     /// Chooses programmatic dependent launch for the step graphs (captured again on the next

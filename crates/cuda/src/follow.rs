@@ -24,6 +24,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use crate::decode::{CudaModel, DeviceMixer};
+use crate::moe::CL_BLOCKS;
 use crate::graph::RootKernel;
 use crate::{CudaContext, CudaError, DeviceQMat};
 
@@ -41,8 +42,17 @@ pub mod parts {
     /// Layer `i`'s shared expert (read by its MoE cluster kernel before its PDL wait), at the
     /// same point.
     pub const SHARED: u32 = 16;
+    /// The rows of layer `i + 1`'s stacked input projection that its late-landing blocks read
+    /// (those past the SMs the MoE cluster kernel leaves free, `CudaContext::gemv_late_rows`),
+    /// once [`FollowPlan::landed`] of layer `i`'s MoE cluster blocks have all their expert
+    /// tiles in shared memory: after the experts' stream, so the hints do not compete with it,
+    /// and before those blocks land. The MoE cluster kernel then bumps the progress word too
+    /// (once per block); only where every layer's experts run as the cluster kernel after the
+    /// router fold (elsewhere the part is left out).
+    pub const IN_LATE: u32 = 32;
     /// Every part with its name (for `cuda-bench --l2-follow`).
-    pub const ALL: [(u32, &str); 5] = [(IN_NEXT, "in"), (OUT_SAME, "out"), (OUT_NEXT, "out-next"), (ROUTER, "router"), (SHARED, "shared")];
+    pub const ALL: [(u32, &str); 6] =
+        [(IN_NEXT, "in"), (OUT_SAME, "out"), (OUT_NEXT, "out-next"), (ROUTER, "router"), (SHARED, "shared"), (IN_LATE, "in-late")];
 }
 
 /// How the follower runs: its blocks (one warp each, on as many SMs), which weights
@@ -59,6 +69,9 @@ pub struct FollowPlan {
     /// ([`crate::moe::MoeScratch::evict_first`]), so that they do not evict what the follower
     /// asked for.
     pub experts_evict_first: bool,
+    /// For [`parts::IN_LATE`]: how many of a layer's [`crate::moe::CL_BLOCKS`] MoE cluster
+    /// blocks must have their expert tiles before the follower asks (1..=`CL_BLOCKS`).
+    pub landed: u32,
 }
 
 impl FollowPlan {
@@ -67,38 +80,55 @@ impl FollowPlan {
     /// policies. Measured on the H200 (docs/CUDA.md "L2 follower"): 2.3-9.5 µs per token
     /// faster than no follower in six processes; asking for the next input projection too
     /// was slower.
-    pub const DEFAULT: FollowPlan = FollowPlan { blocks: 16, parts: parts::OUT_SAME | parts::OUT_NEXT, evict_last: false, experts_evict_first: false };
+    pub const DEFAULT: FollowPlan =
+        FollowPlan { blocks: 16, parts: parts::OUT_SAME | parts::OUT_NEXT, evict_last: false, experts_evict_first: false, landed: CL_BLOCKS as u32 };
+
+    /// Progress bumps per layer in a step that runs this plan: the mixer's, plus one per MoE
+    /// cluster block with [`parts::IN_LATE`].
+    pub fn bumps_per_layer(&self) -> usize {
+        1 + if self.parts & parts::IN_LATE != 0 { CL_BLOCKS } else { 0 }
+    }
 
     /// Checks the fields a caller may have set by hand.
     ///
     /// # Errors
-    /// [`CudaError::Unsupported`] naming `blocks` when it is outside 1..=1024.
+    /// [`CudaError::Unsupported`] naming `blocks` when it is outside 1..=1024, `landed` when it
+    /// is outside 1..=[`CL_BLOCKS`].
     pub fn check(&self) -> Result<(), CudaError> {
-        if (1..=1024).contains(&self.blocks) {
-            Ok(())
-        } else {
+        if !(1..=1024).contains(&self.blocks) {
             Err(CudaError::Unsupported(format!("L2 follower blocks {}: 1..=1024", self.blocks)))
+        } else if !(1..=CL_BLOCKS as u32).contains(&self.landed) {
+            Err(CudaError::Unsupported(format!("L2 follower landed {}: 1..={CL_BLOCKS} MoE cluster blocks", self.landed)))
+        } else {
+            Ok(())
         }
     }
 
     /// Parses `cuda-bench --l2-follow`'s form: parts joined by `+` (`in`, `out`, `out-next`,
-    /// `router`, `shared`: [`parts::ALL`]), then optionally `:BLOCKS` (default 16), `:last` (evict_last) and `:ef` (the experts
-    /// evict_first), e.g. `in+out:24:last`.
+    /// `router`, `shared`, `in-late`: [`parts::ALL`]), then optionally `:BLOCKS` (default 16),
+    /// `:last` (evict_last), `:ef` (the experts evict_first) and `:mN` ([`Self::landed`],
+    /// default all [`CL_BLOCKS`]), e.g. `in+out:24:last` or `out+in-late:m64`.
     ///
     /// # Errors
     /// A message naming the part or number that is not understood.
     pub fn parse(s: &str) -> Result<FollowPlan, String> {
         let mut it = s.split(':');
-        let mut plan = FollowPlan { blocks: 16, parts: 0, evict_last: false, experts_evict_first: false };
+        let mut plan = FollowPlan { parts: 0, ..FollowPlan::DEFAULT };
         for name in it.next().unwrap_or("").split('+') {
             let bit = parts::ALL.iter().find(|(_, n)| *n == name).map(|(b, _)| *b);
-            plan.parts |= bit.ok_or_else(|| format!("unknown L2 follower part {name:?} (in, out, out-next, router, shared)"))?;
+            plan.parts |= bit.ok_or_else(|| format!("unknown L2 follower part {name:?} (in, out, out-next, router, shared, in-late)"))?;
         }
         for opt in it {
             if opt == "last" {
                 plan.evict_last = true;
             } else if opt == "ef" {
                 plan.experts_evict_first = true;
+            } else if let Some(n) = opt.strip_prefix('m') {
+                plan.landed = n
+                    .parse()
+                    .ok()
+                    .filter(|&b| (1..=CL_BLOCKS as u32).contains(&b))
+                    .ok_or_else(|| format!("L2 follower landed {opt:?}: m1..=m{CL_BLOCKS} MoE cluster blocks"))?;
             } else {
                 plan.blocks = opt.parse().ok().filter(|&b| (1..=1024).contains(&b)).ok_or_else(|| format!("L2 follower blocks {opt:?}: 1..=1024"))?;
             }
@@ -113,7 +143,14 @@ static DEFAULT_PLAN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 const fn pack(p: Option<FollowPlan>) -> u64 {
     match p {
         None => 0,
-        Some(p) => 1 << 48 | (p.experts_evict_first as u64) << 41 | (p.evict_last as u64) << 40 | (p.parts as u64) << 32 | p.blocks as u64,
+        Some(p) => {
+            1 << 48
+                | (p.experts_evict_first as u64) << 41
+                | (p.evict_last as u64) << 40
+                | (p.parts as u64) << 32
+                | (p.landed as u64 & 0xff) << 16
+                | p.blocks as u64 & 0xffff
+        }
     }
 }
 
@@ -127,7 +164,13 @@ pub fn set_default_plan(plan: Option<FollowPlan>) {
 /// [`set_default_plan`]'s plan.
 pub fn default_plan() -> Option<FollowPlan> {
     let v = DEFAULT_PLAN.load(std::sync::atomic::Ordering::Relaxed);
-    (v != 0).then_some(FollowPlan { blocks: v as u32, parts: (v >> 32) as u32 & 0xff, evict_last: (v >> 40) & 1 == 1, experts_evict_first: (v >> 41) & 1 == 1 })
+    (v != 0).then_some(FollowPlan {
+        blocks: v as u32 & 0xffff,
+        parts: (v >> 32) as u32 & 0xff,
+        evict_last: (v >> 40) & 1 == 1,
+        experts_evict_first: (v >> 41) & 1 == 1,
+        landed: (v >> 16) as u32 & 0xff,
+    })
 }
 
 /// One region of [`Follower`]'s table (`calla_step::FollowEntry`: pointer, bytes, trigger).
@@ -168,11 +211,15 @@ fn out_of(l: &crate::decode::DeviceLayer) -> &DeviceQMat {
 }
 
 /// The regions of `plan` for `model`, in trigger order: layer `i`'s mixer bumps the progress
-/// word to `i + 1`, so parts asked for at layer `i` get trigger `i + 1`.
+/// word to `i·b + 1` (`b` = [`FollowPlan::bumps_per_layer`]), so parts asked for at layer `i`
+/// get trigger `i·b + 1`; with [`parts::IN_LATE`] layer `i`'s MoE cluster blocks then bring it
+/// to `(i + 1)·b`, and the late rows of layer `i + 1`'s input projection get `i·b + 1 +
+/// landed`.
 fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry> {
     let mut e = Vec::new();
+    let per_layer = plan.bumps_per_layer() as u64;
     for (i, l) in m.layers.iter().enumerate() {
-        let trigger = i as u64 + 1;
+        let trigger = i as u64 * per_layer + 1;
         if plan.parts & parts::OUT_SAME != 0 {
             push_qmat(&mut e, cx, out_of(l), trigger);
         }
@@ -197,8 +244,22 @@ fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry
             if plan.parts & parts::OUT_NEXT != 0 {
                 push_qmat(&mut e, cx, out_of(next), trigger);
             }
+            if plan.parts & parts::IN_LATE != 0 {
+                // the rows of the blocks past the SMs the MoE leaves free (MLX layout only: a
+                // staged copy or a K-split grid has no such rows)
+                if let [(first, _)] = next.mixer.input_projection().runs.as_slice() {
+                    let free = (cx.sm_count() as usize).saturating_sub(CL_BLOCKS);
+                    let rows = cx.gemv_late_rows(first, free).filter(|_| cx.staged_of(first).is_none());
+                    for (ptr, bytes) in rows.and_then(|r| first.row_regions(cx.stream(), r)).into_iter().flatten() {
+                        e.push(Entry { ptr, bytes: bytes as u64, trigger: trigger + plan.landed as u64 });
+                    }
+                }
+            }
         }
     }
+    // the kernel walks the table in order (landed ≤ CL_BLOCKS keeps the late rows before
+    // layer i + 1's own entries)
+    debug_assert!(e.windows(2).all(|w| w[0].trigger <= w[1].trigger), "follower entries out of trigger order");
     e
 }
 
@@ -278,11 +339,19 @@ mod tests {
         assert_eq!(FollowPlan::parse("in").unwrap(), FollowPlan { parts: parts::IN_NEXT, ..FollowPlan::DEFAULT });
         assert_eq!(
             FollowPlan::parse("in+out-next:24:last").unwrap(),
-            FollowPlan { blocks: 24, parts: parts::IN_NEXT | parts::OUT_NEXT, evict_last: true, experts_evict_first: false }
+            FollowPlan { blocks: 24, parts: parts::IN_NEXT | parts::OUT_NEXT, evict_last: true, ..FollowPlan::DEFAULT }
         );
         assert!(FollowPlan::parse("in+up").unwrap_err().contains("\"up\""));
         assert!(FollowPlan::parse("in:0").is_err());
         assert!(FollowPlan::parse("").is_err());
+        let late = FollowPlan::parse("out+in-late:m48").unwrap();
+        assert_eq!(late, FollowPlan { parts: parts::OUT_SAME | parts::IN_LATE, landed: 48, ..FollowPlan::DEFAULT });
+        assert_eq!(late.bumps_per_layer(), 1 + CL_BLOCKS);
+        assert_eq!(FollowPlan::DEFAULT.bumps_per_layer(), 1);
+        assert_eq!(FollowPlan::parse("in-late").unwrap().landed, CL_BLOCKS as u32);
+        assert!(FollowPlan::parse("in-late:m0").is_err());
+        assert!(FollowPlan::parse(&format!("in-late:m{}", CL_BLOCKS + 1)).is_err());
+        assert!(FollowPlan { landed: 0, ..FollowPlan::DEFAULT }.check().is_err());
     }
 
     #[test]
@@ -292,6 +361,9 @@ mod tests {
         assert_eq!(default_plan(), Some(FollowPlan::DEFAULT));
         set_default_plan(Some(p));
         assert_eq!(default_plan(), Some(p));
+        let q = FollowPlan::parse("out+in-late:1024:m5").unwrap();
+        set_default_plan(Some(q));
+        assert_eq!(default_plan(), Some(q));
         set_default_plan(None);
         assert_eq!(default_plan(), None);
         set_default_plan(Some(FollowPlan::DEFAULT));

@@ -447,6 +447,20 @@ impl DeviceQMat {
             (self.biases.device_ptr(st).0, self.biases.len() * 2),
         ]
     }
+
+    /// Rows `rows` of [`Self::regions`] (their codes, scales and biases); `None` when the
+    /// matrix is group-major (a row is not one run then) or the range is empty or out of
+    /// bounds.
+    pub(crate) fn row_regions(&self, st: &CudaStream, rows: std::ops::Range<usize>) -> Option<[(u64, usize); 3]> {
+        if self.codes_group_major || rows.is_empty() || rows.end > self.rows {
+            return None;
+        }
+        let n = rows.end - rows.start;
+        Some(self.regions(st).map(|(ptr, bytes)| {
+            let per_row = bytes / self.rows;
+            (ptr + (rows.start * per_row) as u64, n * per_row)
+        }))
+    }
 }
 
 /// L2 prefetch hints handed to a kernel: up to four regions of device memory that a later
@@ -509,15 +523,15 @@ impl L2Prefetch {
     /// regions); `false`, adding nothing, when fewer than three slots are free, the matrix is
     /// group-major or the range is empty or out of bounds.
     pub fn push_qmat_rows(&mut self, cx: &CudaContext, m: &DeviceQMat, rows: std::ops::Range<usize>) -> bool {
-        if 4 - self.len() < 3 || m.codes_group_major || rows.is_empty() || rows.end > m.rows {
-            return false;
+        match m.row_regions(cx.stream(), rows) {
+            Some(regions) if 4 - self.len() >= 3 => {
+                for (ptr, bytes) in regions {
+                    self.push(ptr, bytes);
+                }
+                true
+            }
+            _ => false,
         }
-        let n = rows.end - rows.start;
-        for (ptr, bytes) in m.regions(cx.stream()) {
-            let per_row = bytes / m.rows;
-            self.push(ptr + (rows.start * per_row) as u64, n * per_row);
-        }
-        true
     }
 }
 
