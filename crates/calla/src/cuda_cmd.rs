@@ -1315,7 +1315,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
                 let (us, kernels) = time_decode(&mut sess)?;
                 eprintln!("variant @ {ctx}: {name:<30} {us:>8.1} us/token ({:.1} tok/s, {kernels} kernels)", 1e6 / us);
                 variants.push(serde_json::json!({"variant": name, "in_proj_grid": grid.map(grid_json),
-                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip, "moe_l2_late": moe_l2, "l2_follow": follow.map(|p| format!("{p:?}")), "l2_follow_active": sess.l2_follow_active(),
+                    "gemv_staged": !staged_flip, "in_proj_late_weights": late_w, "moe_cluster_late_trigger": late_t, "out_proj": format!("{out:?}"), "carveout": CARVEOUTS[carve as usize], "gdn_pad": gdn_pad, "gdn_early_trigger": gdn_early, "moe_cluster_max_carveout": moe_carve, "moe_pin_experts": moe_pin, "gdn_out_split": split, "gdn_out_flags": split_flags, "decode_diag": [diag.0, diag.1], "moe_hsum": hsum0 ^ hsum_flip, "moe_l2_late": moe_l2, "l2_follow": follow.map(|p| format!("{p:?}")), "l2_follow_active": sess.l2_follow_active(), "l2_follow_effective": sess.l2_follow_effective().map(|p| format!("{p:?}")),
                     "context": ctx, "us_per_token": us, "decode_tok_s": 1e6 / us, "kernels": kernels}));
             }
             cx.set_in_proj_grid(a.in_proj_grid_set);
@@ -1488,6 +1488,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gdn_early_trigger"] = serde_json::json!(a.gdn_early_trigger);
     out["moe_hsum"] = serde_json::json!(cx.moe_hsum());
     out["l2_follow"] = serde_json::json!(sess.l2_follow().map(|p| format!("{p:?}")));
+    out["l2_follow_effective"] = serde_json::json!(sess.l2_follow_effective().map(|p| format!("{p:?}")));
     out["gdn_out_split"] = serde_json::json!(sess.gdn_out_split_applies(&cx, &gm));
     let f = &a.prefill_flags;
     out["prefill_router"] = serde_json::json!(format!("{:?}", f.prefill_router));
@@ -1946,7 +1947,10 @@ pub fn check(a: CudaCheckArgs) -> Result<()> {
             if ok { "ok" } else { "FAIL" }
         );
     }
-    println!("JSON {}", serde_json::json!({"checks": checks, "failures": failures, "worst_rel": worst_rel, "layers": m.cfg.num_hidden_layers}));
+    // what the check's session ran beside its step graphs (parts that do not apply are left out)
+    let follow_run = sess.l2_follow_effective().map(|p| format!("{p:?}"));
+    println!("L2 follower run by the session's step graphs: {}", follow_run.as_deref().unwrap_or("none"));
+    println!("JSON {}", serde_json::json!({"checks": checks, "failures": failures, "worst_rel": worst_rel, "layers": m.cfg.num_hidden_layers, "l2_follow_effective": follow_run}));
     if failures > 0 {
         bail!("{failures} of {checks} GPU/CPU comparisons failed");
     }

@@ -121,7 +121,9 @@ extern "C" __global__ void advance_pos(int* __restrict__ pos) {
 // step's graph, beside the chain of kernels and never waited for by any of them, that asks L2
 // for weights the chain reads later, at points the chain signals. The mixer kernels (GDN step,
 // split attention) add 1 to `progress` once their PDL wait returns, i.e. once the layer's input
-// projection has completed (calla_l2_progress_bump, prelude.cuh). Entry j is asked for once
+// projection has completed (calla_l2_progress_bump, prelude.cuh); with the plan's in-late part
+// every block of the MoE cluster kernel after the router fold adds 1 once its expert tiles have
+// landed (moe.cu cluster_body). Entry j is asked for once
 // `progress` has advanced by entries[j].trigger since this block's `base`: weights stream into
 // L2 while the GDN step and the output projection leave DRAM mostly idle (the default plan: the
 // layer's and the next layer's output projections; docs/CUDA.md "L2 follower").

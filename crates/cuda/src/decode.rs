@@ -633,10 +633,12 @@ pub struct CudaSession {
     /// The L2 follower's plan ([`Self::set_l2_follow`]; `None`: no follower).
     l2_follow: Option<crate::follow::FollowPlan>,
     /// The follower the step graphs hold (its table, progress and base words), and the plan
-    /// and [`CudaModel`] id it was built for (`follow_key`; `None` with a follower of `None`:
-    /// none asked for or applicable; a key with no follower: the plan asks for nothing here).
+    /// it runs (the one asked for, less the parts that do not apply), the [`CudaModel`] id
+    /// and the [`CudaContext::launch_generation`] it was built for (`follow_key`; `None` with
+    /// a follower of `None`: none asked for or applicable; a key with no follower: the plan
+    /// asks for nothing here).
     follower: Option<crate::follow::Follower>,
-    follow_key: Option<(crate::follow::FollowPlan, u64)>,
+    follow_key: Option<(crate::follow::FollowPlan, u64, u64)>,
     /// MoE launch variant (see [`Self::new`] for the default).
     pub(crate) moe_flags: crate::moe::MoeFlags,
     /// The MoE router folded into the output projection ([`Self::set_router_fold`]; used only
@@ -1215,7 +1217,10 @@ impl CudaSession {
     /// [`crate::follow::FollowPlan::DEFAULT`]; `None`: no follower). It applies only where
     /// every layer's mixer kernel bumps its progress word (no class left out by the ablation,
     /// no GDN input projection in the step, no split output projection) and the plan asks for
-    /// something in this model; elsewhere the step runs without it. Results are the same bit
+    /// something in this model; elsewhere the step runs without it. Its
+    /// [`crate::follow::parts::IN_LATE`] part applies only where every layer's experts run as
+    /// the MoE cluster kernel after the router fold; elsewhere the plan runs without that part
+    /// ([`Self::l2_follow_effective`]). Results are the same bit
     /// for bit (hints only). The step graphs are captured again on the next [`Self::start`]
     /// when this changes.
     ///
@@ -1243,25 +1248,36 @@ impl CudaSession {
         self.follower.is_some()
     }
 
+    /// The plan the step graphs' L2 follower runs (after the first [`Self::start`]; `None`
+    /// without one): [`Self::l2_follow`]'s less the parts that do not apply here.
+    pub fn l2_follow_effective(&self) -> Option<crate::follow::FollowPlan> {
+        self.follower.as_ref().map(|f| f.plan())
+    }
+
     /// The follower the next captures use: [`Self::set_l2_follow`]'s plan where it applies,
-    /// built for `m`; rebuilt (and every graph dropped, since graphs hold its buffers) when
-    /// the plan or the model changed. Its words are zeroed (between replays, before captures).
+    /// less the parts that do not apply (`in-late` without the fold cluster kernel in every
+    /// layer), built for `m`; rebuilt (and every graph dropped, since graphs hold its
+    /// buffers) when that plan, the model or the context's launch settings (which choose the
+    /// regions: staged copies, the input projections' grids) changed. Its words are zeroed
+    /// (between replays, before captures).
     fn ensure_follower(&mut self, cx: &CudaContext, m: &CudaModel) -> Result<(), CudaError> {
         let applies = self.skip == 0
             && !self.gdn_out_split_applies(cx, m)
             && !m.layers.iter().any(|l| in_step_weights(l, self.fuse_norm && self.gdn_in_step).is_some());
-        let want = self.l2_follow.filter(|_| applies).map(|p| (p, m.id));
+        // the in-late part needs every layer's experts as the cluster kernel after the router
+        // fold (the kernel that bumps as its tiles land)
+        let (cluster_all, fold) = self.moe_cluster_fold(cx, m);
+        let want = self.l2_follow.filter(|_| applies).map(|mut p| {
+            if !(cluster_all && fold) {
+                p.parts &= !crate::follow::parts::IN_LATE;
+            }
+            (p, m.id, cx.launch_generation())
+        });
         if want != self.follow_key {
             self.drop_graphs();
             self.follower = None;
             self.follow_key = None;
-            if let Some((mut plan, _)) = want {
-                // the in-late part needs every layer's experts as the cluster kernel after the
-                // router fold (the kernel that bumps as its tiles land)
-                let (cluster_all, fold) = self.moe_cluster_fold(cx, m);
-                if !(cluster_all && fold) {
-                    plan.parts &= !crate::follow::parts::IN_LATE;
-                }
+            if let Some((plan, _, _)) = want {
                 self.follower = crate::follow::Follower::new(cx, m, plan)?;
             }
             self.follow_key = want;

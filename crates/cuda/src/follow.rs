@@ -14,7 +14,9 @@
 //! `i`'s output projection, read ~4.5 µs later, and layer `i + 1`'s ([`FollowPlan::DEFAULT`]).
 //!
 //! How: the mixer kernels (GDN step, split attention) add 1 to a progress word once their PDL
-//! wait returns ([`crate::L2Prefetch`]'s `progress`); the follower is a root node of the step
+//! wait returns ([`crate::L2Prefetch`]'s `progress`), and with [`parts::IN_LATE`] so does every
+//! block of the MoE cluster kernel after the router fold once its expert tiles have landed
+//! ([`FollowPlan::bumps_per_layer`]); the follower is a root node of the step
 //! graph ([`crate::graph::StepGraph::capture_with_root`]) whose blocks poll that word and issue
 //! `cp.async.bulk.prefetch.L2` for each region once its trigger is reached. Nothing in the chain
 //! waits for the follower, and prefetches are hints: results are the same with or without it,
@@ -147,7 +149,7 @@ const fn pack(p: Option<FollowPlan>) -> u64 {
             1 << 48
                 | (p.experts_evict_first as u64) << 41
                 | (p.evict_last as u64) << 40
-                | (p.parts as u64) << 32
+                | (p.parts as u64 & 0xff) << 32
                 | (p.landed as u64 & 0xff) << 16
                 | p.blocks as u64 & 0xffff
         }
@@ -156,7 +158,10 @@ const fn pack(p: Option<FollowPlan>) -> u64 {
 
 /// Sets the L2 follower plan of every [`crate::decode::CudaSession`] created afterwards in
 /// this process ([`FollowPlan::DEFAULT`] unless set; `None`: no follower), e.g. for `calla
-/// cuda-check --l2-follow`, where the engine creates sessions of its own.
+/// cuda-check --l2-follow`, where the engine creates sessions of its own. `plan` should pass
+/// [`FollowPlan::check`] (as [`FollowPlan::parse`]'s do): fields past their ranges are
+/// stored masked (blocks to 16 bits, parts and landed to 8), and a session's follower checks
+/// the plan again when it is built (its capture fails on a rejected one).
 pub fn set_default_plan(plan: Option<FollowPlan>) {
     DEFAULT_PLAN.store(pack(plan), std::sync::atomic::Ordering::Relaxed);
 }
@@ -245,8 +250,9 @@ fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry
                 push_qmat(&mut e, cx, out_of(next), trigger);
             }
             if plan.parts & parts::IN_LATE != 0 {
-                // the rows of the blocks past the SMs the MoE leaves free (MLX layout only: a
-                // staged copy or a K-split grid has no such rows)
+                // the rows of the blocks past the SMs the MoE leaves free (MLX layout, one
+                // run, not staged; `gemv_late_rows` gives none for a forced grid or a launch of
+                // more than one round)
                 if let [(first, _)] = next.mixer.input_projection().runs.as_slice() {
                     let free = (cx.sm_count() as usize).saturating_sub(CL_BLOCKS);
                     let rows = cx.gemv_late_rows(first, free).filter(|_| cx.staged_of(first).is_none());
@@ -257,9 +263,6 @@ fn plan_entries(cx: &CudaContext, m: &CudaModel, plan: &FollowPlan) -> Vec<Entry
             }
         }
     }
-    // the kernel walks the table in order (landed ≤ CL_BLOCKS keeps the late rows before
-    // layer i + 1's own entries)
-    debug_assert!(e.windows(2).all(|w| w[0].trigger <= w[1].trigger), "follower entries out of trigger order");
     e
 }
 
@@ -269,12 +272,20 @@ impl Follower {
     /// one-layer model).
     ///
     /// # Errors
-    /// [`CudaError::Unsupported`] for a plan whose `blocks` is outside 1..=1024; driver errors.
+    /// [`CudaError::Unsupported`] for a plan that [`FollowPlan::check`] rejects, or a table
+    /// the kernel could not walk (triggers out of order or past the replay's bumps); driver
+    /// errors.
     pub(crate) fn new(cx: &CudaContext, m: &CudaModel, plan: FollowPlan) -> Result<Option<Follower>, CudaError> {
         plan.check()?;
         let e = plan_entries(cx, m, &plan);
         if e.is_empty() {
             return Ok(None);
+        }
+        // the kernel walks the table in order and then waits for the replay's bumps
+        // (landed ≤ CL_BLOCKS keeps layer i + 1's late rows before its own entries)
+        let total = (m.layers.len() * plan.bumps_per_layer()) as u64;
+        if !e.windows(2).all(|w| w[0].trigger <= w[1].trigger) || e.iter().any(|x| x.trigger > total) {
+            return Err(CudaError::Unsupported(format!("L2 follower table for {plan:?}: triggers out of order or past the {total} bumps of a replay")));
         }
         let flat: Vec<u64> = e.iter().flat_map(|x| [x.ptr, x.bytes, x.trigger]).collect();
         let st = cx.stream();

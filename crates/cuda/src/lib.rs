@@ -474,7 +474,9 @@ pub struct L2Prefetch {
     ptr: [u64; 4],
     bytes: [u64; 4],
     /// Device address of the L2 follower's progress word (0: none), which the mixer kernels
-    /// (GDN step, split attention) bump once their input has arrived ([`crate::follow`]).
+    /// (GDN step, split attention) bump once their input has arrived, and with the follower's
+    /// `in-late` part the MoE cluster kernel after the router fold once per block as its
+    /// expert tiles land ([`crate::follow`]).
     pub(crate) progress: u64,
 }
 
