@@ -796,7 +796,8 @@ impl CudaSession {
         // ask the experts' copies to leave L2 first
         let progress = self.follower.as_ref().map_or(0, |f| f.progress(cx));
         // ... and which the MoE cluster kernels bump too, once per block as its tiles land
-        let moe_progress = self.follower.as_ref().filter(|f| f.plan().parts & crate::follow::parts::IN_LATE != 0).map_or(0, |f| f.progress(cx));
+        let in_late = self.follower.as_ref().is_some_and(|f| f.plan().parts & crate::follow::parts::IN_LATE != 0);
+        let moe_progress = if in_late { progress } else { 0 };
         let mut bumps = 0;
         self.moe_scratch.evict_first = self.follower.as_ref().is_some_and(|f| f.plan().experts_evict_first);
         for (i, (lw, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
