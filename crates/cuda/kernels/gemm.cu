@@ -1062,6 +1062,23 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     // multiple of BM for the experts' down matrices).
     const bool b16 = mode == MODE_MOE_DOWN_B16;
     u16* stg = reinterpret_cast<u16*>(sptr);
+    // `+ residual`: every residual value is read before any output is stored. y may alias res,
+    // so in one loop the compiler could not move a load above the store before it: each of the
+    // thread's 64-128 loads would wait for its own round trip. A thread reads and writes the
+    // same elements, so reading them all first is correct when y == res too.
+    if (!b16 && res != nullptr) {
+#pragma unroll
+        for (int m = 0; m < MS; ++m)
+#pragma unroll
+            for (int j = 0; j < C::NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int nl = rbase + m * 64 + (e >> 1) * 8, tl = 8 * j + 2 * c + (e & 1);
+                    const int n = blockIdx.x * C::BM + nl;
+                    const int orow = s_orow[tl];
+                    if (n < n_rows && orow >= 0) acc[m][4 * j + e] += __ldcg(res + (size_t)orow * ldy + n);
+                }
+    }
 #pragma unroll
     for (int m = 0; m < MS; ++m)
 #pragma unroll
@@ -1075,12 +1092,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                 }
                 const int n = blockIdx.x * C::BM + nl;
                 const int orow = s_orow[tl];
-                if (n < n_rows && orow >= 0) {
-                    const size_t o = (size_t)orow * ldy + n;
-                    float v = acc[m][4 * j + e];
-                    if (res) v += res[o];
-                    y[o] = v;
-                }
+                if (n < n_rows && orow >= 0) y[(size_t)orow * ldy + n] = acc[m][4 * j + e];
             }
     if (!b16) return;
     epi_sync();
