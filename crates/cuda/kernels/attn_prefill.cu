@@ -492,7 +492,46 @@ __device__ __forceinline__ float ap_exp2(float x) {
 // (log2 units) and sum per row to part_o [n_split, T, NQ, HD] and part_ml [n_split, T, NQ, 2];
 // attn_prefill_combine merges them and applies the gate. A split may see no key of a row (or
 // no block at all): max -inf, sum 0, O 0.
-template <int NWG, bool SPLIT>
+// The o_proj GEMM's bf16 activations (`ACTS` entry points) instead of the f32 output: the
+// same gated values, rounded as qgemm_x_to_bf16 rounds them, in gemm.cu's permuted column
+// order (word m = c + 4h + 8s of a 64-column tile holds columns 16c + 8h + s and + 4, the
+// first in the low half), so the GEMM reads them without a conversion launch and the f32 rows
+// are never written. Row stride AP_NQ · AP_HD / 2 words. Word address of 64-column tile `tile`,
+// 8-column block `b8` within it and pair `s`:
+__device__ __forceinline__ size_t ap_act_word(int tok, int tile, int b8, int s) {
+    return (size_t)tok * (AP_NQ * AP_HD / 2) + tile * 32 + (b8 >> 1) + 4 * (b8 & 1) + 8 * s;
+}
+
+// Thread (g, cq) of the mma layout holds columns 2cq, 2cq + 1 of every 8-column block i of its
+// head for tokens a (o[i][0..1]) and b (o[i][2..3]); a word pairs columns p and p + 4, i.e. the
+// thread's values with those of lane cq ^ 2. The two lanes swap one token's pair each, so lanes
+// cq < 2 write token a's two words of the block and lanes cq >= 2 token b's.
+__device__ __forceinline__ void ap_store_acts(unsigned* __restrict__ xb, float (&o)[AP_HD / 8][4],
+                                              const float* __restrict__ proj, int head, int t_a, int t_b,
+                                              int t_count, float inv_a, float inv_b, int cq) {
+    const bool lo = cq < 2;
+    const int s = 2 * (cq & 1);
+    const float* gate_a = proj + (size_t)t_a * AP_PROJ + head * 2 * AP_HD + AP_HD;
+    const float* gate_b = proj + (size_t)t_b * AP_PROJ + head * 2 * AP_HD + AP_HD;
+#pragma unroll
+    for (int i = 0; i < AP_HD / 8; ++i) {
+        const int d = i * 8 + 2 * cq;
+        const float2 ga = t_a < t_count ? *reinterpret_cast<const float2*>(gate_a + d) : make_float2(0.f, 0.f);
+        const float2 gb = t_b < t_count ? *reinterpret_cast<const float2*>(gate_b + d) : make_float2(0.f, 0.f);
+        const float a0 = o[i][0] * inv_a * calla_sigmoid(ga.x), a1 = o[i][1] * inv_a * calla_sigmoid(ga.y);
+        const float b0 = o[i][2] * inv_b * calla_sigmoid(gb.x), b1 = o[i][3] * inv_b * calla_sigmoid(gb.y);
+        const float r0 = __shfl_xor_sync(0xffffffffu, lo ? b0 : a0, 2);
+        const float r1 = __shfl_xor_sync(0xffffffffu, lo ? b1 : a1, 2);
+        const int tok = lo ? t_a : t_b;
+        if (tok < t_count) {
+            const size_t w = ap_act_word(tok, head * (AP_HD / 64) + i / 8, i % 8, s);
+            xb[w] = lo ? ap_pack_bf16x2(a0, r0) : ap_pack_bf16x2(r0, b0);
+            xb[w + 8] = lo ? ap_pack_bf16x2(a1, r1) : ap_pack_bf16x2(r1, b1);
+        }
+    }
+}
+
+template <int NWG, bool SPLIT, bool ACTS = false>
 __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsigned short* __restrict__ q,
                                             const unsigned short* __restrict__ k_cache,
                                             const unsigned short* __restrict__ v_cache,
@@ -674,6 +713,10 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
         return;
     }
     const float inv_a = 1.0f / l_a, inv_b = 1.0f / l_b;
+    if constexpr (ACTS) {
+        ap_store_acts(reinterpret_cast<unsigned*>(out), o, proj, head, t_a, t_b, t_count, inv_a, inv_b, cq);
+        return;
+    }
     if (t_a < t_count) {
         const float* gate = proj + (size_t)t_a * AP_PROJ + head * 2 * AP_HD + AP_HD;
         float* dst = out + ((size_t)t_a * AP_NQ + head) * AP_HD;
@@ -713,6 +756,19 @@ AP_FLASH_WG_ENTRY(attn_prefill_flash_wg64, 1, 2)
 // traffic from L2 per FLOP.
 AP_FLASH_WG_ENTRY(attn_prefill_flash_wg128, 2, 1)
 
+// The same two, writing the o_proj GEMM's bf16 activations xb [T, NQ·HD/2] words (gemm.cu's
+// permuted order, ap_store_acts) instead of f32 rows.
+#define AP_FLASH_WG_ACTS_ENTRY(NAME, NWG, MINB)                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                                          \
+        NAME(unsigned* __restrict__ xb, const unsigned short* __restrict__ q,                             \
+             const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache,       \
+             const float* __restrict__ proj, int t_count, int pos0, float scale_log2) {                     \
+        ap_flash_wg<NWG, false, true>(reinterpret_cast<float*>(xb), q, k_cache, v_cache, proj, t_count, pos0, \
+                                      scale_log2, nullptr, nullptr, 1);                                     \
+    }
+AP_FLASH_WG_ACTS_ENTRY(attn_prefill_flash_wg64_acts, 1, 2)
+AP_FLASH_WG_ACTS_ENTRY(attn_prefill_flash_wg128_acts, 2, 1)
+
 // Split-KV form of attn_prefill_flash_wg64: partials to part_o / part_ml (see ap_flash_wg), no
 // output; grid n_tiles · NKV · n_split.
 extern "C" __global__ void __launch_bounds__(128, 2)
@@ -726,9 +782,12 @@ extern "C" __global__ void __launch_bounds__(128, 2)
 // Merges the n_split partials of each (token, head) row: with M = max of the split maxima,
 // out = Σ 2^(m_s − M)·O_s / Σ 2^(m_s − M)·l_s ⊙ sigmoid(gate). One warp per row, lane l holds
 // dims 8l .. 8l+7. Grid ceil(T·NQ / 8) blocks of 256.
-extern "C" __global__ void __launch_bounds__(256)
-    attn_prefill_combine(float* __restrict__ out, const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                         const float* __restrict__ proj, int t_count, int n_split) {
+// ACTS: the values as the o_proj GEMM's bf16 activations (xb, as ap_store_acts) instead of f32
+// rows: lane l's 8 columns are one 8-column block, 4 words.
+template <bool ACTS>
+__device__ __forceinline__ void ap_combine(float* __restrict__ out, const float* __restrict__ part_o,
+                                           const float* __restrict__ part_ml, const float* __restrict__ proj,
+                                           int t_count, int n_split) {
     calla_pdl_wait();
     const int lane = threadIdx.x & 31;
     const size_t rows = (size_t)t_count * AP_NQ;
@@ -757,11 +816,34 @@ extern "C" __global__ void __launch_bounds__(256)
     const size_t t = row / AP_NQ, head = row % AP_NQ;
     const float4* gp = reinterpret_cast<const float4*>(proj + t * AP_PROJ + head * 2 * AP_HD + AP_HD) + lane * 2;
     const float4 ga = gp[0], gb = gp[1];
+    if constexpr (ACTS) {
+        const float v[8] = {acc[0] * inv * calla_sigmoid(ga.x), acc[1] * inv * calla_sigmoid(ga.y),
+                            acc[2] * inv * calla_sigmoid(ga.z), acc[3] * inv * calla_sigmoid(ga.w),
+                            acc[4] * inv * calla_sigmoid(gb.x), acc[5] * inv * calla_sigmoid(gb.y),
+                            acc[6] * inv * calla_sigmoid(gb.z), acc[7] * inv * calla_sigmoid(gb.w)};
+        unsigned* xb = reinterpret_cast<unsigned*>(out);
+#pragma unroll
+        for (int sp = 0; sp < 4; ++sp)
+            xb[ap_act_word((int)t, (int)head * (AP_HD / 64) + lane / 8, lane % 8, sp)] = ap_pack_bf16x2(v[sp], v[sp + 4]);
+        return;
+    }
     float4* dst = reinterpret_cast<float4*>(out + row * AP_HD) + lane * 2;
     dst[0] = make_float4(acc[0] * inv * calla_sigmoid(ga.x), acc[1] * inv * calla_sigmoid(ga.y),
                          acc[2] * inv * calla_sigmoid(ga.z), acc[3] * inv * calla_sigmoid(ga.w));
     dst[1] = make_float4(acc[4] * inv * calla_sigmoid(gb.x), acc[5] * inv * calla_sigmoid(gb.y),
                          acc[6] * inv * calla_sigmoid(gb.z), acc[7] * inv * calla_sigmoid(gb.w));
+}
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_combine(float* __restrict__ out, const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                         const float* __restrict__ proj, int t_count, int n_split) {
+    ap_combine<false>(out, part_o, part_ml, proj, t_count, n_split);
+}
+// The same into the o_proj GEMM's bf16 activations xb [T, NQ·HD/2] words.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_combine_acts(unsigned* __restrict__ xb, const float* __restrict__ part_o,
+                              const float* __restrict__ part_ml, const float* __restrict__ proj, int t_count,
+                              int n_split) {
+    ap_combine<true>(reinterpret_cast<float*>(xb), part_o, part_ml, proj, t_count, n_split);
 }
 
 // Self-test probe of the two wgmma forms and their shared-memory layouts, one warpgroup:

@@ -20,7 +20,7 @@ use cudarc::driver::{
 };
 use spec::production as p;
 
-use crate::{CudaContext, CudaError};
+use crate::{gemm::GemmScratch, CudaContext, CudaError};
 
 /// Width of one token's row of `proj`: `q_proj` output (`N_Q_HEADS` heads × `[query HEAD_DIM |
 /// gate HEAD_DIM]`, interleaved per head as `model::load::AttnWeights::q_proj` rows) | k
@@ -82,6 +82,16 @@ impl AttnTile {
             AttnTile::Q128 => "attn_prefill_flash_q128",
             AttnTile::Wg64 => "attn_prefill_flash_wg64",
             AttnTile::Wg128 => "attn_prefill_flash_wg128",
+        }
+    }
+
+    /// The entry point that writes the o_proj GEMM's bf16 activations instead of f32 rows
+    /// (the wgmma tiles only).
+    fn acts_entry(self) -> Option<&'static str> {
+        match self {
+            AttnTile::Wg64 => Some("attn_prefill_flash_wg64_acts"),
+            AttnTile::Wg128 => Some("attn_prefill_flash_wg128_acts"),
+            AttnTile::Q64 | AttnTile::Q128 => None,
         }
     }
 
@@ -201,7 +211,7 @@ impl CudaContext {
         }
         let entries = AttnTile::ALL
             .iter()
-            .map(|t| (t.entry(), t.smem_bytes()))
+            .flat_map(|t| [Some(t.entry()), t.acts_entry()].into_iter().flatten().map(move |e| (e, t.smem_bytes())))
             .chain([(SPLIT_ENTRY, AttnTile::Wg64.smem_bytes())]);
         for (entry, smem) in entries {
             self.func(entry)?.set_attribute(
@@ -258,15 +268,57 @@ impl CudaContext {
         scratch: &mut AttnPrefillScratch,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
+        self.attn_prefill_to(proj, t, pos0, q_norm, k_norm, inv_freq, k_cache, v_cache, scratch, FlashOut::F32(out))
+    }
+
+    /// [`Self::attn_prefill`] with the output written as the `o_proj` GEMM's bf16 activations
+    /// into `acts` (`[t, N_Q_HEADS · HEAD_DIM]`, `gemm.cu`'s permuted order, rounded to
+    /// nearest even as [`Self::convert_acts`] rounds: the same bits as `attn_prefill` followed
+    /// by `convert_acts`), for [`Self::qgemm_converted`]; no f32 rows are written. The flash
+    /// part runs on the planned wgmma tile (or split), whose epilogues write the activations.
+    ///
+    /// # Errors
+    /// As [`Self::attn_prefill`], and [`CudaError::Unsupported`] when `t` exceeds `acts`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_acts(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        q_norm: &CudaView<'_, f32>,
+        k_norm: &CudaView<'_, f32>,
+        inv_freq: &CudaView<'_, f32>,
+        k_cache: &mut CudaViewMut<'_, u16>,
+        v_cache: &mut CudaViewMut<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+        acts: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.attn_prefill_to(proj, t, pos0, q_norm, k_norm, inv_freq, k_cache, v_cache, scratch, FlashOut::Acts(acts))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attn_prefill_to(
+        &self,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        q_norm: &CudaView<'_, f32>,
+        k_norm: &CudaView<'_, f32>,
+        inv_freq: &CudaView<'_, f32>,
+        k_cache: &mut CudaViewMut<'_, u16>,
+        v_cache: &mut CudaViewMut<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+        out: FlashOut<'_, '_>,
+    ) -> Result<(), CudaError> {
         self.attn_prefill_prep(
             proj, t, pos0, q_norm, k_norm, inv_freq, k_cache, v_cache, scratch,
         )?;
         let plan = attn_prefill_plan(t, pos0, self.sm_count() as usize);
         let (kc, vc) = (k_cache.as_view(), v_cache.as_view());
         if plan.n_split > 1 {
-            self.attn_prefill_flash_split(plan.n_split, proj, t, pos0, &kc, &vc, scratch, out)
+            self.flash_split(plan.n_split, proj, t, pos0, &kc, &vc, scratch, out)
         } else {
-            self.attn_prefill_flash(plan.tile, proj, t, pos0, &kc, &vc, scratch, out)
+            self.flash(plan.tile, proj, t, pos0, &kc, &vc, scratch, out)
         }
     }
 
@@ -363,35 +415,63 @@ impl CudaContext {
         scratch: &AttnPrefillScratch,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
+        self.flash(tile, proj, t, pos0, k_cache, v_cache, scratch, FlashOut::F32(out))
+    }
+
+    /// [`Self::attn_prefill_flash`] writing the `o_proj` GEMM's bf16 activations into `acts`
+    /// (as [`Self::attn_prefill_acts`]); the wgmma tiles only. For tests.
+    ///
+    /// # Errors
+    /// As [`Self::attn_prefill_acts`]; [`CudaError::Unsupported`] for the mma.sync tiles.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_flash_acts(
+        &self,
+        tile: AttnTile,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        scratch: &AttnPrefillScratch,
+        acts: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.flash(tile, proj, t, pos0, k_cache, v_cache, scratch, FlashOut::Acts(acts))
+    }
+
+    /// [`Self::attn_prefill_flash`] into `out`'s kind of output.
+    #[allow(clippy::too_many_arguments)]
+    fn flash(
+        &self,
+        tile: AttnTile,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        scratch: &AttnPrefillScratch,
+        out: FlashOut<'_, '_>,
+    ) -> Result<(), CudaError> {
         let stream = self.stream();
-        check_common(
-            "attn_prefill_flash",
-            proj,
-            t,
-            pos0,
-            k_cache.len(),
-            v_cache.len(),
-            scratch,
-        )?;
-        if out.len() < t * ATTN_PREFILL_OUT {
-            return Err(CudaError::Unsupported(format!(
-                "attn_prefill_flash: out has {} elements, {t} tokens need {}",
-                out.len(),
-                t * ATTN_PREFILL_OUT
-            )));
-        }
+        let op = "attn_prefill_flash";
+        check_common(op, proj, t, pos0, k_cache.len(), v_cache.len(), scratch)?;
         check_aligned(
-            "attn_prefill_flash",
+            op,
             &[
                 ("proj", proj.device_ptr(stream).0),
                 ("k_cache", k_cache.device_ptr(stream).0),
                 ("v_cache", v_cache.device_ptr(stream).0),
-                ("out", out.device_ptr(stream).0),
             ],
         )?;
-        if t == 0 {
+        let entry = match &out {
+            FlashOut::F32(_) => tile.entry(),
+            FlashOut::Acts(_) => tile.acts_entry().ok_or_else(|| {
+                CudaError::Unsupported(format!("{op}: the {tile:?} tile writes no GEMM activations (the wgmma tiles do)"))
+            })?,
+        };
+        let Some(mut out) = out.prepare(op, t, stream)? else {
             return Ok(());
-        }
+        };
         let n_tiles = t.div_ceil(tile.tokens());
         let cfg = LaunchConfig {
             grid_dim: ((n_tiles * p::N_KV_HEADS) as u32, 1, 1),
@@ -401,9 +481,9 @@ impl CudaContext {
         let (t_i, pos0_i) = (t as i32, pos0 as i32);
         // softmax in base 2: exp(s / sqrt(d)) = 2^(s · log2(e) / sqrt(d))
         let scale_log2 = std::f32::consts::LOG2_E / (p::HEAD_DIM as f32).sqrt();
-        let mut b = self.kernel(self.func(tile.entry())?);
-        b.ptr_mut(out)
-            .ptr(&scratch.q)
+        let mut b = self.kernel(self.func(entry)?);
+        out.push(&mut b, op, t)?;
+        b.ptr(&scratch.q)
             .ptr(k_cache)
             .ptr(v_cache)
             .ptr(proj)
@@ -411,9 +491,11 @@ impl CudaContext {
             .arg(&pos0_i)
             .arg(&scale_log2);
         // SAFETY: argument order and types match the kernel; bounds checked above (reads proj
-        // rows < t, scratch rows < t, cache rows < pos0 + t; writes out rows < t). The shared
-        // memory limit was raised by attn_prefill_scratch, which made `scratch`.
+        // rows < t, scratch rows < t, cache rows < pos0 + t; writes out rows < t, or words of
+        // acts rows < t). The shared memory limit was raised by attn_prefill_scratch, which
+        // made `scratch`.
         unsafe { b.launch(cfg) }?;
+        out.done(t);
         Ok(())
     }
 }
@@ -439,6 +521,43 @@ impl CudaContext {
         scratch: &mut AttnPrefillScratch,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
+        self.flash_split(n_split, proj, t, pos0, k_cache, v_cache, scratch, FlashOut::F32(out))
+    }
+
+    /// [`Self::attn_prefill_flash_split`] writing the `o_proj` GEMM's bf16 activations into
+    /// `acts` (as [`Self::attn_prefill_acts`]). For tests.
+    ///
+    /// # Errors
+    /// As [`Self::attn_prefill_flash_split`] and [`Self::attn_prefill_acts`].
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill_flash_split_acts(
+        &self,
+        n_split: usize,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+        acts: &mut GemmScratch,
+    ) -> Result<(), CudaError> {
+        self.flash_split(n_split, proj, t, pos0, k_cache, v_cache, scratch, FlashOut::Acts(acts))
+    }
+
+    /// [`Self::attn_prefill_flash_split`] into `out`'s kind of output.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_split(
+        &self,
+        n_split: usize,
+        proj: &CudaView<'_, f32>,
+        t: usize,
+        pos0: usize,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        scratch: &mut AttnPrefillScratch,
+        out: FlashOut<'_, '_>,
+    ) -> Result<(), CudaError> {
         let stream = self.stream();
         let op = "attn_prefill_flash_split";
         check_common(op, proj, t, pos0, k_cache.len(), v_cache.len(), scratch)?;
@@ -448,25 +567,21 @@ impl CudaContext {
                  {SPLIT_CAP})"
             )));
         }
-        if out.len() < t * ATTN_PREFILL_OUT {
-            return Err(CudaError::Unsupported(format!(
-                "{op}: out has {} elements, {t} tokens need {}",
-                out.len(),
-                t * ATTN_PREFILL_OUT
-            )));
-        }
         check_aligned(
             op,
             &[
                 ("proj", proj.device_ptr(stream).0),
                 ("k_cache", k_cache.device_ptr(stream).0),
                 ("v_cache", v_cache.device_ptr(stream).0),
-                ("out", out.device_ptr(stream).0),
             ],
         )?;
-        if t == 0 {
+        let combine = match &out {
+            FlashOut::F32(_) => "attn_prefill_combine",
+            FlashOut::Acts(_) => "attn_prefill_combine_acts",
+        };
+        let Some(mut out) = out.prepare(op, t, stream)? else {
             return Ok(());
-        }
+        };
         let tile = AttnTile::Wg64;
         let n_tiles = t.div_ceil(tile.tokens());
         let cfg = LaunchConfig {
@@ -495,15 +610,16 @@ impl CudaContext {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.kernel(self.func("attn_prefill_combine")?);
-        b.ptr_mut(out)
-            .ptr(&scratch.part_o)
+        let mut b = self.kernel(self.func(combine)?);
+        out.push(&mut b, op, t)?;
+        b.ptr(&scratch.part_o)
             .ptr(&scratch.part_ml)
             .ptr(proj)
             .arg(&t_i)
             .arg(&n_split_i);
-        // SAFETY: as above; writes out rows < t, reads proj rows < t.
+        // SAFETY: as above; writes out rows (or acts rows) < t, reads proj rows < t.
         unsafe { b.launch(cfg) }?;
+        out.done(t);
         Ok(())
     }
 }
@@ -554,6 +670,69 @@ impl CudaContext {
         // SAFETY: argument order and types match the kernel; lengths checked above.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+}
+
+/// Where the flash part writes its gated output: f32 rows `[≥ t, ATTN_PREFILL_OUT]`, or the
+/// `o_proj` GEMM's bf16 activations in a [`GemmScratch`].
+enum FlashOut<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    Acts(&'a mut GemmScratch),
+}
+
+/// A [`FlashOut`] checked for `t` tokens, ready to be the kernel's first argument.
+enum FlashDst<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    Acts(&'a mut GemmScratch),
+}
+
+impl<'a, 'b> FlashOut<'a, 'b> {
+    /// Checks the output's size and alignment for `t` tokens; `None` when `t = 0` (nothing to
+    /// launch; a GEMM scratch then holds nothing).
+    fn prepare(self, op: &str, t: usize, stream: &cudarc::driver::CudaStream) -> Result<Option<FlashDst<'a, 'b>>, CudaError> {
+        match self {
+            FlashOut::F32(out) => {
+                if out.len() < t * ATTN_PREFILL_OUT {
+                    return Err(CudaError::Unsupported(format!(
+                        "{op}: out has {} elements, {t} tokens need {}",
+                        out.len(),
+                        t * ATTN_PREFILL_OUT
+                    )));
+                }
+                check_aligned(op, &[("out", out.device_ptr(stream).0)])?;
+                Ok((t > 0).then_some(FlashDst::F32(out)))
+            }
+            FlashOut::Acts(acts) => {
+                if t == 0 {
+                    acts.clear();
+                    return Ok(None);
+                }
+                acts.fill(op, t, ATTN_PREFILL_OUT)?;
+                Ok(Some(FlashDst::Acts(acts)))
+            }
+        }
+    }
+}
+
+impl FlashDst<'_, '_> {
+    /// Passes the output as the kernel's next (first) argument.
+    fn push(&mut self, b: &mut crate::launch::Launch<'_>, op: &str, t: usize) -> Result<(), CudaError> {
+        match self {
+            FlashDst::F32(out) => {
+                b.ptr_mut(&mut **out);
+            }
+            FlashDst::Acts(acts) => {
+                b.ptr_mut(acts.fill(op, t, ATTN_PREFILL_OUT)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// The launch is queued: a GEMM scratch holds `[t, ATTN_PREFILL_OUT]` activations now.
+    fn done(self, t: usize) {
+        if let FlashDst::Acts(acts) = self {
+            acts.filled(t, ATTN_PREFILL_OUT);
+        }
     }
 }
 

@@ -378,20 +378,20 @@ impl Prefiller {
                     let n_out = p::N_Q_HEADS * p::HEAD_DIM;
                     in_proj_gemm(cx, &mut self.proj.slice_mut(..t * ATTN_PROJ), &qkv.runs[0].0, &self.u, &mut self.gemm)?;
                     mark(&mut self.profile, cx, "attn q|gate|k|v GEMM")?;
-                    cx.attn_prefill(
-                        &self.proj.slice(..t * ATTN_PROJ),
-                        t,
-                        pos0,
-                        &q_norm.slice(..),
-                        &k_norm.slice(..),
-                        &m.inv_freq.slice(..),
-                        &mut k.slice_mut(..),
-                        &mut v.slice_mut(..),
-                        &mut self.attn,
-                        &mut self.mix.slice_mut(..t * n_out),
-                    )?;
+                    let (proj, q_norm, k_norm, inv_freq) = (self.proj.slice(..t * ATTN_PROJ), q_norm.slice(..), k_norm.slice(..), m.inv_freq.slice(..));
+                    let (mut k, mut v) = (k.slice_mut(..), v.slice_mut(..));
+                    if fused {
+                        // the flash epilogue writes o_proj's bf16 activations (no f32 rows)
+                        cx.attn_prefill_acts(&proj, t, pos0, &q_norm, &k_norm, &inv_freq, &mut k, &mut v, &mut self.attn, &mut self.gemm)?;
+                    } else {
+                        cx.attn_prefill(&proj, t, pos0, &q_norm, &k_norm, &inv_freq, &mut k, &mut v, &mut self.attn, &mut self.mix.slice_mut(..t * n_out))?;
+                    }
                     mark(&mut self.profile, cx, "attn flash core")?;
-                    cx.qgemm_residual(&mut self.h.slice_mut(..t * d), o_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                    if fused {
+                        cx.qgemm_converted(&mut self.h.slice_mut(..t * d), o_proj, &self.gemm, t, Epilogue::Residual(&self.x.slice(..t * d)))?;
+                    } else {
+                        cx.qgemm_residual(&mut self.h.slice_mut(..t * d), o_proj, &self.mix.slice(..t * n_out), &self.x.slice(..t * d), t, &mut self.gemm)?;
+                    }
                     mark(&mut self.profile, cx, "attn o_proj GEMM")?;
                 }
                 _ => return Err(CudaError::Unsupported("layer state does not match its mixer".into())),

@@ -40,6 +40,7 @@ use cuda::attn_prefill::{
     ATTN_PREFILL_PROJ, KV_ROW, SPLIT_CAP,
 };
 use cuda::cudarc::driver::{CudaSlice, CudaView};
+use cuda::gemm::{unpermute_row, GemmScratch};
 use cuda::CudaContext;
 use model::reference as r;
 use rayon::prelude::*;
@@ -334,6 +335,41 @@ fn run_gpu(
     )
 }
 
+/// [`run_gpu`]'s call with the output written as the o_proj GEMM's bf16 activations into
+/// `gemm` (`attn_prefill_acts`, or prep + the acts form of the variant's flash part); returns
+/// the activations (`GemmScratch::download_acts`) or the call's error.
+#[allow(clippy::too_many_arguments)]
+fn run_gpu_acts(
+    cx: &CudaContext,
+    variant: Variant,
+    dev_w: &(CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>),
+    proj: &CudaSlice<f32>,
+    t: usize,
+    pos0: usize,
+    kc0: &[u16],
+    vc0: &[u16],
+    scratch: &mut AttnPrefillScratch,
+    gemm: &mut GemmScratch,
+) -> Result<Vec<u16>, cuda::CudaError> {
+    let s = cx.stream();
+    let mut kc = s.clone_htod(kc0).expect("k cache");
+    let mut vc = s.clone_htod(vc0).expect("v cache");
+    let (qn, kn, invf) = dev_w;
+    let (pv, qv, kv, fv): (CudaView<f32>, _, _, _) = (proj.as_view(), qn.as_view(), kn.as_view(), invf.as_view());
+    if variant == Variant::Auto {
+        cx.attn_prefill_acts(&pv, t, pos0, &qv, &kv, &fv, &mut kc.as_view_mut(), &mut vc.as_view_mut(), scratch, gemm)?;
+    } else {
+        cx.attn_prefill_prep(&pv, t, pos0, &qv, &kv, &fv, &mut kc.as_view_mut(), &mut vc.as_view_mut(), scratch)?;
+        match variant {
+            Variant::Tile(tile) => cx.attn_prefill_flash_acts(tile, &pv, t, pos0, &kc.as_view(), &vc.as_view(), scratch, gemm)?,
+            Variant::Split(n) => cx.attn_prefill_flash_split_acts(n, &pv, t, pos0, &kc.as_view(), &vc.as_view(), scratch, gemm)?,
+            Variant::Auto => unreachable!(),
+        }
+    }
+    cx.synchronize()?;
+    gemm.download_acts(cx)
+}
+
 pub fn run(s: &mut Suite) {
     let cx = s.cx;
     probe(s);
@@ -368,6 +404,7 @@ pub fn run(s: &mut Suite) {
     );
     let max_ctx = 1100;
     let mut scratch = cx.attn_prefill_scratch(1000).expect("scratch");
+    let mut gemm = cx.gemm_scratch(1000).expect("gemm scratch");
     let fresh = vec![SENTINEL_BF16; max_ctx * KV_ROW];
     // (t, pos0, continue on the previous case's cache)
     let cases: [(usize, usize, bool); 7] = [
@@ -483,6 +520,41 @@ pub fn run(s: &mut Suite) {
                 &c,
                 &format!("\"t\":{t},\"pos0\":{pos0},\"variant\":\"{vname}\""),
             );
+            // the o_proj GEMM's bf16 activations from the same kernels' epilogues: equal bit
+            // for bit to this variant's f32 rows rounded (what convert_acts would make), on
+            // the same starting caches; the mma.sync tiles refuse
+            {
+                let got = run_gpu_acts(cx, variant, &dev_w, &proj, t, pos0, &kc0, &vc0, &mut scratch, &mut gemm);
+                let c = match got {
+                    Ok(acts) => {
+                        let mut row = vec![0u16; ATTN_PREFILL_OUT];
+                        let mut diff = 0usize;
+                        for (tok, packed) in acts.chunks_exact(ATTN_PREFILL_OUT).enumerate() {
+                            unpermute_row(packed, &mut row);
+                            let f = &out[GUARD + tok * ATTN_PREFILL_OUT..GUARD + (tok + 1) * ATTN_PREFILL_OUT];
+                            diff += row.iter().zip(f).filter(|&(&a, &x)| a != bf16_bits(x)).count();
+                        }
+                        let n = acts.len();
+                        let ok = diff == 0 && n == t * ATTN_PREFILL_OUT;
+                        Cmp {
+                            rel: if ok { 0.0 } else { f64::NAN },
+                            max_over_rms: if ok { 0.0 } else { f64::NAN },
+                            ok,
+                            msg: if ok { String::new() } else { format!("{diff} of {n} activations differ (want {}); ", t * ATTN_PREFILL_OUT) },
+                        }
+                    }
+                    Err(e) => {
+                        let refused = matches!(variant, Variant::Tile(AttnTile::Q64 | AttnTile::Q128));
+                        Cmp { rel: 0.0, max_over_rms: 0.0, ok: refused, msg: if refused { String::new() } else { format!("{e}; ") } }
+                    }
+                };
+                let what = if matches!(variant, Variant::Tile(AttnTile::Q64 | AttnTile::Q128)) {
+                    "GEMM activations refused (mma.sync tile)"
+                } else {
+                    "GEMM activations = f32 out rounded, bit for bit"
+                };
+                s.record(SEC, &format!("{label} {what}"), &c, "");
+            }
             if variant == Variant::Auto {
                 kc_auto = kc[rows.clone()].to_vec();
                 vc_auto = vc[rows.clone()].to_vec();
