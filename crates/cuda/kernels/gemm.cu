@@ -1064,7 +1064,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     u16* stg = reinterpret_cast<u16*>(sptr);
     // `+ residual`: every residual value is read before any output is stored. y may alias res,
     // so in one loop the compiler could not move a load above the store before it: each of the
-    // thread's 64-128 loads would wait for its own round trip. A thread reads and writes the
+    // thread's 32-128 loads would wait for its own round trip. A thread reads and writes the
     // same elements, so reading them all first is correct when y == res too.
     if (!b16 && res != nullptr) {
 #pragma unroll

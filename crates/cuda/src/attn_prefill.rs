@@ -310,6 +310,8 @@ impl CudaContext {
         scratch: &mut AttnPrefillScratch,
         out: FlashOut<'_, '_>,
     ) -> Result<(), CudaError> {
+        // the output's size before anything is queued (the flash part checks it again)
+        out.check("attn_prefill", t, self.stream())?;
         self.attn_prefill_prep(
             proj, t, pos0, q_norm, k_norm, inv_freq, k_cache, v_cache, scratch,
         )?;
@@ -687,9 +689,8 @@ enum FlashDst<'a, 'b> {
 }
 
 impl<'a, 'b> FlashOut<'a, 'b> {
-    /// Checks the output's size and alignment for `t` tokens; `None` when `t = 0` (nothing to
-    /// launch; a GEMM scratch then holds nothing).
-    fn prepare(self, op: &str, t: usize, stream: &cudarc::driver::CudaStream) -> Result<Option<FlashDst<'a, 'b>>, CudaError> {
+    /// Whether the output holds `t` tokens (and f32 rows are 16-byte aligned); queues nothing.
+    fn check(&self, op: &str, t: usize, stream: &cudarc::driver::CudaStream) -> Result<(), CudaError> {
         match self {
             FlashOut::F32(out) => {
                 if out.len() < t * ATTN_PREFILL_OUT {
@@ -699,9 +700,22 @@ impl<'a, 'b> FlashOut<'a, 'b> {
                         t * ATTN_PREFILL_OUT
                     )));
                 }
-                check_aligned(op, &[("out", out.device_ptr(stream).0)])?;
-                Ok((t > 0).then_some(FlashDst::F32(out)))
+                check_aligned(op, &[("out", out.device_ptr(stream).0)])
             }
+            FlashOut::Acts(acts) if t > acts.max_t() => Err(CudaError::Unsupported(format!(
+                "{op}: t = {t}, the GEMM scratch holds at most {} rows",
+                acts.max_t()
+            ))),
+            FlashOut::Acts(_) => Ok(()),
+        }
+    }
+
+    /// Checks the output's size and alignment for `t` tokens; `None` when `t = 0` (nothing to
+    /// launch; a GEMM scratch then holds nothing).
+    fn prepare(self, op: &str, t: usize, stream: &cudarc::driver::CudaStream) -> Result<Option<FlashDst<'a, 'b>>, CudaError> {
+        self.check(op, t, stream)?;
+        match self {
+            FlashOut::F32(out) => Ok((t > 0).then_some(FlashDst::F32(out))),
             FlashOut::Acts(acts) => {
                 if t == 0 {
                     acts.clear();

@@ -15,12 +15,13 @@
 //! ```
 //!
 //! then the last token's final norm, LM head and greedy pick, exactly as the decode step ends.
-//! The norms before the GEMMs (input norm, post-attention norm, the GDN gated norm) write the
-//! GEMMs' bf16 activations themselves ([`Prefiller::fused_norm_acts`]); the post-attention
-//! norm also writes f32 `u` for the router, and every layer's input norm but the first runs
-//! inside the previous layer's MoE combine ([`CudaContext::moe_down_grouped_acts`]).
-//! Matrix products run on tensor cores in bf16 with f32 accumulation ([`crate::gemm`]); the
-//! GDN state and all activations between kernels stay f32.
+//! The norms before the GEMMs (input norm, post-attention norm, the GDN gated norm) and the
+//! attention's flash epilogue write the GEMMs' bf16 activations themselves
+//! ([`Prefiller::fused_norm_acts`]); the post-attention norm also writes f32 `u` for the
+//! router, and every layer's input norm but the first runs inside the previous layer's MoE
+//! combine ([`CudaContext::moe_down_grouped_acts`]). Matrix products run on tensor cores in
+//! bf16 with f32 accumulation ([`crate::gemm`]); the GDN state, the residual stream and the
+//! products' outputs stay f32.
 //!
 //! The grouped expert GEMMs read the experts in the [`DeviceQMat`] layout, while the decode
 //! kernels read them in [`crate::moe::DeviceMoe`]'s own layout, so today the routed experts are
@@ -170,7 +171,8 @@ pub struct Prefiller {
     /// input norm (fused into the previous layer's MoE combine,
     /// [`CudaContext::moe_down_grouped_acts`], from the second layer on), the post-attention
     /// norm ([`CudaContext::rms_norm_acts`]; the shared expert reads the main stream's copy)
-    /// and the GDN gated norm ([`CudaContext::gdn_prefill_acts`]), instead of f32 rows that
+    /// the GDN gated norm ([`CudaContext::gdn_prefill_acts`]) and the attention's flash
+    /// epilogue for `o_proj` ([`CudaContext::attn_prefill_acts`]), instead of f32 rows that
     /// [`CudaContext::convert_acts`] reads again. The same bits; for measurement (`calla
     /// cuda-bench --prefill-compare`). Starts as
     /// [`set_default_fused_norm_acts`] last set.
