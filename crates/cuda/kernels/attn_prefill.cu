@@ -483,15 +483,6 @@ __device__ __forceinline__ float ap_exp2(float x) {
     return y;
 }
 
-// NWG warpgroups of 64 Q rows each: BM = 64·NWG rows = 8·NWG tokens per block. Grid and
-// dynamic smem ((BM + 2·BN) · 512 + 1024 bytes) as ap_flash.
-//
-// SPLIT (split-KV, for few tiles over a long prefix): the grid is n_tiles · NKV · n_split, block
-// x -> split x % n_split of block x / n_split; split sp takes the tile's key blocks
-// [sp·per, (sp+1)·per), per = ceil(n_blk / n_split), and writes its unnormalised O, running max
-// (log2 units) and sum per row to part_o [n_split, T, NQ, HD] and part_ml [n_split, T, NQ, 2];
-// attn_prefill_combine merges them and applies the gate. A split may see no key of a row (or
-// no block at all): max -inf, sum 0, O 0.
 // The o_proj GEMM's bf16 activations (`ACTS` entry points) instead of the f32 output: the
 // same gated values, rounded as qgemm_x_to_bf16 rounds them, in gemm.cu's permuted column
 // order (word m = c + 4h + 8s of a 64-column tile holds columns 16c + 8h + s and + 4, the
@@ -531,6 +522,16 @@ __device__ __forceinline__ void ap_store_acts(unsigned* __restrict__ xb, float (
     }
 }
 
+// NWG warpgroups of 64 Q rows each: BM = 64·NWG rows = 8·NWG tokens per block. Grid and
+// dynamic smem ((BM + 2·BN) · 512 + 1024 bytes) as ap_flash.
+//
+// SPLIT (split-KV, for few tiles over a long prefix): the grid is n_tiles · NKV · n_split, block
+// x -> split x % n_split of block x / n_split; split sp takes the tile's key blocks
+// [sp·per, (sp+1)·per), per = ceil(n_blk / n_split), and writes its unnormalised O, running max
+// (log2 units) and sum per row to part_o [n_split, T, NQ, HD] and part_ml [n_split, T, NQ, 2];
+// attn_prefill_combine merges them and applies the gate. A split may see no key of a row (or
+// no block at all): max -inf, sum 0, O 0.
+// ACTS: the epilogue writes o_proj's GEMM activations (ap_store_acts) instead of f32 rows.
 template <int NWG, bool SPLIT, bool ACTS = false>
 __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsigned short* __restrict__ q,
                                             const unsigned short* __restrict__ k_cache,
