@@ -1123,6 +1123,30 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 scratch.force = None;
                 scratch.bench_no_store = false;
                 cx.set_gemm_group_major(true);
+                // the o_proj / GDN out_proj shape with the `+ residual` epilogue the prefill
+                // runs (session 38: its phase at 8k stayed ~85 µs per layer above the store-only
+                // product here; is it the epilogue, or the prefill around it?)
+                if si == 2 && bits == 4 {
+                    let rd = cx.upload_f32(&rand_x(t * n, 0x7300)).unwrap();
+                    let per = 8usize;
+                    let sec = s.time_graph(reps, || {
+                        for _ in 0..per {
+                            let mut yv = yd.slice_mut(..t * n);
+                            cx.qgemm_converted(&mut yv, &dm, &scratch, t, Epilogue::Residual(&rd.slice(..t * n))).unwrap();
+                        }
+                    }) / per as f64;
+                    let tf = gemm_flops(t, n, k) / sec / 1e12;
+                    let vn = "auto +resid";
+                    println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
+                    table.push((bits, n, k, t, vn.to_string(), sec, tf));
+                    s.json.push((
+                        SEC.into(),
+                        format!(
+                            "{{\"bits\":{bits},\"n\":{n},\"k\":{k},\"t\":{t},\"variant\":\"{vn}\",\"us\":{:.2},\"tflops\":{tf:.1}}}",
+                            sec * 1e6
+                        ),
+                    ));
+                }
             }
             if si == 0 && bits == 4 {
                 for t in [512usize, 2048, 8192] {
