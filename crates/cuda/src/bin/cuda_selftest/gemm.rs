@@ -1074,9 +1074,14 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             let x = rand_x(tmax * k, 0x7200 + si as u64);
             let xd = cx.upload_f32(&x).unwrap();
             let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
+            // the o_proj / GDN out_proj shape also with the `+ residual` epilogue the prefill
+            // runs (session 38: its phase at 8k stayed ~85 µs per layer above the store-only
+            // product here; is it the epilogue, or the prefill around it?)
+            let rd = (si == 2 && bits == 4).then(|| cx.upload_f32(&rand_x(tmax * n, 0x7300)).unwrap());
             for t in [512usize, 1024, 2048, 8192] {
                 cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
-                // (variant, main loop only, group-major scales and biases, group-major codes)
+                // (variant, main loop only, group-major scales and biases, group-major codes,
+                // + residual)
                 let mut variants = vec![(None, false, true, false)];
                 if si == 0 && bits == 4 {
                     variants.extend([(None, false, false, false), (None, true, true, false), (None, true, false, false)]);
@@ -1092,7 +1097,11 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     // the plain big, tall and small tiles and every lean one (choose_dense's fit)
                     variants.extend(ALL_VARIANTS[..3].iter().chain(&LEAN_VARIANTS).map(|&v| (Some(v), false, true, false)));
                 }
-                for (v, no_store, gm, codes) in variants {
+                let mut variants: Vec<_> = variants.into_iter().map(|(v, ns, gm, codes)| (v, ns, gm, codes, false)).collect();
+                if rd.is_some() {
+                    variants.push((None, false, true, false, true));
+                }
+                for (v, no_store, gm, codes, resid) in variants {
                     cx.set_gemm_group_major(gm);
                     scratch.force = v;
                     scratch.bench_no_store = no_store;
@@ -1104,12 +1113,16 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     let sec = s.time_graph(reps, || {
                         for _ in 0..per {
                             let mut yv = yd.slice_mut(..t * n);
-                            cx.qgemm_converted(&mut yv, w, &scratch, t, Epilogue::Store).unwrap();
+                            let epi = match (&rd, resid) {
+                                (Some(r), true) => Epilogue::Residual(&r.slice(..t * n)),
+                                _ => Epilogue::Store,
+                            };
+                            cx.qgemm_converted(&mut yv, w, &scratch, t, epi).unwrap();
                         }
                     }) / per as f64;
                     let tf = gemm_flops(t, n, k) / sec / 1e12;
                     let vn = if no_store { format!("{} (no store)", vname(v)) } else { vname(v) };
-                    let vn = format!("{vn}{}{}", sb_suffix(cx), if codes { " gm codes" } else { "" });
+                    let vn = format!("{vn}{}{}{}", sb_suffix(cx), if codes { " gm codes" } else { "" }, if resid { " +resid" } else { "" });
                     println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
                     table.push((bits, n, k, t, vn.clone(), sec, tf));
                     s.json.push((
@@ -1123,30 +1136,6 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 scratch.force = None;
                 scratch.bench_no_store = false;
                 cx.set_gemm_group_major(true);
-                // the o_proj / GDN out_proj shape with the `+ residual` epilogue the prefill
-                // runs (session 38: its phase at 8k stayed ~85 µs per layer above the store-only
-                // product here; is it the epilogue, or the prefill around it?)
-                if si == 2 && bits == 4 {
-                    let rd = cx.upload_f32(&rand_x(t * n, 0x7300)).unwrap();
-                    let per = 8usize;
-                    let sec = s.time_graph(reps, || {
-                        for _ in 0..per {
-                            let mut yv = yd.slice_mut(..t * n);
-                            cx.qgemm_converted(&mut yv, &dm, &scratch, t, Epilogue::Residual(&rd.slice(..t * n))).unwrap();
-                        }
-                    }) / per as f64;
-                    let tf = gemm_flops(t, n, k) / sec / 1e12;
-                    let vn = "auto +resid";
-                    println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
-                    table.push((bits, n, k, t, vn.to_string(), sec, tf));
-                    s.json.push((
-                        SEC.into(),
-                        format!(
-                            "{{\"bits\":{bits},\"n\":{n},\"k\":{k},\"t\":{t},\"variant\":\"{vn}\",\"us\":{:.2},\"tflops\":{tf:.1}}}",
-                            sec * 1e6
-                        ),
-                    ));
-                }
             }
             if si == 0 && bits == 4 {
                 for t in [512usize, 2048, 8192] {
