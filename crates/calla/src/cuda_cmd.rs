@@ -151,6 +151,11 @@ pub struct PrefillFlags {
     /// width that covers its tokens (the same bits; `CudaContext::set_gemm_fit_n`).
     #[arg(long)]
     gemm_full_n: bool,
+    /// The dense GEMMs write their f32 outputs (and read the residual) as 16-byte runs staged in
+    /// shared memory instead of 4-byte elements straight from the MMA accumulators (the same
+    /// bits by construction; not yet run on the GPU; `CudaContext::set_gemm_staged_epilogue`).
+    #[arg(long)]
+    gemm_epilogue_staged: bool,
     /// The grouped MoE down GEMM stores each routed entry's row as f32 for the combine instead
     /// of bf16 (other bits: one rounding fewer; `CudaContext::set_moe_slot_bf16`).
     #[arg(long)]
@@ -790,6 +795,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_splitk(!f.gemm_no_splitk);
     cuda::gemm::set_default_fit_n(!f.gemm_full_n);
     cx.set_gemm_fit_n(!f.gemm_full_n);
+    cuda::gemm::set_default_staged_epilogue(f.gemm_epilogue_staged);
+    cx.set_gemm_staged_epilogue(f.gemm_epilogue_staged);
     cuda::prefill::set_default_router_f32(f.prefill_router == PrefillRouter::F32);
     cuda::gemm::set_default_gemm_lean(f.gemm_main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(f.gemm_main_loop == GemmMainLoop::Lean);
@@ -821,6 +828,7 @@ struct PrefillKnobs {
     route_fused: bool,
     splitk: bool,
     fit_n: bool,
+    staged_epi: bool,
     slot_bf16: bool,
     side_splitk: bool,
     bulk: bool,
@@ -843,6 +851,7 @@ impl PrefillKnobs {
             route_fused: cx.moe_route_fused(),
             splitk: cx.gemm_splitk(),
             fit_n: cx.gemm_fit_n(),
+            staged_epi: cx.gemm_staged_epilogue(),
             slot_bf16: cx.moe_slot_bf16(),
             side_splitk: pf.side_splitk,
             bulk: cx.gemm_bulk(),
@@ -866,6 +875,7 @@ impl PrefillKnobs {
             c.set_gemm_grouped3(self.grouped3);
             c.set_gemm_splitk(self.splitk);
             c.set_gemm_fit_n(self.fit_n);
+            c.set_gemm_staged_epilogue(self.staged_epi);
             c.set_moe_slot_bf16(self.slot_bf16);
             c.set_gemm_bulk(self.bulk);
             c.set_gemm_bulk_grouped(self.bulk_grouped);
@@ -892,7 +902,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 16] = [
+const PREFILL_CASES: [PrefillCase; 17] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -903,6 +913,7 @@ const PREFILL_CASES: [PrefillCase; 16] = [
     PrefillCase { knob: |k| &mut k.route_fused, off_name: "routing in four launches", off_key: "routing_four_launches_ms", on_name: "routing in two launches", on_key: "routing_two_launches_ms" },
     PrefillCase { knob: |k| &mut k.splitk, off_name: "dense GEMMs never split over K", off_key: "no_splitk_ms", on_name: "dense GEMMs split over K", on_key: "splitk_ms" },
     PrefillCase { knob: |k| &mut k.fit_n, off_name: "MMAs at the full tile width", off_key: "full_n_ms", on_name: "MMAs fitted to the tiles' tokens", on_key: "fit_n_ms" },
+    PrefillCase { knob: |k| &mut k.staged_epi, off_name: "dense GEMM outputs from the accumulators", off_key: "epilogue_direct_ms", on_name: "dense GEMM outputs staged in shared memory", on_key: "epilogue_staged_ms" },
     PrefillCase { knob: |k| &mut k.slot_bf16, off_name: "MoE down rows in f32", off_key: "slot_f32_ms", on_name: "MoE down rows in bf16", on_key: "slot_bf16_ms" },
     PrefillCase { knob: |k| &mut k.side_splitk, off_name: "shared expert never split over K", off_key: "side_no_splitk_ms", on_name: "shared expert split over K", on_key: "side_splitk_ms" },
     PrefillCase { knob: |k| &mut k.bulk, off_name: "dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "dense GEMM weights by bulk copies", on_key: "gemm_bulk_ms" },
@@ -1503,6 +1514,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
+    out["gemm_staged_epilogue"] = serde_json::json!(f.gemm_epilogue_staged);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;

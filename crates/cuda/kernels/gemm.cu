@@ -94,6 +94,10 @@ enum { MODE_DENSE = 0, MODE_SWIGLU = 1, MODE_MOE_GATE_UP = 2, MODE_MOE_DOWN = 3,
 // Flag ORed into the mode: the wgmma loop multiplies the tile's full BN token columns even when
 // fewer tokens (routed entries) fill the block's tile (the measured twin of the fitted width).
 constexpr int MODE_FULL_N = 16;
+// Flag ORed into MODE_DENSE: the f32 epilogue stages the block's outputs in shared memory and
+// writes them (adding the residual, read the same way) as 16-byte rows per token instead of
+// from the accumulators' scattered 4-byte elements (session 39; the direct form is its twin).
+constexpr int MODE_STAGED_EPI = 32;
 
 // A compile-time MMA width handed to the generic main loop.
 template <int N>
@@ -420,6 +424,10 @@ struct Cfg {
     static_assert(BN * (BM / 2) * 2 <= STAGES * STAGE, "MoE epilogue staging must fit the ring");
     static constexpr int DSP = BM + 8;  // bf16 down staging: row stride (16 bytes of padding)
     static_assert(BN * DSP * 2 <= STAGES * STAGE, "MoE down staging must fit the ring");
+    // f32 dense staging (MODE_STAGED_EPI): row stride in floats; +4 keeps a warp's stores of
+    // 8 rows x 4 tokens on 32 different banks and every row 16-byte aligned
+    static constexpr int FSP = BM + 4;
+    static_assert(BN * FSP * 4 <= STAGES * STAGE, "f32 epilogue staging must fit the ring");
 };
 
 template <int BITS, int MS, int BN, bool WG, bool LEAN, bool BULK = false, bool WS = false>
@@ -451,7 +459,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         else __syncthreads();
     };
     const bool full_n = (mode & MODE_FULL_N) != 0;
-    mode &= ~MODE_FULL_N;
+    const bool staged = (mode & MODE_STAGED_EPI) != 0;
+    mode &= ~(MODE_FULL_N | MODE_STAGED_EPI);
 
     // ---- work item: which W rows, which tokens (or routed entries)
     const bool moe = mode == MODE_MOE_GATE_UP || mode == MODE_MOE_DOWN || mode == MODE_MOE_DOWN_B16;
@@ -1062,6 +1071,53 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     // multiple of BM for the experts' down matrices).
     const bool b16 = mode == MODE_MOE_DOWN_B16;
     u16* stg = reinterpret_cast<u16*>(sptr);
+    // MODE_STAGED_EPI (dense f32 outputs): the [BN tokens][BM rows] tile of sums goes to the
+    // ring (free since the barrier above), then each thread writes whole 16-byte runs of a token's
+    // outputs, after reading the residual's matching run with one 16-byte load. The accumulators
+    // hold rows g, g + 8 of tokens 2c, 2c + 1 (4-byte elements 8 rows and whole output rows
+    // apart), so the direct form below issues 32-128 scalar loads and stores per thread. The same
+    // sums and the same additions (acc + res), so the same bits. A thread reads and writes the
+    // same elements, so y may alias res here too. Rows whose outputs are not 16-byte aligned
+    // (ldy % 4 != 0, an unaligned y or res) or pass n_rows go element by element.
+    if constexpr (!WS) {
+        if (staged && !b16) {
+            float* fs = reinterpret_cast<float*>(sptr);
+#pragma unroll
+            for (int m = 0; m < MS; ++m)
+#pragma unroll
+                for (int j = 0; j < C::NJ; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        fs[(8 * j + 2 * c + (e & 1)) * C::FSP + rbase + m * 64 + (e >> 1) * 8] = acc[m][4 * j + e];
+            epi_sync();
+            constexpr int CH = C::BM / 4;  // 16-byte runs per token row
+            const int n0 = blockIdx.x * C::BM;
+            const bool vec = (ldy & 3) == 0 &&
+                             ((reinterpret_cast<size_t>(y) | reinterpret_cast<size_t>(res)) & 15) == 0;
+            for (int idx = tid; idx < BN * CH; idx += THREADS) {
+                const int tok = idx / CH, n = n0 + 4 * (idx % CH);
+                const int orow = s_orow[tok];
+                if (orow < 0 || n >= n_rows) continue;
+                float4 v = *reinterpret_cast<const float4*>(fs + tok * C::FSP + 4 * (idx % CH));
+                const size_t o = (size_t)orow * ldy + n;
+                if (vec && n + 4 <= n_rows) {
+                    if (res != nullptr) {
+                        const float4 r = __ldcg(reinterpret_cast<const float4*>(res + o));
+                        v.x += r.x;
+                        v.y += r.y;
+                        v.z += r.z;
+                        v.w += r.w;
+                    }
+                    *reinterpret_cast<float4*>(y + o) = v;
+                } else {
+                    const float vs[4] = {v.x, v.y, v.z, v.w};
+                    for (int i = 0; i < 4 && n + i < n_rows; ++i)
+                        y[o + i] = res != nullptr ? vs[i] + __ldcg(res + o + i) : vs[i];
+                }
+            }
+            return;
+        }
+    }
     // `+ residual`: every residual value is read before any output is stored. y may alias res,
     // so in one loop the compiler could not move a load above the store before it: each of the
     // thread's 32-128 loads would wait for its own round trip. A thread reads and writes the

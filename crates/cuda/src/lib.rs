@@ -634,6 +634,9 @@ pub struct CudaContext {
     /// The wgmma GEMMs fit their MMA width to the tokens of each tile
     /// ([`CudaContext::set_gemm_fit_n`]).
     pub(crate) gemm_fit_n: std::sync::atomic::AtomicBool,
+    /// The dense GEMMs write their f32 outputs staged in shared memory
+    /// ([`CudaContext::set_gemm_staged_epilogue`]).
+    pub(crate) gemm_staged_epi: std::sync::atomic::AtomicBool,
     /// The grouped MoE down GEMM stores its per-entry rows as bf16 for the combine
     /// ([`CudaContext::set_moe_slot_bf16`]).
     pub(crate) moe_slot_bf16: std::sync::atomic::AtomicBool,
@@ -785,6 +788,7 @@ impl CudaContext {
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
             gemm_splitk: std::sync::atomic::AtomicBool::new(gemm::default_splitk()),
             gemm_fit_n: std::sync::atomic::AtomicBool::new(gemm::default_fit_n()),
+            gemm_staged_epi: std::sync::atomic::AtomicBool::new(gemm::default_staged_epilogue()),
             moe_slot_bf16: std::sync::atomic::AtomicBool::new(gemm::default_moe_slot_bf16()),
             splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),
@@ -853,6 +857,7 @@ impl CudaContext {
             moe_place_in_scan: copy(&self.moe_place_in_scan),
             gemm_splitk: copy(&self.gemm_splitk),
             gemm_fit_n: copy(&self.gemm_fit_n),
+            gemm_staged_epi: copy(&self.gemm_staged_epi),
             moe_slot_bf16: copy(&self.moe_slot_bf16),
             splitk_part: std::sync::OnceLock::new(),
             launch_gen: std::sync::atomic::AtomicU64::new(0),

@@ -599,6 +599,33 @@ fn dense(s: &mut Suite) {
                 }
                 scratch.force = None;
             }
+            // dense f32 outputs staged in shared memory (CudaContext::set_gemm_staged_epilogue)
+            // against the direct stores from the accumulators: the same bits,
+            // on the automatic choice (split over K up to 64 tokens: the partial slabs) and at
+            // T = 7 / 300 / 350 on every tile and engine (the router's 257 rows: n_rows and ldy
+            // not multiples of 4, the element-by-element path)
+            if case.epi != Epi::SwiGlu {
+                let forced: &[GemmVariant] = if t == 7 || t == 300 || t == 350 { &ALL_VARIANTS } else { &[] };
+                for v in std::iter::once(None).chain(forced.iter().map(|&v| Some(v))) {
+                    let mut outs = Vec::new();
+                    for staged in [true, false] {
+                        cx.set_gemm_staged_epilogue(staged);
+                        scratch.force = v;
+                        let mut yd = guarded(cx, t * out_cols);
+                        let rv = rd.slice(..);
+                        run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dm, &xd.slice(..), Some(&rv), case.epi, t);
+                        outs.push(cx.download_f32(&yd).unwrap());
+                    }
+                    cx.set_gemm_staged_epilogue(cuda::gemm::default_staged_epilogue());
+                    let c = match guards_and_finite(&outs[0], t * out_cols).and(guards_and_finite(&outs[1], t * out_cols)) {
+                        Err(e) => failed(e),
+                        Ok(()) => check_bits(&outs[0][GUARD..GUARD + t * out_cols], &outs[1][GUARD..GUARD + t * out_cols], "outputs"),
+                    };
+                    let label = format!("q{} {} [{n}x{k}] T={t} {}", case.bits, case.label, vname(v));
+                    s.record(SEC, &format!("{label}: staged epilogue = direct, bit for bit"), &c, "");
+                }
+                scratch.force = None;
+            }
             // short prompts split the product over K (CudaContext::set_gemm_splitk, the default above):
             // the same product unsplit, against the same references
             if t <= 64 {
@@ -1076,7 +1103,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
             let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
             // the o_proj / GDN out_proj shape also with the `+ residual` epilogue the prefill
             // runs (session 38: its phase at 8k stayed ~85 µs per layer above the store-only
-            // product here; is it the epilogue, or the prefill around it?)
+            // product; session 39, H100: so did this row, 337 against 246 µs: the epilogue)
             let rd = (si == 2 && bits == 4).then(|| cx.upload_f32(&rand_x(tmax * n, 0x7300)).unwrap());
             for t in [512usize, 1024, 2048, 8192] {
                 cx.convert_acts(&xd.slice(..t * k), t, k, &mut scratch).unwrap();
@@ -1097,11 +1124,20 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     // the plain big, tall and small tiles and every lean one (choose_dense's fit)
                     variants.extend(ALL_VARIANTS[..3].iter().chain(&LEAN_VARIANTS).map(|&v| (Some(v), false, true, false)));
                 }
-                let mut variants: Vec<_> = variants.into_iter().map(|(v, ns, gm, codes)| (v, ns, gm, codes, false)).collect();
+                let mut variants: Vec<_> = variants.into_iter().map(|(v, ns, gm, codes)| (v, ns, gm, codes, false, false)).collect();
                 if rd.is_some() {
-                    variants.push((None, false, true, false, true));
+                    variants.push((None, false, true, false, true, false));
                 }
-                for (v, no_store, gm, codes, resid) in variants {
+                // the outputs staged in shared memory (CudaContext::set_gemm_staged_epilogue), for
+                // the automatic rows with and without the residual
+                let staged: Vec<_> = variants
+                    .iter()
+                    .filter(|&&(v, ns, gm, codes, _, _)| v.is_none() && !ns && gm && !codes)
+                    .map(|&(v, ns, gm, codes, resid, _)| (v, ns, gm, codes, resid, true))
+                    .collect();
+                variants.extend(staged);
+                for (v, no_store, gm, codes, resid, staged) in variants {
+                    cx.set_gemm_staged_epilogue(staged);
                     cx.set_gemm_group_major(gm);
                     scratch.force = v;
                     scratch.bench_no_store = no_store;
@@ -1122,7 +1158,13 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                     }) / per as f64;
                     let tf = gemm_flops(t, n, k) / sec / 1e12;
                     let vn = if no_store { format!("{} (no store)", vname(v)) } else { vname(v) };
-                    let vn = format!("{vn}{}{}{}", sb_suffix(cx), if codes { " gm codes" } else { "" }, if resid { " +resid" } else { "" });
+                    let vn = format!(
+                        "{vn}{}{}{}{}",
+                        sb_suffix(cx),
+                        if codes { " gm codes" } else { "" },
+                        if resid { " +resid" } else { "" },
+                        if staged { " staged" } else { "" }
+                    );
                     println!("{SEC:<10} q{bits} [{n:>5}x{k:<4}] T={t:<5} {vn:<18} {:>9.1} us  {:>6.1} TFLOP/s", sec * 1e6, tf);
                     table.push((bits, n, k, t, vn.clone(), sec, tf));
                     s.json.push((
@@ -1136,6 +1178,7 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 scratch.force = None;
                 scratch.bench_no_store = false;
                 cx.set_gemm_group_major(true);
+                cx.set_gemm_staged_epilogue(cuda::gemm::default_staged_epilogue());
             }
             if si == 0 && bits == 4 {
                 for t in [512usize, 2048, 8192] {
