@@ -134,11 +134,14 @@ pub struct PrefillFlags {
     /// `CudaContext::set_gemm_ws`).
     #[arg(long)]
     gemm_ws: bool,
-    /// Long prompts' GEMMs on the wide tile (128 weight rows × 256 tokens): dense products from
-    /// 256 tokens, grouped expert products from 192 entries per expert (the same bits; measured
-    /// no faster; `CudaContext::set_gemm_wide`).
+    /// Long prompts' dense GEMMs on the wide tile (128 weight rows × 256 tokens) from 256
+    /// tokens (the same bits; `CudaContext::set_gemm_wide`).
     #[arg(long)]
     gemm_wide: bool,
+    /// Long prompts' grouped expert GEMMs on the wide tile from 192 entries per expert (the
+    /// same bits; measured slower, session 32; `CudaContext::set_gemm_wide_grouped`).
+    #[arg(long)]
+    gemm_wide_grouped: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -151,11 +154,11 @@ pub struct PrefillFlags {
     /// width that covers its tokens (the same bits; `CudaContext::set_gemm_fit_n`).
     #[arg(long)]
     gemm_full_n: bool,
-    /// The dense GEMMs write their f32 outputs (and read the residual) as 16-byte runs staged in
-    /// shared memory instead of 4-byte elements straight from the MMA accumulators (the same
-    /// bits by construction; not yet run on the GPU; `CudaContext::set_gemm_staged_epilogue`).
+    /// The dense GEMMs with `+ residual` (GDN out_proj, attention o_proj) write their f32
+    /// outputs as 4-byte elements straight from the MMA accumulators instead of 16-byte runs
+    /// staged in shared memory (the same bits; `CudaContext::set_gemm_staged_epilogue`).
     #[arg(long)]
-    gemm_epilogue_staged: bool,
+    gemm_epilogue_direct: bool,
     /// The grouped MoE down GEMM stores each routed entry's row as f32 for the combine instead
     /// of bf16 (other bits: one rounding fewer; `CudaContext::set_moe_slot_bf16`).
     #[arg(long)]
@@ -795,8 +798,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_splitk(!f.gemm_no_splitk);
     cuda::gemm::set_default_fit_n(!f.gemm_full_n);
     cx.set_gemm_fit_n(!f.gemm_full_n);
-    cuda::gemm::set_default_staged_epilogue(f.gemm_epilogue_staged);
-    cx.set_gemm_staged_epilogue(f.gemm_epilogue_staged);
+    cuda::gemm::set_default_staged_epilogue(!f.gemm_epilogue_direct);
+    cx.set_gemm_staged_epilogue(!f.gemm_epilogue_direct);
     cuda::prefill::set_default_router_f32(f.prefill_router == PrefillRouter::F32);
     cuda::gemm::set_default_gemm_lean(f.gemm_main_loop == GemmMainLoop::Lean);
     cx.set_gemm_lean(f.gemm_main_loop == GemmMainLoop::Lean);
@@ -811,6 +814,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_ws(f.gemm_ws);
     cuda::gemm::set_default_gemm_wide(f.gemm_wide);
     cx.set_gemm_wide(f.gemm_wide);
+    cuda::gemm::set_default_gemm_wide_grouped(f.gemm_wide_grouped);
+    cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -835,6 +840,7 @@ struct PrefillKnobs {
     bulk_grouped: bool,
     ws: bool,
     wide: bool,
+    wide_grouped: bool,
 }
 
 impl PrefillKnobs {
@@ -858,6 +864,7 @@ impl PrefillKnobs {
             bulk_grouped: cx.gemm_bulk_grouped(),
             ws: cx.gemm_ws(),
             wide: cx.gemm_wide(),
+            wide_grouped: cx.gemm_wide_grouped(),
         }
     }
 
@@ -881,6 +888,7 @@ impl PrefillKnobs {
             c.set_gemm_bulk_grouped(self.bulk_grouped);
             c.set_gemm_ws(self.ws);
             c.set_gemm_wide(self.wide);
+            c.set_gemm_wide_grouped(self.wide_grouped);
         });
     }
 
@@ -902,7 +910,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 17] = [
+const PREFILL_CASES: [PrefillCase; 18] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -913,13 +921,14 @@ const PREFILL_CASES: [PrefillCase; 17] = [
     PrefillCase { knob: |k| &mut k.route_fused, off_name: "routing in four launches", off_key: "routing_four_launches_ms", on_name: "routing in two launches", on_key: "routing_two_launches_ms" },
     PrefillCase { knob: |k| &mut k.splitk, off_name: "dense GEMMs never split over K", off_key: "no_splitk_ms", on_name: "dense GEMMs split over K", on_key: "splitk_ms" },
     PrefillCase { knob: |k| &mut k.fit_n, off_name: "MMAs at the full tile width", off_key: "full_n_ms", on_name: "MMAs fitted to the tiles' tokens", on_key: "fit_n_ms" },
-    PrefillCase { knob: |k| &mut k.staged_epi, off_name: "dense GEMM outputs from the accumulators", off_key: "epilogue_direct_ms", on_name: "dense GEMM outputs staged in shared memory", on_key: "epilogue_staged_ms" },
+    PrefillCase { knob: |k| &mut k.staged_epi, off_name: "+ residual outputs from the accumulators", off_key: "epilogue_direct_ms", on_name: "+ residual outputs staged in shared memory", on_key: "epilogue_staged_ms" },
     PrefillCase { knob: |k| &mut k.slot_bf16, off_name: "MoE down rows in f32", off_key: "slot_f32_ms", on_name: "MoE down rows in bf16", on_key: "slot_bf16_ms" },
     PrefillCase { knob: |k| &mut k.side_splitk, off_name: "shared expert never split over K", off_key: "side_no_splitk_ms", on_name: "shared expert split over K", on_key: "side_splitk_ms" },
     PrefillCase { knob: |k| &mut k.bulk, off_name: "dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_ms", on_name: "dense GEMM weights by bulk copies", on_key: "gemm_bulk_ms" },
     PrefillCase { knob: |k| &mut k.bulk_grouped, off_name: "grouped GEMM weights by per-thread copies", off_key: "grouped_no_bulk_ms", on_name: "grouped GEMM weights by bulk copies", on_key: "grouped_bulk_ms" },
     PrefillCase { knob: |k| &mut k.ws, off_name: "grouped GEMMs on the lean loop", off_key: "grouped_lean_ms", on_name: "grouped GEMMs warp-specialized", on_key: "grouped_ws_ms" },
-    PrefillCase { knob: |k| &mut k.wide, off_name: "GEMMs without the wide tile", off_key: "gemm_no_wide_ms", on_name: "GEMMs on the wide tile (dense and grouped)", on_key: "gemm_wide_ms" },
+    PrefillCase { knob: |k| &mut k.wide, off_name: "dense GEMMs without the wide tile", off_key: "dense_no_wide_ms", on_name: "dense GEMMs on the wide tile", on_key: "dense_wide_ms" },
+    PrefillCase { knob: |k| &mut k.wide_grouped, off_name: "grouped GEMMs without the wide tile", off_key: "grouped_no_wide_ms", on_name: "grouped GEMMs on the wide tile", on_key: "grouped_wide_ms" },
 ];
 
 /// `calla cuda-bench`.
@@ -1511,10 +1520,11 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["lm_head_staged"] = serde_json::json!(lm_head_staged);
     out["gemm_ws"] = serde_json::json!(f.gemm_ws);
     out["gemm_wide"] = serde_json::json!(f.gemm_wide);
+    out["gemm_wide_grouped"] = serde_json::json!(f.gemm_wide_grouped);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
-    out["gemm_staged_epilogue"] = serde_json::json!(f.gemm_epilogue_staged);
+    out["gemm_staged_epilogue"] = serde_json::json!(!f.gemm_epilogue_direct);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;

@@ -1091,28 +1091,47 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                         fs[(8 * j + 2 * c + (e & 1)) * C::FSP + rbase + m * 64 + (e >> 1) * 8] = acc[m][4 * j + e];
             epi_sync();
             constexpr int CH = C::BM / 4;  // 16-byte runs per token row
+            // runs in flight per thread: their residual loads are all issued before any store
+            // (y may alias res, so the compiler may not hoist a load above an earlier store; one
+            // run at a time waited out one round trip per run: 32 per thread on the big tile)
+            constexpr int U = 8;
             const int n0 = blockIdx.x * C::BM;
             const bool vec = (ldy & 3) == 0 &&
                              ((reinterpret_cast<size_t>(y) | reinterpret_cast<size_t>(res)) & 15) == 0;
-            for (int idx = tid; idx < BN * CH; idx += THREADS) {
-                const int tok = idx / CH, n = n0 + 4 * (idx % CH);
-                const int orow = s_orow[tok];
-                if (orow < 0 || n >= n_rows) continue;
-                float4 v = *reinterpret_cast<const float4*>(fs + tok * C::FSP + 4 * (idx % CH));
-                const size_t o = (size_t)orow * ldy + n;
-                if (vec && n + 4 <= n_rows) {
-                    if (res != nullptr) {
-                        const float4 r = __ldcg(reinterpret_cast<const float4*>(res + o));
-                        v.x += r.x;
-                        v.y += r.y;
-                        v.z += r.z;
-                        v.w += r.w;
+            for (int base = tid; base < BN * CH; base += U * THREADS) {
+                float4 r[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    r[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    const int idx = base + u * THREADS;
+                    if (idx >= BN * CH || res == nullptr || !vec) continue;
+                    const int tok = idx / CH, n = n0 + 4 * (idx % CH);
+                    const int orow = s_orow[tok];
+                    if (orow >= 0 && n + 4 <= n_rows)
+                        r[u] = __ldcg(reinterpret_cast<const float4*>(res + (size_t)orow * ldy + n));
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int idx = base + u * THREADS;
+                    if (idx >= BN * CH) break;
+                    const int tok = idx / CH, n = n0 + 4 * (idx % CH);
+                    const int orow = s_orow[tok];
+                    if (orow < 0 || n >= n_rows) continue;
+                    float4 v = *reinterpret_cast<const float4*>(fs + tok * C::FSP + 4 * (idx % CH));
+                    const size_t o = (size_t)orow * ldy + n;
+                    if (vec && n + 4 <= n_rows) {
+                        if (res != nullptr) {
+                            v.x += r[u].x;
+                            v.y += r[u].y;
+                            v.z += r[u].z;
+                            v.w += r[u].w;
+                        }
+                        *reinterpret_cast<float4*>(y + o) = v;
+                    } else {
+                        const float vs[4] = {v.x, v.y, v.z, v.w};
+                        for (int i = 0; i < 4 && n + i < n_rows; ++i)
+                            y[o + i] = res != nullptr ? vs[i] + __ldcg(res + o + i) : vs[i];
                     }
-                    *reinterpret_cast<float4*>(y + o) = v;
-                } else {
-                    const float vs[4] = {v.x, v.y, v.z, v.w};
-                    for (int i = 0; i < 4 && n + i < n_rows; ++i)
-                        y[o + i] = res != nullptr ? vs[i] + __ldcg(res + o + i) : vs[i];
                 }
             }
             return;

@@ -93,11 +93,10 @@ pub fn set_default_fit_n(on: bool) {
     FIT_N_DEFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-static STAGED_EPI_DEFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static STAGED_EPI_DEFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_staged_epilogue`] on (off
-/// unless [`set_default_staged_epilogue`] said otherwise: written in session 39, compiled for
-/// sm_90a, not yet run on the GPU).
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_staged_epilogue`] on (on
+/// unless [`set_default_staged_epilogue`] said otherwise).
 pub fn default_staged_epilogue() -> bool {
     STAGED_EPI_DEFAULT.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -204,6 +203,20 @@ static DEFAULT_GEMM_WIDE: std::sync::atomic::AtomicBool = std::sync::atomic::Ato
 /// --gemm-wide` turns it on).
 pub fn set_default_gemm_wide(on: bool) {
     DEFAULT_GEMM_WIDE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_wide_grouped`] on (the
+/// process default, [`set_default_gemm_wide_grouped`]; off unless set).
+pub fn default_gemm_wide_grouped() -> bool {
+    DEFAULT_GEMM_WIDE_GROUPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_WIDE_GROUPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`default_gemm_wide_grouped`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --gemm-wide-grouped` turns it on).
+pub fn set_default_gemm_wide_grouped(on: bool) {
+    DEFAULT_GEMM_WIDE_GROUPED.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// See [`set_default_gemm_lean`].
@@ -702,13 +715,13 @@ impl CudaContext {
         self.gemm_ws.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Lets the automatic choice of a GEMM's tile ([`GemmScratch::force`] / [`MoeRouting::force`]
-    /// `None`) take [`GemmTile::Wide`] (128 weight rows × 256 tokens, one block per SM): dense
-    /// products from 256 tokens on, grouped expert products from 192 entries per expert on
-    /// (`true`), instead of the big, tall, small and narrow tiles (`false`, the default,
+    /// Lets the automatic choice of a dense GEMM's tile ([`GemmScratch::force`] `None`) take
+    /// [`GemmTile::Wide`] (128 weight rows × 256 tokens, one block per SM) from 256 tokens on
+    /// (`true`), instead of the big, tall and small tiles (`false`, the default,
     /// [`default_gemm_wide`]). Token columns are independent and every output's K order is the
     /// same, so the same bits. For measurement (`cuda_selftest --only wide`, `calla cuda-bench
-    /// --prefill-compare`); a [`CudaContext::sibling`] copies the setting.
+    /// --prefill-compare`); a [`CudaContext::sibling`] copies the setting. The grouped expert
+    /// products have their own switch, [`Self::set_gemm_wide_grouped`].
     #[doc(hidden)]
     pub fn set_gemm_wide(&self, on: bool) {
         self.gemm_wide.store(on, std::sync::atomic::Ordering::Relaxed);
@@ -718,6 +731,21 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn gemm_wide(&self) -> bool {
         self.gemm_wide.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Lets the automatic choice of a grouped expert GEMM's tile ([`MoeRouting::force`] `None`)
+    /// take [`GemmTile::Wide`] from 192 entries per expert on (`true`; `false`, the default,
+    /// [`default_gemm_wide_grouped`]). The same bits, as [`Self::set_gemm_wide`]; a
+    /// [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_wide_grouped(&self, on: bool) {
+        self.gemm_wide_grouped.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_wide_grouped`].
+    #[doc(hidden)]
+    pub fn gemm_wide_grouped(&self) -> bool {
+        self.gemm_wide_grouped.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// GEMM launches on the bulk-copy or warp-specialized entry points since this context was
@@ -1010,7 +1038,8 @@ impl CudaContext {
             n_rows: n,
             k,
             t,
-            mode: if mode == MODE_DENSE && self.gemm_staged_epilogue() { MODE_DENSE | MODE_STAGED_EPI } else { mode },
+            // staged only with `+ residual` (the store-only products measured slower staged)
+            mode: if mode == MODE_DENSE && ks == 1 && pres != 0 && self.gemm_staged_epilogue() { MODE_DENSE | MODE_STAGED_EPI } else { mode },
             ldy: if ks > 1 { ldp } else { out_cols },
             grid: (row_blocks as u32, token_tiles as u32),
             ksplit: ks as u32,
@@ -1087,14 +1116,16 @@ impl CudaContext {
         self.gemm_fit_n.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Lets the dense GEMMs on this context write their f32 outputs from shared memory (`on`;
-    /// the default is [`default_staged_epilogue`], off until it has run on the GPU): the block's `[tokens, rows]` tile of sums is staged
-    /// in the emptied ring and each thread writes 16-byte runs of a token's outputs, reading the
-    /// `+ residual`'s matching run with one 16-byte load, instead of 4-byte elements straight from
-    /// the MMA accumulators, which lie 8 rows and whole output rows apart (`off`, the measured
-    /// twin). The same sums and additions, so the same bits. Session 39 (self-test `gemm`, H100):
-    /// the `2048 × 4096` product with `+ residual` took 337 µs at 8,192 tokens directly against
-    /// 246 µs without the residual.
+    /// Lets the dense GEMMs with `+ residual` on this context (GDN out_proj, attention o_proj)
+    /// write their f32 outputs from shared memory (`on`; the default is
+    /// [`default_staged_epilogue`]): the block's `[tokens, rows]` tile of sums is staged in the
+    /// emptied ring and each thread reads 8 of the residual's 16-byte runs before it writes the
+    /// sums, instead of 4-byte elements straight from the MMA accumulators, which lie 8 rows and
+    /// whole output rows apart (`off`, the measured twin). The same sums and additions, so the
+    /// same bits. Store-only products (and the split-K slabs) keep the direct stores: staged they
+    /// measured slower (session 40, H200: the 4-bit `9216 × 2048` product at 8,192 tokens 655 µs
+    /// against 612 µs). Session 39 (H100): the `2048 × 4096` product took 337 µs at 8,192 tokens
+    /// with `+ residual` directly against 246 µs store-only.
     pub fn set_gemm_staged_epilogue(&self, on: bool) {
         self.gemm_staged_epi.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -1430,7 +1461,7 @@ impl CudaContext {
         let per_expert = t * p::TOP_K / p::N_EXPERTS;
         let three = self.gemm_grouped3() && self.auto_engine() == GemmEngine::WgmmaLean;
         let (engine, tile) = match per_expert {
-            192.. if self.gemm_wide() => (self.auto_engine(), GemmTile::Wide),
+            192.. if self.gemm_wide_grouped() => (self.auto_engine(), GemmTile::Wide),
             512.. => (self.auto_engine(), GemmTile::Big),
             28.. => (self.auto_engine(), GemmTile::Tall),
             _ if three => (GemmEngine::WgmmaLean3, GemmTile::Narrow),

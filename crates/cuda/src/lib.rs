@@ -620,6 +620,9 @@ pub struct CudaContext {
     pub(crate) gemm_ws: std::sync::atomic::AtomicBool,
     /// Whether long prompts' dense products may take the wide tile ([`CudaContext::set_gemm_wide`]).
     pub(crate) gemm_wide: std::sync::atomic::AtomicBool,
+    /// Whether long prompts' grouped expert products may take the wide tile
+    /// ([`CudaContext::set_gemm_wide_grouped`]).
+    pub(crate) gemm_wide_grouped: std::sync::atomic::AtomicBool,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -783,6 +786,7 @@ impl CudaContext {
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
+            gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -852,6 +856,7 @@ impl CudaContext {
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: copy(&self.gemm_ws),
             gemm_wide: copy(&self.gemm_wide),
+            gemm_wide_grouped: copy(&self.gemm_wide_grouped),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

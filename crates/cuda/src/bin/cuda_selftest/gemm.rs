@@ -467,6 +467,9 @@ fn dense(s: &mut Suite) {
             ts: &[7, 300],
         },
         DenseCase { label: "shared down", n: p::D_MODEL, k: p::D_SHARED_EXPERT, bits: 8, epi: Epi::Store, ts: &[7, 300] },
+        // not a product of the model: the router's 257 rows with `+ residual`, for the staged
+        // epilogue's element-by-element path (n_rows and ldy not multiples of 4)
+        DenseCase { label: "257 rows +resid", n: p::N_EXPERTS + 1, k: p::D_MODEL, bits: 8, epi: Epi::Residual, ts: &[7, 300, 350] },
     ];
     let mut scratch = cx.gemm_scratch(2048).unwrap();
     let mut seed = 0x6E44_u64;
@@ -599,12 +602,12 @@ fn dense(s: &mut Suite) {
                 }
                 scratch.force = None;
             }
-            // dense f32 outputs staged in shared memory (CudaContext::set_gemm_staged_epilogue)
-            // against the direct stores from the accumulators: the same bits,
-            // on the automatic choice (split over K up to 64 tokens: the partial slabs) and at
-            // T = 7 / 300 / 350 on every tile and engine (the router's 257 rows: n_rows and ldy
-            // not multiples of 4, the element-by-element path)
-            if case.epi != Epi::SwiGlu {
+            // `+ residual` outputs staged in shared memory (CudaContext::set_gemm_staged_epilogue)
+            // against the direct stores from the accumulators: the same bits, on the automatic
+            // choice (split over K up to 64 tokens: the partial slabs, never staged) and at
+            // T = 7 / 300 / 350 on every tile and engine (the 257-row case: n_rows and ldy not
+            // multiples of 4, the element-by-element path)
+            if case.epi == Epi::Residual {
                 let forced: &[GemmVariant] = if t == 7 || t == 300 || t == 350 { &ALL_VARIANTS } else { &[] };
                 for v in std::iter::once(None).chain(forced.iter().map(|&v| Some(v))) {
                     let mut outs = Vec::new();
@@ -1128,11 +1131,12 @@ fn timing(s: &mut Suite, w4: &MoeWeights) {
                 if rd.is_some() {
                     variants.push((None, false, true, false, true, false));
                 }
-                // the outputs staged in shared memory (CudaContext::set_gemm_staged_epilogue), for
-                // the automatic rows with and without the residual
+                // the automatic row with the residual, its outputs direct (above) and staged in
+                // shared memory (CudaContext::set_gemm_staged_epilogue; store-only products are
+                // never staged)
                 let staged: Vec<_> = variants
                     .iter()
-                    .filter(|&&(v, ns, gm, codes, _, _)| v.is_none() && !ns && gm && !codes)
+                    .filter(|&&(v, ns, gm, codes, resid, _)| v.is_none() && !ns && gm && !codes && resid)
                     .map(|&(v, ns, gm, codes, resid, _)| (v, ns, gm, codes, resid, true))
                     .collect();
                 variants.extend(staged);
@@ -2167,7 +2171,7 @@ pub fn wide_section(s: &mut Suite) {
             }
         }
         routing.force = None;
-        time_grouped_pair(s, &w4c, "wide timing (grouped): automatic tile / wide tile from 192 entries per expert", "wide_moe_t", &|c, on| c.set_gemm_wide(on));
+        time_grouped_pair(s, &w4c, "wide timing (grouped): automatic tile / wide tile from 192 entries per expert", "wide_moe_t", &|c, on| c.set_gemm_wide_grouped(on));
     }
 
     // timing: the automatic choice without and with the wide tile
@@ -2218,4 +2222,5 @@ pub fn wide_section(s: &mut Suite) {
         }
     }
     cx.set_gemm_wide(cuda::gemm::default_gemm_wide());
+    cx.set_gemm_wide_grouped(cuda::gemm::default_gemm_wide_grouped());
 }
