@@ -134,10 +134,10 @@ pub struct PrefillFlags {
     /// `CudaContext::set_gemm_ws`).
     #[arg(long)]
     gemm_ws: bool,
-    /// Long prompts' dense GEMMs on the wide tile (128 weight rows × 256 tokens) from 256
-    /// tokens (the same bits; `CudaContext::set_gemm_wide`).
+    /// Long prompts' dense GEMMs never on the wide tile (128 weight rows × 256 tokens), which
+    /// they take from 256 tokens on otherwise (the same bits; `CudaContext::set_gemm_wide`).
     #[arg(long)]
-    gemm_wide: bool,
+    gemm_no_wide: bool,
     /// Long prompts' grouped expert GEMMs on the wide tile from 192 entries per expert (the
     /// same bits; measured slower, session 32; `CudaContext::set_gemm_wide_grouped`).
     #[arg(long)]
@@ -812,8 +812,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_bulk_grouped(f.gemm_bulk_grouped);
     cuda::gemm::set_default_gemm_ws(f.gemm_ws);
     cx.set_gemm_ws(f.gemm_ws);
-    cuda::gemm::set_default_gemm_wide(f.gemm_wide);
-    cx.set_gemm_wide(f.gemm_wide);
+    cuda::gemm::set_default_gemm_wide(!f.gemm_no_wide);
+    cx.set_gemm_wide(!f.gemm_no_wide);
     cuda::gemm::set_default_gemm_wide_grouped(f.gemm_wide_grouped);
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
@@ -1519,7 +1519,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_bulk_grouped"] = serde_json::json!(f.gemm_bulk_grouped);
     out["lm_head_staged"] = serde_json::json!(lm_head_staged);
     out["gemm_ws"] = serde_json::json!(f.gemm_ws);
-    out["gemm_wide"] = serde_json::json!(f.gemm_wide);
+    out["gemm_wide"] = serde_json::json!(!f.gemm_no_wide);
     out["gemm_wide_grouped"] = serde_json::json!(f.gemm_wide_grouped);
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);

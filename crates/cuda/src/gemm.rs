@@ -192,15 +192,15 @@ pub fn set_default_gemm_ws(on: bool) {
 }
 
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_wide`] on (the process
-/// default, [`set_default_gemm_wide`]; off unless set).
+/// default, [`set_default_gemm_wide`]; on unless set).
 pub fn default_gemm_wide() -> bool {
     DEFAULT_GEMM_WIDE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-static DEFAULT_GEMM_WIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static DEFAULT_GEMM_WIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Sets [`default_gemm_wide`] for contexts created afterwards (`calla cuda-bench | cuda-check
-/// --gemm-wide` turns it on).
+/// --gemm-no-wide` turns it off).
 pub fn set_default_gemm_wide(on: bool) {
     DEFAULT_GEMM_WIDE.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -717,11 +717,13 @@ impl CudaContext {
 
     /// Lets the automatic choice of a dense GEMM's tile ([`GemmScratch::force`] `None`) take
     /// [`GemmTile::Wide`] (128 weight rows × 256 tokens, one block per SM) from 256 tokens on
-    /// (`true`), instead of the big, tall and small tiles (`false`, the default,
-    /// [`default_gemm_wide`]). Token columns are independent and every output's K order is the
-    /// same, so the same bits. For measurement (`cuda_selftest --only wide`, `calla cuda-bench
-    /// --prefill-compare`); a [`CudaContext::sibling`] copies the setting. The grouped expert
-    /// products have their own switch, [`Self::set_gemm_wide_grouped`].
+    /// (`true`, the default, [`default_gemm_wide`]), instead of the big, tall and small tiles
+    /// (`false`). Token columns are independent and every output's K order is the same, so the
+    /// same bits. Session 40 (`calla cuda-bench --pdl --prefill-compare`, H200): the whole
+    /// prefill took 41.03 / 150.92 ms without it and 39.16 / 146.63 ms with it at 2k / 8k
+    /// tokens (24.22 / 24.24 ms at 1k, within the compare's noise). A [`CudaContext::sibling`]
+    /// copies the setting. The grouped expert products have their own switch,
+    /// [`Self::set_gemm_wide_grouped`].
     #[doc(hidden)]
     pub fn set_gemm_wide(&self, on: bool) {
         self.gemm_wide.store(on, std::sync::atomic::Ordering::Relaxed);
