@@ -135,7 +135,8 @@ pub struct PrefillFlags {
     #[arg(long)]
     gemm_ws: bool,
     /// Long prompts' dense GEMMs never on the wide tile (128 weight rows × 256 tokens), which
-    /// they take from 256 tokens on otherwise (the same bits; `CudaContext::set_gemm_wide`).
+    /// they take from 256 tokens on otherwise (the same bits unless split over K, where the
+    /// number of splits can differ; `CudaContext::set_gemm_wide`).
     #[arg(long)]
     gemm_no_wide: bool,
     /// Long prompts' grouped expert GEMMs on the wide tile from 192 entries per expert (the

@@ -719,7 +719,9 @@ impl CudaContext {
     /// [`GemmTile::Wide`] (128 weight rows × 256 tokens, one block per SM) from 256 tokens on
     /// (`true`, the default, [`default_gemm_wide`]), instead of the big, tall and small tiles
     /// (`false`). Token columns are independent and every output's K order is the same, so the
-    /// same bits. Session 40 (`calla cuda-bench --pdl --prefill-compare`, H200): the whole
+    /// same bits unsplit; split over K ([`Self::set_gemm_splitk`], short prompts whose grid
+    /// would not fill the GPU) the tile's block count can choose another number of splits, and
+    /// the partial sums then add in another order. Session 40 (`calla cuda-bench --pdl --prefill-compare`, H200): the whole
     /// prefill took 41.03 / 150.92 ms without it and 39.16 / 146.63 ms with it at 2k / 8k
     /// tokens (24.22 / 24.24 ms at 1k, within the compare's noise). A [`CudaContext::sibling`]
     /// copies the setting. The grouped expert products have their own switch,

@@ -637,8 +637,8 @@ pub struct CudaContext {
     /// The wgmma GEMMs fit their MMA width to the tokens of each tile
     /// ([`CudaContext::set_gemm_fit_n`]).
     pub(crate) gemm_fit_n: std::sync::atomic::AtomicBool,
-    /// The dense GEMMs write their f32 outputs staged in shared memory
-    /// ([`CudaContext::set_gemm_staged_epilogue`]).
+    /// The dense GEMMs with `+ residual` (not split over K) write their f32 outputs staged in
+    /// shared memory ([`CudaContext::set_gemm_staged_epilogue`]).
     pub(crate) gemm_staged_epi: std::sync::atomic::AtomicBool,
     /// The grouped MoE down GEMM stores its per-entry rows as bf16 for the combine
     /// ([`CudaContext::set_moe_slot_bf16`]).

@@ -605,10 +605,12 @@ fn dense(s: &mut Suite) {
             // `+ residual` outputs staged in shared memory (CudaContext::set_gemm_staged_epilogue)
             // against the direct stores from the accumulators: the same bits, on the automatic
             // choice (split over K up to 64 tokens: the partial slabs, never staged) and at
-            // T = 7 / 300 / 350 on every tile and engine (the 257-row case: n_rows and ldy not
-            // multiples of 4, the element-by-element path)
+            // T = 7 / 300 / 350 on every tile and engine, the wide tile too (the 257-row case:
+            // n_rows and ldy not multiples of 4, the element-by-element path)
             if case.epi == Epi::Residual {
-                let forced: &[GemmVariant] = if t == 7 || t == 300 || t == 350 { &ALL_VARIANTS } else { &[] };
+                let wide = [GemmEngine::Wgmma, GemmEngine::WgmmaLean].map(|engine| GemmVariant { engine, tile: GemmTile::Wide });
+                let forced: Vec<GemmVariant> =
+                    if t == 7 || t == 300 || t == 350 { ALL_VARIANTS.iter().chain(&wide).copied().collect() } else { Vec::new() };
                 for v in std::iter::once(None).chain(forced.iter().map(|&v| Some(v))) {
                     let mut outs = Vec::new();
                     for staged in [true, false] {
