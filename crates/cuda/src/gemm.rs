@@ -721,11 +721,11 @@ impl CudaContext {
     /// (`false`). Token columns are independent and every output's K order is the same, so the
     /// same bits unsplit; split over K ([`Self::set_gemm_splitk`], short prompts whose grid
     /// would not fill the GPU) the tile's block count can choose another number of splits, and
-    /// the partial sums then add in another order. Session 40 (`calla cuda-bench --pdl --prefill-compare`, H200): the whole
-    /// prefill took 41.03 / 150.92 ms without it and 39.16 / 146.63 ms with it at 2k / 8k
-    /// tokens (24.22 / 24.24 ms at 1k, within the compare's noise). A [`CudaContext::sibling`]
-    /// copies the setting. The grouped expert products have their own switch,
-    /// [`Self::set_gemm_wide_grouped`].
+    /// the partial sums then add in another order. Session 40 (`calla cuda-bench --pdl
+    /// --prefill-compare`, H200): the whole prefill took 41.03 / 150.92 ms without it and
+    /// 39.16 / 146.63 ms with it at 2k / 8k tokens (24.22 / 24.24 ms at 1k, within the
+    /// compare's noise). A [`CudaContext::sibling`] copies the setting. The grouped expert
+    /// products have their own switch, [`Self::set_gemm_wide_grouped`].
     #[doc(hidden)]
     pub fn set_gemm_wide(&self, on: bool) {
         self.gemm_wide.store(on, std::sync::atomic::Ordering::Relaxed);
@@ -1128,8 +1128,9 @@ impl CudaContext {
     /// whole output rows apart (`off`, the measured twin). The same sums and additions, so the
     /// same bits. Store-only products (and the split-K slabs) keep the direct stores: staged they
     /// measured slower (session 40, H200: the 4-bit `9216 × 2048` product at 8,192 tokens 655 µs
-    /// against 612 µs). Session 39 (H100): the `2048 × 4096` product took 337 µs at 8,192 tokens
-    /// with `+ residual` directly against 246 µs store-only.
+    /// against 612 µs). Session 40 (H100, self-test `gemm`): the `2048 × 4096` product with
+    /// `+ residual` at 8,192 tokens takes 268.5 µs staged against 346.5 µs direct (239.7 µs
+    /// store-only); 68.7 against 90.1 at 2,048.
     pub fn set_gemm_staged_epilogue(&self, on: bool) {
         self.gemm_staged_epi.store(on, std::sync::atomic::Ordering::Relaxed);
     }
