@@ -107,8 +107,8 @@ impl AttnTile {
 }
 
 /// Most (token, split) pairs the split-KV partials of a scratch hold: `t · n_split ≤
-/// SPLIT_CAP` (32 MiB of f32 partial outputs).
-pub const SPLIT_CAP: usize = 2048;
+/// SPLIT_CAP` (64 MiB of f32 partial outputs).
+pub const SPLIT_CAP: usize = 4096;
 /// Most splits of one call.
 pub const MAX_SPLIT: usize = 32;
 /// Fewest 64-key blocks a split is planned with (a split also loads its Q tile and writes
@@ -197,7 +197,7 @@ pub fn causal_flops(t: usize, pos0: usize) -> f64 {
 
 impl CudaContext {
     /// Scratch for [`Self::attn_prefill`] calls of up to `max_t` tokens (`max_t · 8 KiB` plus
-    /// 32.25 MiB of device memory). Also sets the flash kernels' dynamic shared-memory limit (above the
+    /// 64.5 MiB of device memory). Also sets the flash kernels' dynamic shared-memory limit (above the
     /// default 48 KiB), so create it before the first call.
     ///
     /// # Errors

@@ -592,6 +592,9 @@ pub fn run(s: &mut Suite) {
     let (qn, kn, fv) = (dev_w.0.as_view(), dev_w.1.as_view(), dev_w.2.as_view());
     for (t, pos0) in [
         (512usize, 0usize),
+        (768, 0),
+        (1024, 0),
+        (1536, 0),
         (2048, 0),
         (8192, 0),
         (512, 7680),
@@ -644,10 +647,19 @@ pub fn run(s: &mut Suite) {
                 flops / tf / 1e12
             ));
         }
-        if plan.n_split > 1 {
+        // split-KV at the plan's count and at a few others (what the planner's rules are fitted
+        // on): every count a call may take here, ascending
+        let key_blocks = (pos0 + t).div_ceil(64);
+        let mut splits: Vec<usize> = [2usize, 3, 4, plan.n_split]
+            .into_iter()
+            .filter(|&n| n > 1 && n <= key_blocks && t * n <= SPLIT_CAP)
+            .collect();
+        splits.sort_unstable();
+        splits.dedup();
+        for n in splits {
             let tf = s.time_graph(reps, || {
                 cx.attn_prefill_flash_split(
-                    plan.n_split,
+                    n,
                     &pv,
                     t,
                     pos0,
@@ -659,13 +671,18 @@ pub fn run(s: &mut Suite) {
                 .expect("flash split");
             });
             line.push_str(&format!(
-                " | Wg64 split {} {:8.1} us {:5.1} TF/s",
-                plan.n_split,
+                " | Wg64 split {n} {:8.1} us {:5.1} TF/s",
                 tf * 1e6,
                 flops / tf / 1e12
             ));
+            // the plan's count keeps the key of the earlier runs
+            let key = if n == plan.n_split {
+                "flash_split".to_string()
+            } else {
+                format!("flash_split{n}")
+            };
             json.push_str(&format!(
-                ",\"flash_split_us\":{:.2},\"flash_split_tflops\":{:.1}",
+                ",\"{key}_us\":{:.2},\"{key}_tflops\":{:.1}",
                 tf * 1e6,
                 flops / tf / 1e12
             ));
