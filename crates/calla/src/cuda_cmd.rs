@@ -143,6 +143,10 @@ pub struct PrefillFlags {
     /// same bits; measured slower, session 32; `CudaContext::set_gemm_wide_grouped`).
     #[arg(long)]
     gemm_wide_grouped: bool,
+    /// The attention prefill never splits a causal prompt's key ranges in two (the plans of
+    /// before session 41; `CudaContext::set_attn_causal_split`).
+    #[arg(long)]
+    attn_no_causal_split: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -817,6 +821,8 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_wide(!f.gemm_no_wide);
     cuda::gemm::set_default_gemm_wide_grouped(f.gemm_wide_grouped);
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
+    cuda::attn_prefill::set_default_attn_causal_split(!f.attn_no_causal_split);
+    cx.set_attn_causal_split(!f.attn_no_causal_split);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -842,6 +848,8 @@ struct PrefillKnobs {
     ws: bool,
     wide: bool,
     wide_grouped: bool,
+    attn_split: bool,
+    bulk_short: bool,
 }
 
 impl PrefillKnobs {
@@ -866,6 +874,8 @@ impl PrefillKnobs {
             ws: cx.gemm_ws(),
             wide: cx.gemm_wide(),
             wide_grouped: cx.gemm_wide_grouped(),
+            attn_split: cx.attn_causal_split(),
+            bulk_short: cx.gemm_bulk_short(),
         }
     }
 
@@ -890,6 +900,8 @@ impl PrefillKnobs {
             c.set_gemm_ws(self.ws);
             c.set_gemm_wide(self.wide);
             c.set_gemm_wide_grouped(self.wide_grouped);
+            c.set_attn_causal_split(self.attn_split);
+            c.set_gemm_bulk_short(self.bulk_short);
         });
     }
 
@@ -911,7 +923,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 18] = [
+const PREFILL_CASES: [PrefillCase; 20] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -930,6 +942,8 @@ const PREFILL_CASES: [PrefillCase; 18] = [
     PrefillCase { knob: |k| &mut k.ws, off_name: "grouped GEMMs on the lean loop", off_key: "grouped_lean_ms", on_name: "grouped GEMMs warp-specialized", on_key: "grouped_ws_ms" },
     PrefillCase { knob: |k| &mut k.wide, off_name: "dense GEMMs without the wide tile", off_key: "dense_no_wide_ms", on_name: "dense GEMMs on the wide tile", on_key: "dense_wide_ms" },
     PrefillCase { knob: |k| &mut k.wide_grouped, off_name: "grouped GEMMs without the wide tile", off_key: "grouped_no_wide_ms", on_name: "grouped GEMMs on the wide tile", on_key: "grouped_wide_ms" },
+    PrefillCase { knob: |k| &mut k.attn_split, off_name: "attention without the causal split", off_key: "attn_no_causal_split_ms", on_name: "attention with the causal split", on_key: "attn_causal_split_ms" },
+    PrefillCase { knob: |k| &mut k.bulk_short, off_name: "short chunks' dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_short_ms", on_name: "short chunks' dense GEMM weights by bulk copies too", on_key: "gemm_bulk_short_ms" },
 ];
 
 /// `calla cuda-bench`.

@@ -130,14 +130,67 @@ pub struct AttnPlan {
 }
 
 /// The plan for `t` tokens at `pos0` on a GPU with `sm_count` SMs (a pure function; measured
-/// on the H200, docs/CUDA.md):
+/// on the H200, docs/CUDA.md), with the causal split on ([`attn_prefill_plan_with`]).
+pub fn attn_prefill_plan(t: usize, pos0: usize, sm_count: usize) -> AttnPlan {
+    attn_prefill_plan_with(t, pos0, sm_count, true)
+}
+
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_attn_causal_split`] on (the
+/// process default, [`set_default_attn_causal_split`]; on unless set).
+pub fn default_attn_causal_split() -> bool {
+    DEFAULT_ATTN_CAUSAL_SPLIT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_ATTN_CAUSAL_SPLIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Sets [`default_attn_causal_split`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --attn-no-causal-split` turns it off).
+pub fn set_default_attn_causal_split(on: bool) {
+    DEFAULT_ATTN_CAUSAL_SPLIT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The key blocks the [`AttnTile::Wg64`] tiles of `t` tokens at `pos0` walk: the heaviest
+/// tile's (the last one's: its last query sees `pos0 + t` keys) and the sum over all tiles and
+/// KV heads (tile `i` holds tokens `8i .. 8i + 8`, its last query sees `pos0 + 8i + 8` keys).
+fn wg64_key_blocks(t: usize, pos0: usize) -> (usize, usize) {
+    let tok = AttnTile::Wg64.tokens();
+    let per_head: usize = (0..t.div_ceil(tok))
+        .map(|i| (pos0 + ((i + 1) * tok).min(t)).div_ceil(BN))
+        .sum();
+    ((pos0 + t).div_ceil(BN), per_head * p::N_KV_HEADS)
+}
+
+/// [`attn_prefill_plan`] with the causal split on or off (`causal_split`;
+/// [`CudaContext::set_attn_causal_split`], measured against each other by `calla cuda-bench
+/// --prefill-compare`):
+/// * **causal split** (`causal_split`, `t < 2048`): when the [`AttnTile::Wg64`] blocks fill
+///   the SMs but the heaviest tile's key blocks exceed 1.2 × what each of the `2 · sm_count`
+///   block slots would walk if the whole causal triangle were spread evenly, the heaviest
+///   tiles set the time (a 1k-token prompt from position 0: 16 key blocks against ~9), so every
+///   tile's key range is cut in two (`n_split` 2). Measured on the H200 (self-test `attnpre`,
+///   flash part alone, µs): 768 tokens 63.8 → 42.2, 1,024 tokens 75.3 (Wg128) → 58.9, 1,536
+///   114.9 (Wg128) → 98.8; three or four splits are slower than two there (their partials'
+///   round trip grows with `t · n_split`), and at 2,048 tokens the tiles are balanced (Wg128
+///   149.7 against 147.2 split, within noise), which the rule leaves to Wg128.
 /// * `t ≥ 1024`: [`AttnTile::Wg128`] (half the K/V traffic per FLOP of Wg64; faster from
 ///   ~1-2k tokens on).
 /// * otherwise [`AttnTile::Wg64`]; when its blocks (`⌈t/8⌉ · N_KV_HEADS`) do not fill the SMs,
 ///   the key range is split to minimise (waves of blocks) × (key blocks per split), counting
 ///   the combine pass as [`SPLIT_OVERHEAD_BLOCKS`], with at least [`MIN_SPLIT_BLOCKS`] key
 ///   blocks per split, `t · n_split ≤` [`SPLIT_CAP`] and `n_split ≤` [`MAX_SPLIT`].
-pub fn attn_prefill_plan(t: usize, pos0: usize, sm_count: usize) -> AttnPlan {
+pub fn attn_prefill_plan_with(t: usize, pos0: usize, sm_count: usize, causal_split: bool) -> AttnPlan {
+    let sms = sm_count.max(1);
+    let slots = 2 * sms; // two Wg64 blocks per SM
+    let blocks = t.div_ceil(AttnTile::Wg64.tokens()).max(1) * p::N_KV_HEADS;
+    if causal_split && t < 2048 && blocks >= sms && 2 * t <= SPLIT_CAP {
+        let (heaviest, total) = wg64_key_blocks(t, pos0);
+        if heaviest >= 2 && 5 * heaviest > 6 * total.div_ceil(slots) {
+            return AttnPlan {
+                tile: AttnTile::Wg64,
+                n_split: 2,
+            };
+        }
+    }
     if t >= 1024 {
         return AttnPlan {
             tile: AttnTile::Wg128,
@@ -145,9 +198,7 @@ pub fn attn_prefill_plan(t: usize, pos0: usize, sm_count: usize) -> AttnPlan {
         };
     }
     let tile = AttnTile::Wg64;
-    let blocks = t.div_ceil(tile.tokens()).max(1) * p::N_KV_HEADS;
-    let slots = 2 * sm_count.max(1); // two Wg64 blocks per SM
-    if blocks >= sm_count.max(1) {
+    if blocks >= sms {
         return AttnPlan { tile, n_split: 1 };
     }
     let key_blocks = (pos0 + t).div_ceil(BN);
@@ -196,6 +247,21 @@ pub fn causal_flops(t: usize, pos0: usize) -> f64 {
 }
 
 impl CudaContext {
+    /// Lets [`Self::attn_prefill`]'s plan cut causal prompts' key ranges in two (`true`, the
+    /// default; [`attn_prefill_plan_with`]'s causal split) or keeps the plans of before
+    /// (`false`, the measured twin). Results differ only by the f32 rounding of the split's
+    /// merge. A [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_attn_causal_split(&self, on: bool) {
+        self.attn_causal_split.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_attn_causal_split`].
+    #[doc(hidden)]
+    pub fn attn_causal_split(&self) -> bool {
+        self.attn_causal_split.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Scratch for [`Self::attn_prefill`] calls of up to `max_t` tokens (`max_t · 8 KiB` plus
     /// 64.5 MiB of device memory). Also sets the flash kernels' dynamic shared-memory limit (above the
     /// default 48 KiB), so create it before the first call.
@@ -233,7 +299,8 @@ impl CudaContext {
 
     /// The gated full-attention core for `t` prompt tokens at positions `pos0 .. pos0 + t`
     /// (docs/MODEL.md §3.6 steps 2-5). Asynchronous on [`Self::stream`]:
-    /// [`Self::attn_prefill_prep`], then the flash part as [`attn_prefill_plan`] says
+    /// [`Self::attn_prefill_prep`], then the flash part as [`attn_prefill_plan_with`] says (with
+    /// [`Self::attn_causal_split`])
     /// ([`Self::attn_prefill_flash`], or [`Self::attn_prefill_flash_split`] for few tokens
     /// over a long prefix): two or three kernel launches.
     ///
@@ -315,7 +382,7 @@ impl CudaContext {
         self.attn_prefill_prep(
             proj, t, pos0, q_norm, k_norm, inv_freq, k_cache, v_cache, scratch,
         )?;
-        let plan = attn_prefill_plan(t, pos0, self.sm_count() as usize);
+        let plan = attn_prefill_plan_with(t, pos0, self.sm_count() as usize, self.attn_causal_split());
         let (kc, vc) = (k_cache.as_view(), v_cache.as_view());
         if plan.n_split > 1 {
             self.flash_split(plan.n_split, proj, t, pos0, &kc, &vc, scratch, out)
@@ -818,9 +885,15 @@ mod tests {
         // long blocks: the two-warpgroup tile, no split
         assert_eq!(plan(8192, 0), (AttnTile::Wg128, 1));
         assert_eq!(plan(2048, 6144), (AttnTile::Wg128, 1));
-        assert_eq!(plan(1024, 0), (AttnTile::Wg128, 1));
-        // enough Wg64 blocks to fill the SMs, or too few keys to split
-        assert_eq!(plan(1000, 0), (AttnTile::Wg64, 1));
+        assert_eq!(plan(2048, 0), (AttnTile::Wg128, 1));
+        assert_eq!(plan(1024, 8192), (AttnTile::Wg128, 1));
+        // a causal triangle from (near) position 0: the heaviest tiles' keys cut in two
+        assert_eq!(plan(1024, 0), (AttnTile::Wg64, 2));
+        assert_eq!(plan(1536, 0), (AttnTile::Wg64, 2));
+        assert_eq!(plan(1000, 0), (AttnTile::Wg64, 2));
+        assert_eq!(plan(768, 100), (AttnTile::Wg64, 2));
+        // enough Wg64 blocks to fill the SMs and balanced tiles, or too few keys to split
+        assert_eq!(plan(1000, 4000), (AttnTile::Wg64, 1));
         assert_eq!(plan(300, 0), (AttnTile::Wg64, 1));
         assert_eq!(plan(1, 0), (AttnTile::Wg64, 1));
         // few tokens over a long prefix: split the keys
@@ -828,12 +901,27 @@ mod tests {
         assert_eq!(plan(64, 8128), (AttnTile::Wg64, 16));
         assert_eq!(plan(100, 1000), (AttnTile::Wg64, 4));
         assert_eq!(plan(1, 100_000), (AttnTile::Wg64, MAX_SPLIT));
-        for t in [1, 7, 8, 9, 100, 500, 1023] {
+        // without the causal split: the earlier rules
+        let old = |t, pos0| {
+            let a = attn_prefill_plan_with(t, pos0, 132, false);
+            (a.tile, a.n_split)
+        };
+        assert_eq!(old(1024, 0), (AttnTile::Wg128, 1));
+        assert_eq!(old(1000, 0), (AttnTile::Wg64, 1));
+        assert_eq!(old(512, 7680), (AttnTile::Wg64, 2));
+        for t in [1, 7, 8, 9, 100, 500, 1023, 1024, 1500, 2047, 2048, 8192] {
             for pos0 in [0, 1, 1000, 30_000, 200_000] {
-                let a = attn_prefill_plan(t, pos0, 132);
-                assert!(a.n_split >= 1 && a.n_split <= MAX_SPLIT && t * a.n_split <= SPLIT_CAP);
-                assert!(a.n_split == 1 || a.tile == AttnTile::Wg64);
+                for split in [false, true] {
+                    let a = attn_prefill_plan_with(t, pos0, 132, split);
+                    assert!(a.n_split >= 1 && a.n_split <= MAX_SPLIT);
+                    assert!(a.n_split == 1 || t * a.n_split <= SPLIT_CAP);
+                    assert!(a.n_split == 1 || a.tile == AttnTile::Wg64);
+                }
             }
         }
+        // the heaviest tile and the triangle's sum (two KV heads): 1,024 tokens from 0 are
+        // 128 tiles per head walking 1, 1, ... 16 key blocks (8 tiles each)
+        assert_eq!(wg64_key_blocks(1024, 0), (16, 2 * 8 * (1..=16).sum::<usize>()));
+        assert_eq!(wg64_key_blocks(5, 62), (2, 2 * 2));
     }
 }

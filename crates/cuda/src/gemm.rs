@@ -148,6 +148,10 @@ pub fn set_default_gemm_grouped3(on: bool) {
     DEFAULT_GEMM_GROUPED3.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Chunks of fewer tokens run their dense products on the per-thread copies unless
+/// [`CudaContext::set_gemm_bulk_short`] is on (measured faster there, session 41).
+pub const BULK_SHORT_BELOW: usize = 4096;
+
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bulk`] on for the dense
 /// products (the process default, [`set_default_gemm_bulk`]; on unless set). The grouped expert
 /// products start with it off ([`CudaContext::set_gemm_bulk_grouped`]).
@@ -682,6 +686,25 @@ impl CudaContext {
         self.gemm_bulk.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the dense products of chunks under [`BULK_SHORT_BELOW`] tokens take the bulk copies
+    /// of [`Self::set_gemm_bulk`] too (`true`; `false`, the default since session 41: those
+    /// products take the per-thread copies, and [`Self::set_gemm_bulk`] applies from
+    /// [`BULK_SHORT_BELOW`] tokens on). The same bits either way. Measured in the whole prefill
+    /// (`calla cuda-bench --prefill-compare`, the dense products' per-thread copies against the
+    /// bulk ones, sessions 40 and 41): 13 of 14 rows at 512 to 2,048 tokens faster with the
+    /// per-thread copies (−0.4% to −2.6%, one +0.4%), on two H100s and an H200; at 8,192 tokens
+    /// a wash (+0.9% to −1.2%). A [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_bulk_short(&self, on: bool) {
+        self.gemm_bulk_short.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_bulk_short`].
+    #[doc(hidden)]
+    pub fn gemm_bulk_short(&self) -> bool {
+        self.gemm_bulk_short.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// [`Self::set_gemm_bulk`] for the grouped expert products (`moe_gate_up_grouped`,
     /// `moe_down_grouped`; off by default): measured slower on the H200 (`cuda_selftest --only
     /// bulk`, session 31: gate/up 135.5 against 127.2 µs at T = 512, 157.5 / 147.0 at 1,024,
@@ -1201,7 +1224,11 @@ impl CudaContext {
         // the lean loop's weight tiles by bulk copies: group-major codes and scales only, on
         // runs that start and end 16-byte aligned (the same bytes in the same stages' places)
         let grouped = matches!(a.mode, MODE_MOE_GATE_UP | MODE_MOE_DOWN | MODE_MOE_DOWN_B16);
-        let on = if grouped { self.gemm_bulk_grouped() } else { self.gemm_bulk() };
+        let on = if grouped {
+            self.gemm_bulk_grouped()
+        } else {
+            self.gemm_bulk() && (a.t >= BULK_SHORT_BELOW || self.gemm_bulk_short())
+        };
         let lean = matches!(v.engine, GemmEngine::WgmmaLean | GemmEngine::WgmmaLean3);
         // the warp-specialized loop: 4-bit grouped products on the tall or narrow tile
         let ws = grouped

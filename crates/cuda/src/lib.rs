@@ -614,6 +614,9 @@ pub struct CudaContext {
     pub(crate) gemm_bulk: std::sync::atomic::AtomicBool,
     /// The same for the grouped expert products ([`CudaContext::set_gemm_bulk_grouped`]).
     pub(crate) gemm_bulk_grouped: std::sync::atomic::AtomicBool,
+    /// Whether short chunks' dense products take the bulk copies too
+    /// ([`CudaContext::set_gemm_bulk_short`]).
+    pub(crate) gemm_bulk_short: std::sync::atomic::AtomicBool,
     /// GEMM launches on the bulk-copy entry points ([`CudaContext::gemm_bulk_launches`]).
     pub(crate) gemm_bulk_launches: std::sync::atomic::AtomicU64,
     /// Whether the 4-bit grouped products run the warp-specialized loop ([`CudaContext::set_gemm_ws`]).
@@ -623,6 +626,9 @@ pub struct CudaContext {
     /// Whether long prompts' grouped expert products may take the wide tile
     /// ([`CudaContext::set_gemm_wide_grouped`]).
     pub(crate) gemm_wide_grouped: std::sync::atomic::AtomicBool,
+    /// Whether the attention prefill may split causal prompts' key ranges in two
+    /// ([`CudaContext::set_attn_causal_split`]).
+    pub(crate) attn_causal_split: std::sync::atomic::AtomicBool,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -783,10 +789,12 @@ impl CudaContext {
             gemm_grouped3: std::sync::atomic::AtomicBool::new(gemm::default_gemm_grouped3()),
             gemm_bulk: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk()),
             gemm_bulk_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk_grouped()),
+            gemm_bulk_short: std::sync::atomic::AtomicBool::new(false),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
             gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
+            attn_causal_split: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_causal_split()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -853,10 +861,12 @@ impl CudaContext {
             gemm_grouped3: copy(&self.gemm_grouped3),
             gemm_bulk: copy(&self.gemm_bulk),
             gemm_bulk_grouped: copy(&self.gemm_bulk_grouped),
+            gemm_bulk_short: copy(&self.gemm_bulk_short),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: copy(&self.gemm_ws),
             gemm_wide: copy(&self.gemm_wide),
             gemm_wide_grouped: copy(&self.gemm_wide_grouped),
+            attn_causal_split: copy(&self.attn_causal_split),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

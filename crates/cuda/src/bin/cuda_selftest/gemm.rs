@@ -1762,6 +1762,8 @@ pub fn run(s: &mut Suite) {
 /// 8,192, the 4-bit in_proj and o_proj at T = 1,024 and 8,192.
 pub fn bulk_section(s: &mut Suite) {
     let cx = s.cx;
+    // set_gemm_bulk at every T here (short chunks take the per-thread copies by default)
+    cx.set_gemm_bulk_short(true);
     let lean: Vec<GemmVariant> = LEAN_VARIANTS.iter().chain(&LEAN3_VARIANTS).copied().collect();
     let cases: [(&str, usize, usize, u32, Epi); 6] = [
         ("gdn in_proj", GDN_PROJ, p::D_MODEL, 4, Epi::Store),
@@ -1869,6 +1871,7 @@ pub fn bulk_section(s: &mut Suite) {
     }
     cx.set_gemm_bulk(cuda::gemm::default_gemm_bulk());
     cx.set_gemm_bulk_grouped(cuda::gemm::default_gemm_bulk_grouped());
+    cx.set_gemm_bulk_short(false);
 }
 
 /// Section `ws`: the grouped expert products on the warp-specialized loop
@@ -2041,6 +2044,8 @@ fn time_grouped_pair(s: &mut Suite, w: &MoeWeights, title: &str, key: &str, set:
 /// 1,024 and 8,192, the prefill's dense products at T = 1,024, 2,048 and 8,192.
 pub fn wide_section(s: &mut Suite) {
     let cx = s.cx;
+    // the bulk runs below at every T (short chunks take the per-thread copies by default)
+    cx.set_gemm_bulk_short(true);
     let cases: [(&str, usize, usize, u32, Epi); 5] = [
         ("gdn in_proj", GDN_PROJ, p::D_MODEL, 4, Epi::Store),
         ("o_proj +resid", p::D_MODEL, ATTN_OUT, 4, Epi::Residual),
@@ -2143,6 +2148,7 @@ pub fn wide_section(s: &mut Suite) {
     // one for the experts above 256), lean and plain loops; and against the references at 2,048
     {
         drop(scratch);
+        cx.set_gemm_bulk_short(false); // the default again, for the grouped checks and the timings
         let tmax = 8192;
         let mut scratch = cx.gemm_scratch(tmax).unwrap();
         let mut routing = cx.moe_routing(tmax).unwrap();
