@@ -670,7 +670,8 @@ impl CudaContext {
     /// copies from every thread (`true`, the default, [`default_gemm_bulk`]). The activations
     /// still come by `cp.async` (gathered rows). The same bytes reach the same values, so the
     /// same bits. Applies to matrices with group-major codes and scales whose row counts are
-    /// multiples of 8 (the dense projections); others take the per-thread copies. Measured on
+    /// multiples of 8 (the dense projections); others take the per-thread copies, and so do
+    /// chunks under [`BULK_SHORT_BELOW`] tokens unless [`Self::set_gemm_bulk_short`]. Measured on
     /// the H200 (`cuda_selftest --only bulk`, session 31): in_proj 91.4 against 94.5 µs at
     /// T = 1,024 and 724.9 against 734.9 at 8,192, o_proj 43.8 / 43.4 and 217.6 / 227.0. For
     /// measurement (`calla cuda-bench --prefill-compare`); a [`CudaContext::sibling`] copies
