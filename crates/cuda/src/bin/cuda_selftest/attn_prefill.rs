@@ -649,10 +649,9 @@ pub fn run(s: &mut Suite) {
         }
         // split-KV at the plan's count and at a few others (what the planner's rules are fitted
         // on): every count a call may take here, ascending
-        let key_blocks = (pos0 + t).div_ceil(64);
         let mut splits: Vec<usize> = [2usize, 3, 4, plan.n_split]
             .into_iter()
-            .filter(|&n| n > 1 && n <= key_blocks && t * n <= SPLIT_CAP)
+            .filter(|&n| n > 1 && t * n <= SPLIT_CAP)
             .collect();
         splits.sort_unstable();
         splits.dedup();

@@ -2141,6 +2141,7 @@ pub fn wide_section(s: &mut Suite) {
         }
     }
     cx.set_gemm_splitk(cuda::gemm::default_splitk());
+    cx.set_gemm_bulk_short(false); // the default again, for the grouped checks and the timings
     scratch.force = None;
     // the grouped experts (codes group-major in place, as the prefill holds them): the wide
     // tile against the big one bit for bit (act and output) at T = 2,048 (64 entries per expert:
@@ -2148,7 +2149,6 @@ pub fn wide_section(s: &mut Suite) {
     // one for the experts above 256), lean and plain loops; and against the references at 2,048
     {
         drop(scratch);
-        cx.set_gemm_bulk_short(false); // the default again, for the grouped checks and the timings
         let tmax = 8192;
         let mut scratch = cx.gemm_scratch(tmax).unwrap();
         let mut routing = cx.moe_routing(tmax).unwrap();
