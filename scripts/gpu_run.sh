@@ -65,6 +65,12 @@ if [ -z "${CALLA_NVRTC_DIR:-}" ]; then
   [ -n "$lib" ] && export CALLA_NVRTC_DIR=$(dirname "$lib")
 fi
 export CALLA_CUDA_CACHE="${CALLA_CUDA_CACHE:-/tmp/calla-cuda-cache}"
+# the cubins scripts/gpu_bundle.sh compiled (used where this machine's NVRTC version matches;
+# otherwise the kernels compile here as before)
+if [ -f target/gpu-bundle/cuda-cache.tar.xz ]; then
+  mkdir -p "$CALLA_CUDA_CACHE"
+  python3 -c "import sys, tarfile; t = tarfile.open(sys.argv[1]); t.extractall(sys.argv[2], **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))" target/gpu-bundle/cuda-cache.tar.xz "$CALLA_CUDA_CACHE"
+fi
 work="${CALLA_GPU_WORK:-/tmp/calla-gpu}"
 mkdir -p "$work"
 status=0

@@ -456,6 +456,42 @@ fn grid_json((ks_log2, blocks): (i32, u32)) -> serde_json::Value {
     serde_json::json!({"ks_log2": ks_log2, "blocks": blocks})
 }
 
+/// Arguments of `calla cuda-compile`.
+#[derive(Args)]
+pub struct CudaCompileArgs {
+    /// Cache folder to fill. Default: the folder the CUDA backend reads (`$CALLA_CUDA_CACHE`,
+    /// else `$XDG_CACHE_HOME/calla/cuda`, else `~/.cache/calla/cuda`).
+    #[arg(long)]
+    cache: Option<PathBuf>,
+}
+
+/// `calla cuda-compile`: compiles every kernel file for sm_90a with NVRTC into the kernel cache
+/// (`cuda::nvrtc::precompile_into`), skipping the cubins already there. Needs NVRTC, no GPU:
+/// `scripts/gpu_bundle.sh` fills the cache on the build machine so that a GPU machine with the
+/// same NVRTC version starts without compiling. Prints one line per kernel file.
+///
+/// # Errors
+/// No cache folder known, NVRTC missing, a kernel that does not compile, or an unwritable folder.
+pub fn compile(a: CudaCompileArgs) -> Result<()> {
+    let dir = match a.cache {
+        Some(d) => d,
+        None => cuda::nvrtc::cache_dir().context("no cache folder known: pass --cache DIR or set CALLA_CUDA_CACHE")?,
+    };
+    let t0 = Instant::now();
+    let done = cuda::nvrtc::precompile_into(&dir, cuda::KERNELS)?;
+    for (path, compiled) in &done {
+        println!("{} {}", if *compiled { "compiled" } else { "cached  " }, path.display());
+    }
+    let n = done.iter().filter(|(_, c)| *c).count();
+    eprintln!(
+        "{n} of {} kernel files compiled, the rest cached, into {} in {:.1} s",
+        done.len(),
+        dir.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// Arguments of `calla cuda-check`.
 #[derive(Args)]
 pub struct CudaCheckArgs {

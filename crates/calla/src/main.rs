@@ -40,6 +40,9 @@ enum Cmd {
     /// Check the CUDA decode path end to end against the CPU path on one checkpoint.
     #[cfg(feature = "cuda")]
     CudaCheck(cuda_cmd::CudaCheckArgs),
+    /// Compile every CUDA kernel into the kernel cache with NVRTC (no GPU needed).
+    #[cfg(feature = "cuda")]
+    CudaCompile(cuda_cmd::CudaCompileArgs),
     /// OpenAI-compatible HTTP server with hybrid local/cloud routing (docs/SERVER.md).
     Serve(serve_cmd::ServeArgs),
     /// Host report and whether the model fits for local mode (exit 2 when it does not).
@@ -257,6 +260,8 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::CudaBench(a) => cuda_cmd::bench(a),
         #[cfg(feature = "cuda")]
         Cmd::CudaCheck(a) => cuda_cmd::check(a),
+        #[cfg(feature = "cuda")]
+        Cmd::CudaCompile(a) => cuda_cmd::compile(a),
         Cmd::Dequantize(a) => tools_cmd::dequantize(a),
         Cmd::Serve(a) => serve_cmd::serve_cmd(a),
         Cmd::Probe(a) => serve_cmd::probe_cmd(a),

@@ -203,8 +203,8 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/calla/cuda"))
 }
 
-/// Where the cubin of `k` is (or would be) cached; `None` when no cache folder is known.
-pub fn cache_path(k: &KernelSource) -> Result<Option<PathBuf>, CudaError> {
+/// The cache file name of `k`'s cubin (`<name>-<arch>-<hash>.cubin`, module docs).
+fn cache_file_name(k: &KernelSource) -> Result<String, CudaError> {
     let (ma, mi) = ensure_loaded()?;
     let src = full_source(k);
     let h = fnv1a64(&[
@@ -213,7 +213,42 @@ pub fn cache_path(k: &KernelSource) -> Result<Option<PathBuf>, CudaError> {
         OPTIONS.join(" ").as_bytes(),
         format!("{ma}.{mi}").as_bytes(),
     ]);
-    Ok(cache_dir().map(|d| d.join(format!("{}-{ARCH}-{h:016x}.cubin", k.name))))
+    Ok(format!("{}-{ARCH}-{h:016x}.cubin", k.name))
+}
+
+/// Where the cubin of `k` is (or would be) cached; `None` when no cache folder is known.
+pub fn cache_path(k: &KernelSource) -> Result<Option<PathBuf>, CudaError> {
+    let name = cache_file_name(k)?;
+    Ok(cache_dir().map(|d| d.join(name)))
+}
+
+/// Compiles each kernel file of `kernels` into the cache folder `dir` under the name the
+/// runtime looks for ([`cache_path`] with `$CALLA_CUDA_CACHE` = `dir`), skipping those already
+/// there. Needs NVRTC but no GPU and no driver, so the cache of a GPU machine can be filled on
+/// another machine with the same NVRTC major.minor version (the version is part of the key;
+/// another version just compiles again there). Returns, per kernel file, the cubin's path and
+/// whether it was compiled now (`false`: it was cached already).
+///
+/// # Errors
+/// [`CudaError::Nvrtc`] when NVRTC is missing, a kernel does not compile, or `dir` or a cubin
+/// in it cannot be written (the message names the path).
+pub fn precompile_into(dir: &Path, kernels: &[KernelSource]) -> Result<Vec<(PathBuf, bool)>, CudaError> {
+    std::fs::create_dir_all(dir).map_err(|e| CudaError::Nvrtc(format!("cannot create cache folder {}: {e}", dir.display())))?;
+    let mut out = Vec::with_capacity(kernels.len());
+    for k in kernels {
+        let path = dir.join(cache_file_name(k)?);
+        if std::fs::metadata(&path).is_ok_and(|m| m.len() > 0) {
+            out.push((path, false));
+            continue;
+        }
+        let cubin = compile_cubin(k.name, &full_source(k), ARCH)?;
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, &cubin)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))?;
+        out.push((path, true));
+    }
+    Ok(out)
 }
 
 /// The cubin of kernel file `k` for [`ARCH`]: from the cache when present, else compiled with

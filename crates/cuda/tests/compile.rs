@@ -88,3 +88,27 @@ fn cache_key_changes_with_source() {
     assert_ne!(a, b);
     assert_ne!(a, c);
 }
+
+/// `nvrtc::precompile_into` writes the cubin under the name the runtime's cache looks up, and a
+/// second call finds it there instead of compiling again.
+#[test]
+fn precompile_fills_the_cache_the_runtime_reads() {
+    cuda::nvrtc::ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
+    let k = cuda::KERNELS.iter().find(|k| k.name == "sample").expect("the sample kernel file");
+    let dir = std::env::temp_dir().join(format!("calla-precompile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = cuda::nvrtc::precompile_into(&dir, std::slice::from_ref(k)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.len(), 1);
+    let (path, compiled) = &first[0];
+    assert!(*compiled, "an empty folder must be compiled into");
+    let cubin = std::fs::read(path).expect("the cubin was written");
+    assert_eq!(&cubin[..4], b"\x7fELF", "not an ELF cubin");
+    // the runtime's lookup (cache_path) gives the same file name
+    let runtime = cuda::nvrtc::cache_path(k).unwrap_or_else(|e| panic!("{e}"));
+    if let Some(rp) = runtime {
+        assert_eq!(rp.file_name(), path.file_name(), "precompiled name differs from the runtime's");
+    }
+    let second = cuda::nvrtc::precompile_into(&dir, std::slice::from_ref(k)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second, vec![(path.clone(), false)], "a cached cubin must not be compiled again");
+    let _ = std::fs::remove_dir_all(&dir);
+}
