@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on the development machine (no GPU needed), everything the GPU machine runs, into
 # target/gpu-bundle/: `calla` with the `cuda` feature and the kernel self-test `cuda_selftest`,
-# both stripped, and the kernel cache (`calla cuda-compile`, cuda-cache.tar.xz). Carry that folder to the GPU machine and run scripts/gpu_run.sh there.
+# both stripped, and the kernel cache (`calla cuda-compile`, cuda-cache.tar.xz). Carry that
+# folder to the GPU machine and run scripts/gpu_run.sh there.
 #
 #   scripts/gpu_bundle.sh            # then, on the GPU machine: scripts/gpu_run.sh OUTDIR
 set -euo pipefail

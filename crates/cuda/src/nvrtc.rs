@@ -242,10 +242,7 @@ pub fn precompile_into(dir: &Path, kernels: &[KernelSource]) -> Result<Vec<(Path
             continue;
         }
         let cubin = compile_cubin(k.name, &full_source(k), ARCH)?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, &cubin)
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))?;
+        store_cubin(&path, &cubin).map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))?;
         out.push((path, true));
     }
     Ok(out)
@@ -264,13 +261,18 @@ pub fn compile_cached(k: &KernelSource) -> Result<Vec<u8>, CudaError> {
     }
     let cubin = compile_cubin(k.name, &full_source(k), ARCH)?;
     if let Some(p) = &path {
-        if let Some(dir) = p.parent() {
-            let _ = std::fs::create_dir_all(dir);
-            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-            if std::fs::write(&tmp, &cubin).is_ok() {
-                let _ = std::fs::rename(&tmp, p);
-            }
-        }
+        let _ = store_cubin(p, &cubin);  // a cache that cannot be written is not an error
     }
     Ok(cubin)
+}
+
+/// Writes `cubin` to the cache file `path` (its folder created if missing) through a temporary
+/// name and a rename, so that a concurrent reader never sees a partial cubin.
+fn store_cubin(path: &Path, cubin: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, cubin)?;
+    std::fs::rename(&tmp, path)
 }
