@@ -410,20 +410,45 @@ __device__ __forceinline__ void solve_blocked(float* __restrict__ Tm, const floa
     }
 }
 
-// dst[r][c] = scale[r] · src[r][c] for a 64 x 128 chunk; dst stride XSP, src stride sstride;
-// threads tid = 0..nthreads-1.
-__device__ __forceinline__ void scale_rows(float* dst, const float* src, int sstride, const float* scale, int tid,
-                                           int nthreads) {
-    for (int e = tid; e < CH * DK / 4; e += nthreads) {
-        const int r = e >> 5, c4 = e & 31;
-        float4 v = *reinterpret_cast<const float4*>(src + (size_t)r * sstride + 4 * c4);
-        const float s = scale[r];
-        v.x *= s;
-        v.y *= s;
-        v.z *= s;
-        v.w *= s;
-        *reinterpret_cast<float4*>(dst + r * XSP + 4 * c4) = v;
+// A 64 x 128 f32 chunk (rows of stride `sstride`) into registers, every load issued before any
+// is used: thread t (of PB_THREADS) holds float4 e = t + PB_THREADS·j, i.e. row e / 32, columns
+// 4·(e % 32) .. + 3.
+__device__ __forceinline__ void load_chunk(float4 (&r)[CH * DK / 4 / PB_THREADS], const float* src, int sstride,
+                                           int t) {
+#pragma unroll
+    for (int j = 0; j < CH * DK / 4 / PB_THREADS; ++j) {
+        const int e = t + j * PB_THREADS;
+        r[j] = *reinterpret_cast<const float4*>(src + (size_t)(e >> 5) * sstride + 4 * (e & 31));
     }
+}
+
+// dst[r][c] = chunk[r][c] (dst stride KSP) for a chunk held as load_chunk leaves it.
+__device__ __forceinline__ void store_chunk(float* dst, const float4 (&r)[CH * DK / 4 / PB_THREADS], int t) {
+#pragma unroll
+    for (int j = 0; j < CH * DK / 4 / PB_THREADS; ++j) {
+        const int e = t + j * PB_THREADS;
+        *reinterpret_cast<float4*>(dst + (e >> 5) * KSP + 4 * (e & 31)) = r[j];
+    }
+}
+
+// dst[r][c] = scale[r] · chunk[r][c] (dst stride XSP) for a chunk held as load_chunk leaves it.
+__device__ __forceinline__ void store_chunk_scaled(float* dst, const float4 (&r)[CH * DK / 4 / PB_THREADS],
+                                                   const float* scale, int t) {
+#pragma unroll
+    for (int j = 0; j < CH * DK / 4 / PB_THREADS; ++j) {
+        const int e = t + j * PB_THREADS, row = e >> 5;
+        const float s = scale[row];
+        *reinterpret_cast<float4*>(dst + row * XSP + 4 * (e & 31)) =
+            make_float4(r[j].x * s, r[j].y * s, r[j].z * s, r[j].w * s);
+    }
+}
+
+// dst[r][c] = scale[r] · src[r][c] for a 64 x 128 chunk; dst stride XSP, src stride sstride;
+// PB_THREADS threads.
+__device__ __forceinline__ void scale_rows(float* dst, const float* src, int sstride, const float* scale, int t) {
+    float4 r[CH * DK / 4 / PB_THREADS];
+    load_chunk(r, src, sstride, t);
+    store_chunk_scaled(dst, r, scale, t);
 }
 
 // out (global, 64 rows of stride DV) = Tm (stride AP, lower triangular) · X (64 x 128, stride
@@ -512,10 +537,24 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
 
     calla_pdl_wait();
 
+    // The chunk's loads first, so that their round trips overlap the conv-state shift and, with
+    // the tensor cores, V_0's the Gram products and the solve: K̂, Q̂, g, β, and (TC) V_0, held
+    // in registers until its scaled copy is stored after the solve. The SIMT products need
+    // those registers themselves: there K̂ and Q̂ come one after the other, V_0 after the solve.
+    const size_t qk0 = ((size_t)i * Tpad + (size_t)n * CH) * DK;
+    const size_t v0 = ((size_t)(VPK * i) * Tpad + (size_t)n * CH) * DV;
+    const size_t v1 = ((size_t)(VPK * i + 1) * Tpad + (size_t)n * CH) * DV;
+    float4 vr[CH * DK / 4 / PB_THREADS];
+    float gv = 0.f, bv = 0.f;
+    if (t < 2 * CH) {
+        const size_t gi = (size_t)(VPK * i + t / CH) * Tpad + (size_t)n * CH + (t % CH);
+        gv = g_in[gi];
+        bv = beta_in[gi];
+    }
     // Conv-state shift: new row r = window row T + r (window = [old state ‖ T pre-conv rows]).
-    // One thread per channel reads all three sources before writing; gdnp_conv (the only
-    // reader of the old state) has finished.
-    {
+    // One thread per channel reads all three sources before writing; gdnp_conv (the only reader
+    // of the old state) has finished.
+    auto shift_conv_state = [&]() {
         const int nb = gridDim.x * gridDim.y, b = n * gridDim.x + i;
         for (int c = b * PB_THREADS + t; c < CONV_DIM; c += nb * PB_THREADS) {
             float v[3];
@@ -527,18 +566,25 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
 #pragma unroll
             for (int r = 0; r < 3; ++r) conv_state[(size_t)r * CONV_DIM + c] = v[r];
         }
-    }
-
-    const size_t qk0 = ((size_t)i * Tpad + (size_t)n * CH) * DK;
-    for (int e = t; e < CH * DK / 4; e += PB_THREADS) {
-        const int r = e >> 5, c4 = e & 31;
-        *reinterpret_cast<float4*>(KS + r * KSP + 4 * c4) = *reinterpret_cast<const float4*>(kn + qk0 + r * DK + 4 * c4);
-        *reinterpret_cast<float4*>(XS + r * KSP + 4 * c4) = *reinterpret_cast<const float4*>(qn + qk0 + r * DK + 4 * c4);
+    };
+    if constexpr (TC) {
+        float4 kr[CH * DK / 4 / PB_THREADS], qr[CH * DK / 4 / PB_THREADS];
+        load_chunk(kr, kn + qk0, DK, t);
+        load_chunk(qr, qn + qk0, DK, t);
+        load_chunk(vr, vb + v0, DV, t);
+        shift_conv_state();
+        store_chunk(KS, kr, t);
+        store_chunk(XS, qr, t);
+    } else {
+        shift_conv_state();
+        load_chunk(vr, kn + qk0, DK, t);  // vr as scratch: V_0 comes after the solve
+        store_chunk(KS, vr, t);
+        load_chunk(vr, qn + qk0, DK, t);
+        store_chunk(XS, vr, t);
     }
     if (t < 2 * CH) {
-        const size_t gi = (size_t)(VPK * i + t / CH) * Tpad + (size_t)n * CH + (t % CH);
-        G[t] = g_in[gi];
-        BET[t] = beta_in[gi];
+        G[t] = gv;
+        BET[t] = bv;
     }
     __syncthreads();
     if ((t & 31) == 0 && t < 32 * VPK) {
@@ -612,23 +658,25 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
     // Tm_h = (I + A_h)^-1 into the A0 / A1 buffers: threads 0-127 head 0, 128-255 head 1.
     solve_blocked((t >> 7) ? A1 : A0, (t >> 7) ? AX1 : AX0, tid);
 
-    const size_t v0 = ((size_t)(VPK * i) * Tpad + (size_t)n * CH) * DV;
-    const size_t v1 = ((size_t)(VPK * i + 1) * Tpad + (size_t)n * CH) * DV;
-    scale_rows(XS, vb + v0, DV, BET, t, PB_THREADS);
+    if constexpr (TC) store_chunk_scaled(XS, vr, BET, t);
+    else scale_rows(XS, vb + v0, DV, BET, t);
     __syncthreads();
 
-    // U_0 = Tm_0 β_0 V_0 (over v, in place), U_1, then W_0 = Tm_0 β_0 e^γ0 K̂, W_1.
+    // U_0 = Tm_0 β_0 V_0 (over v, in place), U_1, then W_0 = Tm_0 β_0 e^γ0 K̂, W_1. TC: V_1's
+    // loads are issued before U_0's product (other rows of vb) and land during it.
+    if constexpr (TC) load_chunk(vr, vb + v1, DV, t);
     tri_mm<TC>(vb + v0, A0, XS, t);
     __syncthreads();
-    scale_rows(XS, vb + v1, DV, BET + CH, t, PB_THREADS);
+    if constexpr (TC) store_chunk_scaled(XS, vr, BET + CH, t);
+    else scale_rows(XS, vb + v1, DV, BET + CH, t);
     __syncthreads();
     tri_mm<TC>(vb + v1, A1, XS, t);
     __syncthreads();
-    scale_rows(XS, KS, KSP, BEG, t, PB_THREADS);
+    scale_rows(XS, KS, KSP, BEG, t);
     __syncthreads();
     tri_mm<TC, PRE>(w_out + v0, A0, XS, t);
     __syncthreads();
-    scale_rows(XS, KS, KSP, BEG + CH, t, PB_THREADS);
+    scale_rows(XS, KS, KSP, BEG + CH, t);
     __syncthreads();
     tri_mm<TC, PRE>(w_out + v1, A1, XS, t);
 }

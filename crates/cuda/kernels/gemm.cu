@@ -442,6 +442,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ int s_wrow[C::BM];
     __shared__ int s_xrow[BN];
     __shared__ int s_orow[BN];
+    __shared__ int s_tile[3];  // MoE modes: the block's expert, first sorted entry, entries
     // BULK: a tile's codes and scales landed (one per stage); WS: 4 `full` then 4 `empty`
     __shared__ alignas(8) unsigned long long s_full[WS ? 8 : C::STAGES];
     static_assert(!BULK || LEAN, "the bulk copies replace the lean loop's per-thread weight copies");
@@ -468,15 +469,23 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     if (moe) {
         const int tile = blockIdx.y;
         if (tile >= tile_offs[CALLA_N_EXPERTS]) return;  // grid is sized for the worst case
-        int lo = 0, hi = CALLA_N_EXPERTS - 1;             // last e with tile_offs[e] <= tile
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (tile_offs[mid] <= tile) lo = mid;
-            else hi = mid - 1;
+        // The block's expert is the one e with tile_offs[e] <= tile < tile_offs[e + 1] (an
+        // empty expert has none). Each thread looks at one expert, loading its four words
+        // together: one round trip of parallel loads, where a binary search over the 257 tile
+        // offsets waited for eight dependent ones before any copy could start.
+        for (int e = tid; e < CALLA_N_EXPERTS; e += blockDim.x) {
+            const int a = tile_offs[e], b = tile_offs[e + 1], o0 = offsets[e], o1 = offsets[e + 1];
+            if (a <= tile && tile < b) {
+                const int t0 = o0 + (tile - a) * BN;
+                s_tile[0] = e;
+                s_tile[1] = t0;
+                s_tile[2] = min(BN, o1 - t0);
+            }
         }
-        expert = lo;
-        tok0 = offsets[expert] + (tile - tile_offs[expert]) * BN;
-        cnt = min(BN, offsets[expert + 1] - tok0);
+        __syncthreads();
+        expert = s_tile[0];
+        tok0 = s_tile[1];
+        cnt = s_tile[2];
     } else {
         tok0 = blockIdx.y * BN;
         if (tok0 >= T) return;
