@@ -690,8 +690,7 @@ impl CudaContext {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
         let mut modules = std::collections::HashMap::new();
-        for k in KERNELS {
-            let cubin = nvrtc::compile_cached(k)?;
+        for (k, cubin) in KERNELS.iter().zip(nvrtc::compile_all_cached(KERNELS)?) {
             let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
             modules.insert(k.name, m);
         }

@@ -233,37 +233,141 @@ pub fn cache_path(k: &KernelSource) -> Result<Option<PathBuf>, CudaError> {
 /// [`CudaError::Nvrtc`] when NVRTC is missing, a kernel does not compile, or `dir` or a cubin
 /// in it cannot be written (the message names the path).
 pub fn precompile_into(dir: &Path, kernels: &[KernelSource]) -> Result<Vec<(PathBuf, bool)>, CudaError> {
-    std::fs::create_dir_all(dir).map_err(|e| CudaError::Nvrtc(format!("cannot create cache folder {}: {e}", dir.display())))?;
-    let mut out = Vec::with_capacity(kernels.len());
-    for k in kernels {
-        let path = dir.join(cache_file_name(k)?);
-        if std::fs::metadata(&path).is_ok_and(|m| m.len() > 0) {
-            out.push((path, false));
-            continue;
-        }
-        let cubin = compile_cubin(k.name, &full_source(k), ARCH)?;
-        store_cubin(&path, &cubin).map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))?;
-        out.push((path, true));
-    }
-    Ok(out)
+    precompile_into_threads(dir, kernels, compile_threads())
 }
 
-/// The cubin of kernel file `k` for [`ARCH`]: from the cache when present, else compiled with
-/// NVRTC and stored.
-pub fn compile_cached(k: &KernelSource) -> Result<Vec<u8>, CudaError> {
-    let path = cache_path(k)?;
-    if let Some(p) = &path {
-        if let Ok(b) = std::fs::read(p) {
-            if !b.is_empty() {
-                return Ok(b);
+/// [`precompile_into`] on at most `threads` compile threads (1: one file after another).
+///
+/// # Errors
+/// As [`precompile_into`]; when several files fail, the first of them in `kernels`' order.
+pub fn precompile_into_threads(
+    dir: &Path,
+    kernels: &[KernelSource],
+    threads: usize,
+) -> Result<Vec<(PathBuf, bool)>, CudaError> {
+    std::fs::create_dir_all(dir).map_err(|e| CudaError::Nvrtc(format!("cannot create cache folder {}: {e}", dir.display())))?;
+    let mut out = Vec::with_capacity(kernels.len());
+    let mut todo = Vec::new();
+    for k in kernels {
+        let path = dir.join(cache_file_name(k)?);
+        let cached = std::fs::metadata(&path).is_ok_and(|m| m.len() > 0);
+        if !cached {
+            todo.push((out.len(), k));
+        }
+        out.push((path, !cached));
+    }
+    let compiled = compile_parallel(&todo.iter().map(|(_, k)| *k).collect::<Vec<_>>(), threads);
+    // every cubin that compiled is stored, also when another file failed
+    let mut first_err = None;
+    for ((i, _), cubin) in todo.iter().zip(compiled) {
+        let path = &out[*i].0;
+        let r = cubin.and_then(|c| {
+            store_cubin(path, &c).map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))
+        });
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// One kernel file's cubin, or why it has none.
+type Compiled = Result<Vec<u8>, CudaError>;
+
+/// How many kernel files NVRTC compiles at once: `$CALLA_NVRTC_THREADS` if set (1 compiles
+/// them one after another), else the machine's available parallelism.
+pub fn compile_threads() -> usize {
+    std::env::var("CALLA_NVRTC_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Compiles every kernel file of `kernels` for [`ARCH`] ([`compile_cubin`]) on up to
+/// `threads` threads, each taking the next file not yet taken; the results in the
+/// order of `kernels`. Every call of [`compile_cubin`] creates, compiles and destroys its own
+/// NVRTC program, so no program is shared between threads. NVRTC's output is not byte-identical
+/// from one compile to the next for some files even one at a time (the PTX it embeds for
+/// `-lineinfo` numbers registers differently), so kernels compiled this way were checked by
+/// running them: every self-test section and `calla cuda-check` on an H100 (docs/CUDA.md, "NVRTC
+/// cache"). There the 12 files took 80.2 s on 16 cores against 109.8 s one after another; the
+/// largest (`gemm.cu`) sets the time when every file has a core.
+fn compile_parallel(kernels: &[&KernelSource], threads: usize) -> Vec<Compiled> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    if let Err(e) = ensure_loaded() {
+        let msg = match e {
+            CudaError::Nvrtc(m) => m,
+            other => other.to_string(),
+        };
+        return kernels.iter().map(|_| Err(CudaError::Nvrtc(msg.clone()))).collect();
+    }
+    let threads = threads.min(kernels.len());
+    if threads <= 1 {
+        return kernels.iter().map(|k| compile_cubin(k.name, &full_source(k), ARCH)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Compiled>>> = Mutex::new(kernels.iter().map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(k) = kernels.get(i) else { break };
+                let r = compile_cubin(k.name, &full_source(k), ARCH);
+                results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(CudaError::Nvrtc("a compile thread stopped early".into()))))
+        .collect()
+}
+
+/// The cubins of the kernel files `kernels` for [`ARCH`], in their order: each from the cache
+/// when present, the others compiled with NVRTC on several threads ([`compile_parallel`]) and
+/// stored (a cache that cannot be written is not an error).
+///
+/// # Errors
+/// [`CudaError::Nvrtc`] when NVRTC is missing or a kernel does not compile (the first such
+/// file in `kernels`' order).
+pub fn compile_all_cached(kernels: &[KernelSource]) -> Result<Vec<Vec<u8>>, CudaError> {
+    let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(kernels.len());
+    let mut todo = Vec::new();
+    for k in kernels {
+        let path = cache_path(k)?;
+        let cached = path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| !b.is_empty());
+        if cached.is_none() {
+            todo.push((out.len(), k, path));
+        }
+        out.push(cached);
+    }
+    let compiled = compile_parallel(&todo.iter().map(|(_, k, _)| *k).collect::<Vec<_>>(), compile_threads());
+    // every cubin that compiled is stored, also when another file failed
+    let mut first_err = None;
+    for ((i, _, path), cubin) in todo.into_iter().zip(compiled) {
+        match cubin {
+            Ok(cubin) => {
+                if let Some(p) = &path {
+                    let _ = store_cubin(p, &cubin);  // a cache that cannot be written is not an error
+                }
+                out[i] = Some(cubin);
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
             }
         }
     }
-    let cubin = compile_cubin(k.name, &full_source(k), ARCH)?;
-    if let Some(p) = &path {
-        let _ = store_cubin(p, &cubin);  // a cache that cannot be written is not an error
+    if let Some(e) = first_err {
+        return Err(e);
     }
-    Ok(cubin)
+    Ok(out.into_iter().map(|c| c.expect("every kernel cached or compiled")).collect())
 }
 
 /// Writes `cubin` to the cache file `path` (its folder created if missing) through a temporary

@@ -112,3 +112,46 @@ fn precompile_fills_the_cache_the_runtime_reads() {
     assert_eq!(second, vec![(path.clone(), false)], "a cached cubin must not be compiled again");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Several kernel files on parallel compile threads: every one compiled into the empty folder,
+/// an ELF cubin under the runtime's cache name, in the order asked for.
+#[test]
+fn precompile_on_threads_fills_every_file_in_order() {
+    cuda::nvrtc::ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
+    let names = ["stream", "sample", "rms_norm"];
+    let ks: Vec<cuda::KernelSource> = names
+        .iter()
+        .map(|n| *cuda::KERNELS.iter().find(|k| k.name == *n).expect("kernel file"))
+        .collect();
+    let dir = std::env::temp_dir().join(format!("calla-precompile-threads-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = cuda::nvrtc::precompile_into_threads(&dir, &ks, 3).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(out.len(), names.len());
+    for ((path, compiled), k) in out.iter().zip(&ks) {
+        assert!(*compiled, "{}: an empty folder must be compiled into", k.name);
+        let file = path.file_name().and_then(|f| f.to_str()).expect("file name");
+        assert!(file.starts_with(&format!("{}-", k.name)), "{file}: results out of order");
+        let cubin = std::fs::read(path).expect("the cubin was written");
+        assert_eq!(&cubin[..4], b"\x7fELF", "{file}: not an ELF cubin");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A file that does not compile, among others on parallel threads: the error names it and
+/// carries NVRTC's log; the files that compiled are still written.
+#[test]
+fn precompile_on_threads_names_the_file_that_fails() {
+    cuda::nvrtc::ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
+    let good = *cuda::KERNELS.iter().find(|k| k.name == "stream").expect("kernel file");
+    let broken = cuda::KernelSource { name: "broken_probe", src: "extern \"C\" __global__ void k() { undeclared_thing(); }\n", entries: &["k"] };
+    let dir = std::env::temp_dir().join(format!("calla-precompile-broken-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = cuda::nvrtc::precompile_into_threads(&dir, &[broken, good], 2).expect_err("a broken file must fail");
+    let msg = err.to_string();
+    assert!(msg.contains("broken_probe.cu does not compile"), "{msg}");
+    assert!(msg.contains("undeclared_thing"), "NVRTC's log is missing: {msg}");
+    // the file after the broken one was compiled and kept: asking again compiles nothing
+    let again = cuda::nvrtc::precompile_into_threads(&dir, &[good], 2).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!again[0].1, "stream.cu was not stored beside the failure");
+    let _ = std::fs::remove_dir_all(&dir);
+}
