@@ -113,7 +113,7 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaE
     ensure_loaded()?;
     let e = |what: &str, r: sys::nvrtcResult| CudaError::Nvrtc(format!("{name}: {what}: {r:?}"));
     let c_src = CString::new(src).map_err(|_| CudaError::Nvrtc("NUL in source".into()))?;
-    let c_name = CString::new(format!("{name}.cu")).expect("name");
+    let c_name = CString::new(format!("{name}.cu")).map_err(|_| CudaError::Nvrtc(format!("NUL in the kernel file name {name:?}")))?;
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: valid C strings; no headers.
     let r = unsafe {
@@ -227,19 +227,22 @@ pub fn cache_path(k: &KernelSource) -> Result<Option<PathBuf>, CudaError> {
 /// there. Needs NVRTC but no GPU and no driver, so the cache of a GPU machine can be filled on
 /// another machine with the same NVRTC major.minor version (the version is part of the key;
 /// another version just compiles again there). Returns, per kernel file, the cubin's path and
-/// whether it was compiled now (`false`: it was cached already).
+/// whether it was compiled now (`false`: it was cached already). The files compile on
+/// [`compile_threads`] threads.
 ///
 /// # Errors
 /// [`CudaError::Nvrtc`] when NVRTC is missing, a kernel does not compile, or `dir` or a cubin
-/// in it cannot be written (the message names the path).
+/// in it cannot be written (the message names the path); the first such file in `kernels`'
+/// order. The files that did compile are written either way.
 pub fn precompile_into(dir: &Path, kernels: &[KernelSource]) -> Result<Vec<(PathBuf, bool)>, CudaError> {
     precompile_into_threads(dir, kernels, compile_threads())
 }
 
-/// [`precompile_into`] on at most `threads` compile threads (1: one file after another).
+/// [`precompile_into`] on at most `threads` compile threads (0 or 1: one file after another).
 ///
 /// # Errors
-/// As [`precompile_into`]; when several files fail, the first of them in `kernels`' order.
+/// As [`precompile_into`]; when several files fail, the first of them in `kernels`' order. The
+/// files that did compile are written either way.
 pub fn precompile_into_threads(
     dir: &Path,
     kernels: &[KernelSource],
@@ -277,8 +280,9 @@ pub fn precompile_into_threads(
 /// One kernel file's cubin, or why it has none.
 type Compiled = Result<Vec<u8>, CudaError>;
 
-/// How many kernel files NVRTC compiles at once: `$CALLA_NVRTC_THREADS` if set (1 compiles
-/// them one after another), else the machine's available parallelism.
+/// How many kernel files NVRTC compiles at once: `$CALLA_NVRTC_THREADS` when it is a whole
+/// number ≥ 1 (1 compiles them one after another), else (unset, 0 or not a number) the
+/// machine's available parallelism.
 pub fn compile_threads() -> usize {
     std::env::var("CALLA_NVRTC_THREADS")
         .ok()
@@ -317,7 +321,16 @@ fn compile_parallel(kernels: &[&KernelSource], threads: usize) -> Vec<Compiled> 
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(k) = kernels.get(i) else { break };
-                let r = compile_cubin(k.name, &full_source(k), ARCH);
+                // a panic inside one compile becomes that file's error (the scope would
+                // otherwise re-panic with a generic message once every other file is done)
+                let r = std::panic::catch_unwind(|| compile_cubin(k.name, &full_source(k), ARCH)).unwrap_or_else(|p| {
+                    let why = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    Err(CudaError::Nvrtc(format!("{}.cu: the compile thread panicked: {why}", k.name)))
+                });
                 results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
             });
         }
@@ -326,7 +339,7 @@ fn compile_parallel(kernels: &[&KernelSource], threads: usize) -> Vec<Compiled> 
         .into_inner()
         .unwrap_or_else(|p| p.into_inner())
         .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(CudaError::Nvrtc("a compile thread stopped early".into()))))
+        .map(|r| r.expect("every index is taken by a worker, which stores its result"))
         .collect()
 }
 

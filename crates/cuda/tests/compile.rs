@@ -114,11 +114,13 @@ fn precompile_fills_the_cache_the_runtime_reads() {
 }
 
 /// Several kernel files on parallel compile threads: every one compiled into the empty folder,
-/// an ELF cubin under the runtime's cache name, in the order asked for.
+/// an ELF cubin under the runtime's cache name holding its own file's entry points and none of
+/// the others' (the largest file first, so results handed back in finishing order would land
+/// under another file's name).
 #[test]
 fn precompile_on_threads_fills_every_file_in_order() {
     cuda::nvrtc::ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
-    let names = ["stream", "sample", "rms_norm"];
+    let names = ["sample", "stream", "rms_norm"];
     let ks: Vec<cuda::KernelSource> = names
         .iter()
         .map(|n| *cuda::KERNELS.iter().find(|k| k.name == *n).expect("kernel file"))
@@ -133,6 +135,15 @@ fn precompile_on_threads_fills_every_file_in_order() {
         assert!(file.starts_with(&format!("{}-", k.name)), "{file}: results out of order");
         let cubin = std::fs::read(path).expect("the cubin was written");
         assert_eq!(&cubin[..4], b"\x7fELF", "{file}: not an ELF cubin");
+        let has = |entry: &str| {
+            let sym = format!("\0{entry}\0");
+            cubin.windows(sym.len()).any(|w| w == sym.as_bytes())
+        };
+        for other in &ks {
+            for entry in other.entries {
+                assert_eq!(has(entry), other.name == k.name, "{file}: entry point {entry} of {}.cu", other.name);
+            }
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
