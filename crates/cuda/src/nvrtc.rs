@@ -250,31 +250,26 @@ pub fn precompile_into_threads(
 ) -> Result<Vec<(PathBuf, bool)>, CudaError> {
     std::fs::create_dir_all(dir).map_err(|e| CudaError::Nvrtc(format!("cannot create cache folder {}: {e}", dir.display())))?;
     let mut out = Vec::with_capacity(kernels.len());
-    let mut todo = Vec::new();
+    let mut jobs = Vec::new();
     for k in kernels {
         let path = dir.join(cache_file_name(k)?);
         let cached = std::fs::metadata(&path).is_ok_and(|m| m.len() > 0);
         if !cached {
-            todo.push((out.len(), k));
+            jobs.push((k, Some(path.clone())));
         }
         out.push((path, !cached));
     }
-    let compiled = compile_parallel(&todo.iter().map(|(_, k)| *k).collect::<Vec<_>>(), threads);
-    // every cubin that compiled is stored, also when another file failed
     let mut first_err = None;
-    for ((i, _), cubin) in todo.iter().zip(compiled) {
-        let path = &out[*i].0;
-        let r = cubin.and_then(|c| {
-            store_cubin(path, &c).map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))
+    for ((_, path), (cubin, written)) in jobs.iter().zip(compile_and_store(&jobs, threads)) {
+        let r = cubin.and_then(|_| {
+            let path = path.as_deref().expect("every job has its path");
+            written.map_err(|e| CudaError::Nvrtc(format!("cannot write {}: {e}", path.display())))
         });
         if let Err(e) = r {
             first_err.get_or_insert(e);
         }
     }
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok(out),
-    }
+    first_err.map_or(Ok(out), Err)
 }
 
 /// One kernel file's cubin, or why it has none.
@@ -291,87 +286,84 @@ pub fn compile_threads() -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// Compiles every kernel file of `kernels` for [`ARCH`] ([`compile_cubin`]) on up to
-/// `threads` threads, each taking the next file not yet taken; the results in the
-/// order of `kernels`. Every call of [`compile_cubin`] creates, compiles and destroys its own
-/// NVRTC program, so no program is shared between threads. NVRTC's output is not byte-identical
-/// from one compile to the next for some files even one at a time (the PTX it embeds for
-/// `-lineinfo` numbers registers differently), so kernels compiled this way were checked by
-/// running them: every self-test section and `calla cuda-check` on an H100 (docs/CUDA.md, "NVRTC
-/// cache"). There the 12 files took 80.2 s on 16 cores against 109.8 s one after another; the
-/// largest (`gemm.cu`) sets the time when every file has a core.
-fn compile_parallel(kernels: &[&KernelSource], threads: usize) -> Vec<Compiled> {
+/// Compiles the kernel file of every job for [`ARCH`] ([`compile_cubin`]) on up to `threads`
+/// threads, each taking the next file not yet taken, and writes each cubin that compiled to its
+/// job's cache file, if it has one (also when another file failed). Per job, in order: the
+/// cubin or why it did not compile, and whether it was written (`Ok` without a cache file).
+///
+/// Every call of [`compile_cubin`] creates, compiles and destroys its own NVRTC program, so no
+/// program is shared between threads. NVRTC's output is not byte-identical from one compile to
+/// the next for some files even one at a time (the PTX it embeds for `-lineinfo` numbers
+/// registers differently), so kernels compiled this way were checked by running them: every
+/// self-test section and `calla cuda-check` on an H100 (docs/CUDA.md, "NVRTC cache"). There the
+/// 12 files took 80.2 s on 16 cores against 109.8 s one after another; the largest (`gemm.cu`)
+/// sets the time when every file has a core. A panic in a compile thread is passed on.
+fn compile_and_store(jobs: &[(&KernelSource, Option<PathBuf>)], threads: usize) -> Vec<(Compiled, std::io::Result<()>)> {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Mutex;
-    if let Err(e) = ensure_loaded() {
-        let msg = match e {
-            CudaError::Nvrtc(m) => m,
-            other => other.to_string(),
+    let one = |i: usize| {
+        let (k, path) = &jobs[i];
+        let cubin = compile_cubin(k.name, &full_source(k), ARCH);
+        let written = match (&cubin, path) {
+            (Ok(c), Some(p)) => store_cubin(p, c),
+            _ => Ok(()),
         };
-        return kernels.iter().map(|_| Err(CudaError::Nvrtc(msg.clone()))).collect();
-    }
-    let threads = threads.min(kernels.len());
+        (cubin, written)
+    };
+    let threads = threads.min(jobs.len());
     if threads <= 1 {
-        return kernels.iter().map(|k| compile_cubin(k.name, &full_source(k), ARCH)).collect();
+        return (0..jobs.len()).map(one).collect();
     }
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Compiled>>> = Mutex::new(kernels.iter().map(|_| None).collect());
+    let mut results: Vec<Option<(Compiled, std::io::Result<()>)>> = jobs.iter().map(|_| None).collect();
     std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(k) = kernels.get(i) else { break };
-                // a panic inside one compile becomes that file's error (the scope would
-                // otherwise re-panic with a generic message once every other file is done)
-                let r = std::panic::catch_unwind(|| compile_cubin(k.name, &full_source(k), ARCH)).unwrap_or_else(|p| {
-                    let why = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    Err(CudaError::Nvrtc(format!("{}.cu: the compile thread panicked: {why}", k.name)))
-                });
-                results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
-            });
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= jobs.len() {
+                            break done;
+                        }
+                        done.push((i, one(i)));
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            for (i, r) in w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)) {
+                results[i] = Some(r);
+            }
         }
     });
-    results
-        .into_inner()
-        .unwrap_or_else(|p| p.into_inner())
-        .into_iter()
-        .map(|r| r.expect("every index is taken by a worker, which stores its result"))
-        .collect()
+    results.into_iter().map(|r| r.expect("every job is taken by one worker")).collect()
 }
 
 /// The cubins of the kernel files `kernels` for [`ARCH`], in their order: each from the cache
-/// when present, the others compiled with NVRTC on several threads ([`compile_parallel`]) and
-/// stored (a cache that cannot be written is not an error).
+/// when present, the others compiled with NVRTC on [`compile_threads`] threads
+/// ([`compile_and_store`]) and stored (a cache that cannot be written is not an error).
 ///
 /// # Errors
 /// [`CudaError::Nvrtc`] when NVRTC is missing or a kernel does not compile (the first such
 /// file in `kernels`' order).
 pub fn compile_all_cached(kernels: &[KernelSource]) -> Result<Vec<Vec<u8>>, CudaError> {
     let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(kernels.len());
-    let mut todo = Vec::new();
+    let mut slots = Vec::new();
+    let mut jobs = Vec::new();
     for k in kernels {
         let path = cache_path(k)?;
         let cached = path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| !b.is_empty());
         if cached.is_none() {
-            todo.push((out.len(), k, path));
+            slots.push(out.len());
+            jobs.push((k, path));
         }
         out.push(cached);
     }
-    let compiled = compile_parallel(&todo.iter().map(|(_, k, _)| *k).collect::<Vec<_>>(), compile_threads());
-    // every cubin that compiled is stored, also when another file failed
     let mut first_err = None;
-    for ((i, _, path), cubin) in todo.into_iter().zip(compiled) {
+    // a cache that cannot be written is not an error: the write's outcome is dropped
+    for (i, (cubin, _written)) in slots.into_iter().zip(compile_and_store(&jobs, compile_threads())) {
         match cubin {
-            Ok(cubin) => {
-                if let Some(p) = &path {
-                    let _ = store_cubin(p, &cubin);  // a cache that cannot be written is not an error
-                }
-                out[i] = Some(cubin);
-            }
+            Ok(c) => out[i] = Some(c),
             Err(e) => {
                 first_err.get_or_insert(e);
             }
@@ -392,4 +384,37 @@ fn store_cubin(path: &Path, cubin: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, cubin)?;
     std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Results come back in the jobs' order, whichever thread finishes first: each cubin holds
+    /// its own file's entry points and none of the others' (the largest file first, so results
+    /// in finishing order would be out of place).
+    #[test]
+    fn compile_and_store_keeps_the_jobs_order() {
+        ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
+        let ks: Vec<&KernelSource> = ["sample", "stream", "rms_norm"]
+            .iter()
+            .map(|n| crate::KERNELS.iter().find(|k| k.name == *n).expect("kernel file"))
+            .collect();
+        let jobs: Vec<(&KernelSource, Option<PathBuf>)> = ks.iter().map(|k| (*k, None)).collect();
+        let out = compile_and_store(&jobs, 3);
+        assert_eq!(out.len(), ks.len());
+        for ((cubin, written), k) in out.into_iter().zip(&ks) {
+            let cubin = cubin.unwrap_or_else(|e| panic!("{e}"));
+            assert!(written.is_ok(), "{}: nothing to write, nothing may fail", k.name);
+            let has = |entry: &str| {
+                let sym = format!("\0{entry}\0");
+                cubin.windows(sym.len()).any(|w| w == sym.as_bytes())
+            };
+            for other in &ks {
+                for entry in other.entries {
+                    assert_eq!(has(entry), other.name == k.name, "{}'s cubin: entry point {entry} of {}.cu", k.name, other.name);
+                }
+            }
+        }
+    }
 }

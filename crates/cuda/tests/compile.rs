@@ -115,8 +115,8 @@ fn precompile_fills_the_cache_the_runtime_reads() {
 
 /// Several kernel files on parallel compile threads: every one compiled into the empty folder,
 /// an ELF cubin under the runtime's cache name holding its own file's entry points and none of
-/// the others' (the largest file first, so results handed back in finishing order would land
-/// under another file's name).
+/// the others' (a cubin written under another file's name fails it; the order of the results
+/// the threads hand back is `nvrtc`'s unit test).
 #[test]
 fn precompile_on_threads_fills_every_file_in_order() {
     cuda::nvrtc::ensure_loaded().unwrap_or_else(|e| panic!("cannot compile the CUDA kernels: {e}"));
