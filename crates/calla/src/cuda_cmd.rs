@@ -147,6 +147,15 @@ pub struct PrefillFlags {
     /// before session 41; `CudaContext::set_attn_causal_split`).
     #[arg(long)]
     attn_no_causal_split: bool,
+    /// The GDN prefill's state kernel with every product on mma.sync (`GdnPrefillMath::Tf32`)
+    /// instead of `W·S` and `Q̂·S` on warpgroup MMAs (wgmma, the default since session 46; the
+    /// same bits).
+    #[arg(long, conflicts_with = "gdn_prefill_wgc")]
+    gdn_prefill_mma: bool,
+    /// The GDN prefill's state kernel with its chunk update (`K̂ᵀV'`, `P·V'`) on warpgroup
+    /// MMAs too (`GdnPrefillMath::Tf32WgC`; written in session 46, not yet run on a GPU).
+    #[arg(long)]
+    gdn_prefill_wgc: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -859,6 +868,16 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::attn_prefill::set_default_attn_causal_split(!f.attn_no_causal_split);
     cx.set_attn_causal_split(!f.attn_no_causal_split);
+    {
+        use cuda::gdn_prefill::GdnPrefillMath as M;
+        cuda::gdn_prefill::set_default_math(if f.gdn_prefill_mma {
+            M::Tf32
+        } else if f.gdn_prefill_wgc {
+            M::Tf32WgC
+        } else {
+            M::Tf32Wg
+        });
+    }
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -886,6 +905,8 @@ struct PrefillKnobs {
     wide_grouped: bool,
     attn_split: bool,
     bulk_short: bool,
+    gdn_mma: bool,
+    gdn_wgc: bool,
 }
 
 impl PrefillKnobs {
@@ -912,6 +933,8 @@ impl PrefillKnobs {
             wide_grouped: cx.gemm_wide_grouped(),
             attn_split: cx.attn_causal_split(),
             bulk_short: cx.gemm_bulk_short(),
+            gdn_mma: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32,
+            gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
         }
     }
 
@@ -922,6 +945,10 @@ impl PrefillKnobs {
         pf.fused_norm_acts = self.fused_acts;
         pf.eager_pdl = self.eager_pdl;
         pf.side_splitk = self.side_splitk;
+        {
+            use cuda::gdn_prefill::GdnPrefillMath as M;
+            pf.set_gdn_math(if self.gdn_mma { M::Tf32 } else if self.gdn_wgc { M::Tf32WgC } else { M::Tf32Wg });
+        }
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
             c.set_gemm_group_major(self.group_major);
@@ -959,7 +986,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 20] = [
+const PREFILL_CASES: [PrefillCase; 22] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -980,6 +1007,8 @@ const PREFILL_CASES: [PrefillCase; 20] = [
     PrefillCase { knob: |k| &mut k.wide_grouped, off_name: "grouped GEMMs without the wide tile", off_key: "grouped_no_wide_ms", on_name: "grouped GEMMs on the wide tile", on_key: "grouped_wide_ms" },
     PrefillCase { knob: |k| &mut k.attn_split, off_name: "attention without the causal split", off_key: "attn_no_causal_split_ms", on_name: "attention with the causal split", on_key: "attn_causal_split_ms" },
     PrefillCase { knob: |k| &mut k.bulk_short, off_name: "short chunks' dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_short_ms", on_name: "short chunks' dense GEMM weights by bulk copies too", on_key: "gemm_bulk_short_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_mma, off_name: "GDN state kernel on mma.sync", off_key: "gdn_state_mma_ms", on_name: "GDN state kernel on wgmma", on_key: "gdn_state_wgmma_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
 ];
 
 /// `calla cuda-bench`.

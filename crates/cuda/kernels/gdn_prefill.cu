@@ -792,32 +792,183 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, int t) {
     }
 }
 
+// ---- the wgmma form of the state kernel's products (gdnp_state_tf32wg): warpgroup MMAs read
+// their shared-memory operands once per warpgroup, where the mma.sync form has every warp load
+// its fragments with ldmatrix (the B operand S eight times over). Canonical 128-byte-swizzle
+// K-major layouts (PTX "matrix descriptor"; as attn_prefill.cu's, for 4-byte elements): a
+// 64-row operand half (64 key columns) is 2 column blocks of 32 floats, block cb holding the
+// 64 rows at 128 bytes each (8 KB per block), 16-byte chunk c of row r at chunk c ^ (r & 7);
+// S (B, N = the block's 32 value columns, K = 128 key rows) is 4 such blocks of 32 n-rows
+// (4 KB each); P (A of P·V', 64 chunk rows x 64) as a ring half; V' and e^{γ_C−γ}V' (B, N =
+// 32 columns, K = 64 chunk rows) 2 blocks of 32 n-rows. Every operand starts 1024-byte aligned
+// (the kernel aligns its dynamic shared memory up; the host adds 1 KiB). Descriptor: start +
+// 32 bytes per k-step of 8, SBO 1024 (8 rows), LBO unused. The ring slots keep their place in
+// floats and shrink to WG_SLOT = 8192 of the 8704 of SC_SLOT (W rows then Q̂ rows); the
+// swizzled S sits WG_SHIFT floats into the [DK][CWP] region of S (1024-byte aligned there).
+// With the chunk update on wgmma too (WGC) every region but the ring moves up by WG_SHIFT
+// floats, which puts S, P, V' and e^{γ_C−γ}V' on 1024-byte boundaries: shared memory
+// SC_FLOATS + WG_SHIFT floats.
+constexpr int WG_MAT = 2 * CH * 32;  // one 64-row operand half: 2 column blocks
+constexpr int WG_SLOT = 2 * WG_MAT;  // W then Q̂
+constexpr int WG_SHIFT = 128;
+static_assert(3 * WG_SLOT + WG_SHIFT <= SC_U - SC_WQ && SC_WQ % 256 == 0, "the swizzled ring fits the ring region");
+static_assert((SC_S + WG_SHIFT) % 256 == 0 && (SC_P + WG_SHIFT) % 256 == 0 && (SC_VP + WG_SHIFT) % 256 == 0 &&
+                  (SC_VD + WG_SHIFT) % 256 == 0,
+              "the swizzled operands start 1024-byte aligned");
+static_assert(4 * CW * 32 + WG_SHIFT <= DK * CWP && CH * CH <= CH * PP && 2 * CW * 32 <= CH * CWP,
+              "the swizzled operands fit their regions");
+// float offset of element (r, k) of a K-major operand of 32-float rows with `rows` rows per block
+template <int ROWS>
+__device__ __forceinline__ int sw_off(int r, int k) {
+    return (k >> 5) * (ROWS * 32) + r * 32 + ((((k & 31) >> 2) ^ (r & 7)) << 2) + (k & 3);
+}
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);  // LBO 16 (unused), SBO 1024, 128-byte swizzle
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// this thread's generic-proxy writes to shared memory (cp.async, st.shared) made visible to the
+// async proxy (the wgmma operand reads); before the barrier that publishes them
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// D(64 x 16) += A(64 x 8, smem) · B(8 x 16, smem), TF32, f32 accumulators in the mma.sync
+// m16n8 layout per warp (d[4·nt ..] = n-tile nt)
+__device__ __forceinline__ void wgmma_tf32_n16(float (&d)[16], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(1));
+}
+// Keeps the compiler from moving reads of the accumulators above wgmma.wait_group.
+__device__ __forceinline__ void fence_acc8(float (&d)[16]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// X(64 x 16) += rows [W or Q̂] of one ring-slot half · S[key rows 64·half .., columns n0 ..]:
+// warpgroup wg = warp / 4 takes W (even) or Q̂ (odd) and columns n0 = 16·(wg / 2), i.e. the
+// rows and columns the mma.sync form gives warp w (m-tile w & 7, columns 16·(w >> 3)), in the
+// same accumulator layout. Waits for its MMAs before returning.
+__device__ __forceinline__ void half_product_wg(float (&acc)[16], const float* slot, const float* Sw, int half, int t) {
+    const int wg = t >> 7;
+    const unsigned a0 = (unsigned)__cvta_generic_to_shared(slot + (wg & 1) * WG_MAT);
+    const unsigned b0 = (unsigned)__cvta_generic_to_shared(Sw + 2 * half * (CW * 32) + 16 * (wg >> 1) * 32);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < HK / 8; ++s) {
+        const unsigned off = (s & 3) * 32u;  // 8 floats per k-step within a 128-byte row
+        wgmma_tf32_n16(acc, wg_desc(a0 + (s >> 2) * (CH * 128) + off), wg_desc(b0 + (s >> 2) * (CW * 128) + off));
+    }
+    wg_commit();
+    wg_wait0();
+    fence_acc8(acc);
+}
+
+// D(64 x 16) += A(64 x 8, registers: each warp's 16 rows as the mma.sync m16n8k8 A fragment,
+// TF32 bits) · B(8 x 16, smem)
+__device__ __forceinline__ void wgmma_tf32_rs_n16(float (&d)[16], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+// The chunk's second pair of products on warpgroup MMAs (after the barrier that publishes V',
+// e^{γ_C−γ}V' and P): every warpgroup S ← S + K̂ᵀ·(e^{γ_C−γ}V') on its slice of S (key rows
+// 64·(wg & 1) .., columns 16·(wg >> 1) ..: the mma.sync form's tiles of warp w, m-tile w & 7,
+// columns 16·(w >> 3)), K̂ᵀ's fragments loaded from the row-major K̂ as there; the odd
+// warpgroups also xo ← xo + P·V' (chunk rows, the same columns), P's zeros above the diagonal
+// multiplied too (exact zeros: the same sums). sr / xo: the accumulators (S already scaled by
+// e^{γ_C}). Waits for its MMAs before returning.
+__device__ __forceinline__ void chunk_update_wg(float (&sr)[16], float (&xo)[16], const float* kc, const float* P, const float* vp,
+                                                const float* vd, int t) {
+    const int wg = t >> 7, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+    const int n0 = 16 * (wg >> 1);
+    // K̂ᵀ fragment of k-step s: a(r, k) = K̂[8s + k][16·(warp & 7) + r]
+    const float* ka = kc + q * KCP + 16 * (warp & 7) + g;
+    const unsigned bd = (unsigned)__cvta_generic_to_shared(vd + n0 * 32);
+    // every fragment in registers before the fence (loaded inside the MMA loop instead, they
+    // cost 48 bytes of spills against 16)
+    unsigned a[CH / 8][4];
+#pragma unroll
+    for (int s = 0; s < CH / 8; ++s) {
+        const float* k8 = ka + 8 * s * KCP;
+        a[s][0] = __float_as_uint(k8[0]);
+        a[s][1] = __float_as_uint(k8[8]);
+        a[s][2] = __float_as_uint(k8[4 * KCP]);
+        a[s][3] = __float_as_uint(k8[4 * KCP + 8]);
+    }
+    wg_fence();  // before the branch: it orders every register the MMAs below read (sr, xo, a)
+    // the warpgroup index broadcast from lane 0, so that the compiler sees a warp-uniform
+    // branch (on `t >> 7` itself ptxas serializes every wgmma of the kernel, C7520)
+    if (__shfl_sync(0xffffffffu, wg, 0) & 1) {
+        const unsigned pa = (unsigned)__cvta_generic_to_shared(P), bv = (unsigned)__cvta_generic_to_shared(vp + n0 * 32);
+#pragma unroll
+        for (int s = 0; s < CH / 8; ++s)
+            wgmma_tf32_n16(xo, wg_desc(pa + (s >> 2) * (CH * 128) + (s & 3) * 32u), wg_desc(bv + (s >> 2) * (CW * 128) + (s & 3) * 32u));
+    }
+#pragma unroll
+    for (int s = 0; s < CH / 8; ++s) wgmma_tf32_rs_n16(sr, a[s], wg_desc(bd + (s >> 2) * (CW * 128) + (s & 3) * 32u));
+    wg_commit();
+    wg_wait0();
+    fence_acc8(sr);
+    fence_acc8(xo);
+}
+
+// Copies ROWS rows of 16 16-byte chunks (64 floats, row stride SS in the source) into a
+// swizzled 64-row operand half (sw_off<64>) with NTH threads, as copy_rows does.
+template <int NTH, int SS>
+__device__ __forceinline__ void copy_rows_sw(float* dst, const float* src, int t) {
+    constexpr int CHUNKS = 16, RPV = NTH / CHUNKS, NV2 = CH / RPV;
+    static_assert(NTH % CHUNKS == 0 && CH % RPV == 0, "whole rows per pass");
+    const int c = t % CHUNKS, r0 = t / CHUNKS;
+#pragma unroll
+    for (int v = 0; v < NV2; ++v) {
+        const int r = r0 + v * RPV;
+        cp16(dst + sw_off<CH>(r, 4 * c), src + r * SS + 4 * c);
+    }
+}
+
 // Issues H(g) and commits it (an empty group past the last chunk); NTH threads.
-template <int NTH>
+// WG: the swizzled ring; WGC: the regions moved up by WG_SHIFT.
+template <int NTH, bool WG = false, bool WGC = false>
 __device__ __forceinline__ void issue_half(float* S, const StateArgs& a, int g, int t) {
     const int n = g >> 1, half = g & 1;
     if (n < a.NC) {
-        float* slot = S + SC_WQ + (g % 3) * SC_SLOT;
         const float* wsrc = a.w + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DK + HK * half;
         const float* qsrc = a.qn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK + HK * half;
-        copy_rows<NTH, CH, HK / 4, DK, HP>(slot, wsrc, t);            // W rows 0..CH-1
-        copy_rows<NTH, CH, HK / 4, DK, HP>(slot + CH * HP, qsrc, t);  // Q̂ rows CH..2CH-1
+        if constexpr (WG) {
+            float* slot = S + SC_WQ + (g % 3) * WG_SLOT;
+            copy_rows_sw<NTH, DK>(slot, wsrc, t);
+            copy_rows_sw<NTH, DK>(slot + WG_MAT, qsrc, t);
+        } else {
+            float* slot = S + SC_WQ + (g % 3) * SC_SLOT;
+            copy_rows<NTH, CH, HK / 4, DK, HP>(slot, wsrc, t);            // W rows 0..CH-1
+            copy_rows<NTH, CH, HK / 4, DK, HP>(slot + CH * HP, qsrc, t);  // Q̂ rows CH..2CH-1
+        }
         if (half == 1) {
+            float* R = S + (WGC ? WG_SHIFT : 0);
             const int ub = n & 1;
             const float* usrc = a.vu + ((size_t)a.j * a.Tpad + (size_t)n * CH) * DV + a.c0;
-            copy_rows<NTH, CH, CW / 4, DV, CWP>(S + SC_U + ub * CH * CWP, usrc, t);
-            if (t < CH / 4) cp16(S + SC_GAM + ub * CH + 4 * t, a.gam + (size_t)a.j * a.Tpad + (size_t)n * CH + 4 * t);
+            copy_rows<NTH, CH, CW / 4, DV, CWP>(R + SC_U + ub * CH * CWP, usrc, t);
+            if (t < CH / 4) cp16(R + SC_GAM + ub * CH + 4 * t, a.gam + (size_t)a.j * a.Tpad + (size_t)n * CH + 4 * t);
         }
     }
     cp_commit();
 }
 
 // Issues KP(n) and commits it (empty past the last chunk); NTH threads.
-template <int NTH>
+// WGC: the regions moved up by WG_SHIFT, P swizzled for the wgmma P·V'.
+template <int NTH, bool WGC = false>
 __device__ __forceinline__ void issue_kp(float* S, const StateArgs& a, int n, int t) {
     if (n < a.NC) {
-        copy_rows<NTH, CH, DK / 4, DK, KCP>(S + SC_KC, a.kn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK, t);
-        copy_rows<NTH, CH, CH / 4, CH, PP>(S + SC_P, a.P + ((size_t)a.j * a.NC + n) * CH * CH, t);
+        float* R = S + (WGC ? WG_SHIFT : 0);
+        copy_rows<NTH, CH, DK / 4, DK, KCP>(R + SC_KC, a.kn + ((size_t)(a.j / VPK) * a.Tpad + (size_t)n * CH) * DK, t);
+        if constexpr (WGC) copy_rows_sw<NTH, CH>(R + SC_P, a.P + ((size_t)a.j * a.NC + n) * CH * CH, t);
+        else copy_rows<NTH, CH, CH / 4, CH, PP>(R + SC_P, a.P + ((size_t)a.j * a.NC + n) * CH * CH, t);
     }
     cp_commit();
 }
@@ -862,19 +1013,28 @@ __device__ __forceinline__ void half_product(float (&acc)[16], const float* slot
     }
 }
 
-template <bool TC, bool PRE = true>
+// WG (TC only): X = [W; Q̂]·S by warpgroup MMAs (half_product_wg) on the swizzled ring and S;
+// WGC (with WG): also S ← S + K̂ᵀV'd and O += P·V' by warpgroup MMAs (chunk_update_wg) on
+// swizzled P, V', V'd, the regions moved up by WG_SHIFT. The rest as the mma.sync form.
+template <bool TC, bool PRE = true, bool WG = false, bool WGC = false>
 __device__ __forceinline__ void state_body(float* __restrict__ out, float* __restrict__ s_state,
                                            const float* __restrict__ qn, const float* __restrict__ kn,
                                            const float* __restrict__ vu, const float* __restrict__ w,
                                            const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad,
                                            int NC) {
     constexpr int NTH = sc_threads<TC>(), NS = sc_ns<TC>();
-    extern __shared__ float4 smem4[];
-    float* S = reinterpret_cast<float*>(smem4);
+    static_assert(!WG || (TC && PRE), "the wgmma form reads TF32-rounded operands");
+    static_assert(!WGC || WG, "the wgmma chunk update needs the wgmma layout");
+    extern __shared__ __align__(1024) float4 smem4[];
+    // WG: the swizzled operands need 1024-byte alignment (the host adds 1 KiB of slack)
+    float* S = WG ? reinterpret_cast<float*>((reinterpret_cast<size_t>(smem4) + 1023) & ~(size_t)1023)
+                  : reinterpret_cast<float*>(smem4);
+    float* const R = S + (WGC ? WG_SHIFT : 0);  // every region but the ring
+    float* const SO = S + SC_S + WG_SHIFT;      // WG: the swizzled S, 1024-byte aligned either way
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
     const int mt = warp & 7, cn = 16 * (warp >> 3);  // TC: m-tile and first column of the warp
     const int j = blockIdx.x / SPLIT, c0 = (blockIdx.x % SPLIT) * CW;
-    if (t == 0 && dynamic_smem_bytes() < SC_FLOATS * 4u) __trap();
+    if (t == 0 && dynamic_smem_bytes() < (SC_FLOATS + (WGC ? WG_SHIFT : 0)) * 4u + (WG ? 1024u : 0u)) __trap();
     const StateArgs a{qn, kn, vu, w, P, gam, j, c0, Tpad, NC};
 
     calla_pdl_wait();
@@ -882,20 +1042,21 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     float* sg = s_state + (size_t)j * DK * DV + c0;
     for (int e = t; e < DK * CW / 4; e += NTH) {
         const int r = e >> 3, c4 = e & 7;
-        *reinterpret_cast<float4*>(S + SC_S + r * CWP + 4 * c4) = *reinterpret_cast<const float4*>(sg + (size_t)r * DV + 4 * c4);
+        *reinterpret_cast<float4*>(R + SC_S + r * CWP + 4 * c4) = *reinterpret_cast<const float4*>(sg + (size_t)r * DV + 4 * c4);
     }
-    issue_half<NTH>(S, a, 0, t);
-    issue_half<NTH>(S, a, 1, t);
-    issue_half<NTH>(S, a, 2, t);
-    issue_kp<NTH>(S, a, 0, t);
+    issue_half<NTH, WG, WGC>(S, a, 0, t);
+    issue_half<NTH, WG, WGC>(S, a, 1, t);
+    issue_half<NTH, WG, WGC>(S, a, 2, t);
+    issue_kp<NTH, WGC>(S, a, 0, t);
     cp_wait<3>();  // H(0)
+    if constexpr (WG) fence_proxy_async();
     __syncthreads();
     float sr[16];  // this thread's share of S (s_pos), sr[0..NS)
 #pragma unroll
     for (int e = 0; e < NS; ++e) {
         int r, c;
         s_pos<TC>(e, t, r, c);
-        sr[e] = S[SC_S + r * CWP + c];
+        sr[e] = R[SC_S + r * CWP + c];
     }
     if constexpr (TC) {
         // the shared copy of S is only an mma operand: keep it TF32-rounded
@@ -904,25 +1065,30 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         for (int e = 0; e < NS; ++e) {
             int r, c;
             s_pos<TC>(e, t, r, c);
-            S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major (the other threads' reads are done)
+            if constexpr (WG) SO[sw_off<CW>(c, r)] = round_tf32(sr[e]);
+            else S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major (the other threads' reads are done)
         }
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();
     }
-    float xo[8];  // TC, m-tiles 4-7: O rows 16(mt-4).. as mma accumulators
+    float xo[16];  // TC, m-tiles 4-7: O rows 16(mt-4).. as mma accumulators (xo[0..8))
 
     for (int n = 0; n < NC; ++n) {
         // ---- X = [W; Q̂] · S: rows 0..63 give V' = U − W S, rows 64..127 give e^γ Q̂ S.
         float acc[16];
 #pragma unroll
         for (int e = 0; e < 16; ++e) acc[e] = 0.f;  // TC uses acc[0..8)
-        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, 0, t);
+        if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n) % 3) * WG_SLOT, SO, 0, t);
+        else half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, 0, t);
         cp_wait<2>();  // H(2n+1)
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();
-        issue_half<NTH>(S, a, 2 * n + 3, t);  // into the slot just read
-        half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S, 1, t);
+        issue_half<NTH, WG, WGC>(S, a, 2 * n + 3, t);  // into the slot just read
+        if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n + 1) % 3) * WG_SLOT, SO, 1, t);
+        else half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S, 1, t);
 
-        const float* U = S + SC_U + (n & 1) * CH * CWP;
-        const float* GM = S + SC_GAM + (n & 1) * CH;
+        const float* U = R + SC_U + (n & 1) * CH * CWP;
+        const float* GM = R + SC_GAM + (n & 1) * CH;
         const float gC = GM[CH - 1];
         if constexpr (TC) {
             // V' and e^{γ_C−γ}V' are only mma operands: stored TF32-rounded.
@@ -936,10 +1102,17 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
                         const int c = cn + 8 * nt + 2 * q;
                         const float2 u = *reinterpret_cast<const float2*>(U + r * CWP + c);
                         const float p0 = u.x - acc[nt * 4 + 2 * h], p1 = u.y - acc[nt * 4 + 2 * h + 1];
-                        S[SC_VP + c * VKP + r] = round_tf32(p0);  // n-major
-                        S[SC_VP + (c + 1) * VKP + r] = round_tf32(p1);
-                        S[SC_VD + c * VKP + r] = round_tf32(p0 * d);
-                        S[SC_VD + (c + 1) * VKP + r] = round_tf32(p1 * d);
+                        if constexpr (WGC) {  // swizzled K-major B operands
+                            R[SC_VP + sw_off<CW>(c, r)] = round_tf32(p0);
+                            R[SC_VP + sw_off<CW>(c + 1, r)] = round_tf32(p1);
+                            R[SC_VD + sw_off<CW>(c, r)] = round_tf32(p0 * d);
+                            R[SC_VD + sw_off<CW>(c + 1, r)] = round_tf32(p1 * d);
+                        } else {
+                            R[SC_VP + c * VKP + r] = round_tf32(p0);  // n-major
+                            R[SC_VP + (c + 1) * VKP + r] = round_tf32(p1);
+                            R[SC_VD + c * VKP + r] = round_tf32(p0 * d);
+                            R[SC_VD + (c + 1) * VKP + r] = round_tf32(p1 * d);
+                        }
                     }
                 }
             } else {
@@ -979,31 +1152,38 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
             }
         }
         cp_wait<1>();  // KP(n) (and H(2n+2))
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();
-        issue_half<NTH>(S, a, 2 * n + 4, t);  // into the slot of H(2n+1)
+        issue_half<NTH, WG, WGC>(S, a, 2 * n + 4, t);  // into the slot of H(2n+1)
 
         // ---- S ← e^{γ_C} S + K̂ᵀ V'd;  O = e^γ Q̂ S + P V'
         const float eC = expf(gC);
 #pragma unroll
         for (int e = 0; e < NS; ++e) sr[e] *= eC;
         if constexpr (TC) {
-            float(&s2)[2][4] = *reinterpret_cast<float(*)[2][4]>(sr);
-            if constexpr (PRE)
-                warp_mma_k<CH / 8, 2, 1, KCP, 1, VKP, true, true, false, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn * VKP);
-            else
-                warp_mma<2, 1, KCP, 1, VKP, true, false, false, true>(s2, S + SC_KC + 16 * mt, S + SC_VD + cn * VKP, CH / 8);
-            if (mt >= 4) {
-                const int om = mt - 4;
-                float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
-                // P's causal rows: 2·om + 2 k-steps, compile-time per (warp-uniform) om
-                const float* pa = S + SC_P + 16 * om * PP;
-                const float* vb = S + SC_VP + cn * VKP;
-                switch (om) {
-                    case 0: warp_mma_k<2, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
-                    case 1: warp_mma_k<4, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
-                    case 2: warp_mma_k<6, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
-                    default: warp_mma_k<8, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+            float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
+            const int om = mt - 4;
+            if constexpr (WGC) {
+                chunk_update_wg(sr, xo, R + SC_KC, R + SC_P, R + SC_VP, R + SC_VD, t);
+            } else {
+                float(&s2)[2][4] = *reinterpret_cast<float(*)[2][4]>(sr);
+                if constexpr (PRE)
+                    warp_mma_k<CH / 8, 2, 1, KCP, 1, VKP, true, true, false, true>(s2, R + SC_KC + 16 * mt, R + SC_VD + cn * VKP);
+                else
+                    warp_mma<2, 1, KCP, 1, VKP, true, false, false, true>(s2, R + SC_KC + 16 * mt, R + SC_VD + cn * VKP, CH / 8);
+                if (mt >= 4) {
+                    // P's causal rows: 2·om + 2 k-steps, compile-time per (warp-uniform) om
+                    const float* pa = R + SC_P + 16 * om * PP;
+                    const float* vb = R + SC_VP + cn * VKP;
+                    switch (om) {
+                        case 0: warp_mma_k<2, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                        case 1: warp_mma_k<4, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                        case 2: warp_mma_k<6, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                        default: warp_mma_k<8, 2, PP, 1, 1, VKP, true, PRE, true, true>(o2, pa, vb); break;
+                    }
                 }
+            }
+            if (mt >= 4) {
                 static_assert(CH / 16 == 4, "four 16-row blocks of O");
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -1074,11 +1254,13 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         for (int e = 0; e < NS; ++e) {
             int r, c;
             s_pos<TC>(e, t, r, c);
-            if constexpr (TC) S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major
+            if constexpr (WG) SO[sw_off<CW>(c, r)] = round_tf32(sr[e]);
+            else if constexpr (TC) S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major
             else S[SC_S + r * CWP + c] = sr[e];
         }
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();
-        issue_kp<NTH>(S, a, n + 1, t);  // K̂ / P buffers are free now
+        issue_kp<NTH, WGC>(S, a, n + 1, t);  // K̂ / P buffers are free now
     }
     cp_wait<0>();
 #pragma unroll
@@ -1103,6 +1285,22 @@ gdnp_state_tf32(float* __restrict__ out, float* __restrict__ s_state, const floa
                 const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
                 const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
     calla_gdnp::state_body<true>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
+}
+
+// The same with X = [W; Q̂]·S on warpgroup MMAs (GdnPrefillMath::Tf32Wg; dynamic shared memory
+// SC_FLOATS floats + 1 KiB of alignment slack), and with all four products on them
+// (GdnPrefillMath::Tf32WgC; (SC_FLOATS + WG_SHIFT) floats + 1 KiB).
+extern "C" __global__ void __launch_bounds__(512, 1)
+gdnp_state_tf32wg(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
+                   const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+                   const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
+    calla_gdnp::state_body<true, true, true, false>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+gdnp_state_tf32wgc(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
+                  const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+                  const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
+    calla_gdnp::state_body<true, true, true, true>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
 }
 
 // =====================================================================================

@@ -20,7 +20,9 @@
 //!
 //! [`GdnPrefillMath`] selects fp32 CUDA-core products or TF32 tensor-core products (fp32
 //! accumulation) for steps 2 and 3; the state, the triangular solve and all elementwise math
-//! are fp32 either way.
+//! are fp32 either way. With TF32 the state kernel runs `W·S` and `Q̂·S` on warpgroup MMAs
+//! (`wgmma`, [`GdnPrefillMath::Tf32Wg`], the default) or every product on `mma.sync`
+//! ([`GdnPrefillMath::Tf32`]): the same bits.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
@@ -61,13 +63,24 @@ pub enum GdnPrefillMath {
     /// kept as the measured twin (`cuda_selftest --only gdnpre` times both).
     #[doc(hidden)]
     Tf32Old,
+    /// TF32 as [`Self::Tf32`], with the state kernel's `W·S` and `Q̂·S` on warpgroup MMAs
+    /// (`wgmma`: shared-memory operands read once per warpgroup instead of once per warp;
+    /// `gdnp_state_tf32wg`): the same products of the same TF32-rounded operands, summed as
+    /// `mma.sync` sums them, so the same bits (self-test `gdnpre`). The default since session
+    /// 46 ([`WG_DEFAULT`]).
+    Tf32Wg,
+    /// [`Self::Tf32Wg`] with the chunk update's `K̂ᵀV'` and `P·V'` on warpgroup MMAs too
+    /// (`gdnp_state_tf32wgc`). Written in session 46 and compiled (no serialized wgmma), not yet
+    /// run on the GPU: the self-test checks it bit for bit against the mma.sync kernel.
+    #[doc(hidden)]
+    Tf32WgC,
 }
 
 impl GdnPrefillMath {
     fn prep(self) -> &'static str {
         match self {
             GdnPrefillMath::F32 => "gdnp_prep_f32",
-            GdnPrefillMath::Tf32 => "gdnp_prep_tf32",
+            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => "gdnp_prep_tf32",
             GdnPrefillMath::Tf32Old => "gdnp_prep_tf32old",
         }
     }
@@ -76,15 +89,47 @@ impl GdnPrefillMath {
             GdnPrefillMath::F32 => "gdnp_state_f32",
             GdnPrefillMath::Tf32 => "gdnp_state_tf32",
             GdnPrefillMath::Tf32Old => "gdnp_state_tf32old",
+            GdnPrefillMath::Tf32Wg => "gdnp_state_tf32wg",
+            GdnPrefillMath::Tf32WgC => "gdnp_state_tf32wgc",
+        }
+    }
+    /// Dynamic shared memory of `gdnp_state_*` in bytes: `SC_FLOATS` floats; the wgmma forms
+    /// align their base up to 1024 bytes (1 KiB of slack), and the one with the chunk update
+    /// on wgmma moves its regions up by `WG_SHIFT` = 128 floats, so that every swizzled
+    /// operand starts on a 1024-byte boundary.
+    fn state_smem(self) -> usize {
+        match self {
+            GdnPrefillMath::Tf32Wg => STATE_FLOATS * 4 + 1024,
+            GdnPrefillMath::Tf32WgC => (STATE_FLOATS + 128) * 4 + 1024,
+            _ => STATE_FLOATS * 4,
         }
     }
     /// Threads per block of `gdnp_state_*` (`sc_threads` in the kernel file).
     fn state_threads(self) -> u32 {
         match self {
             GdnPrefillMath::F32 => 256,
-            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Old => 512,
+            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Old | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => 512,
         }
     }
+}
+
+/// Whether a [`GdnPrefillScratch`] starts with [`GdnPrefillMath::Tf32Wg`] (the state kernel on
+/// warpgroup MMAs) rather than [`GdnPrefillMath::Tf32`] unless [`set_default_wg`] says
+/// otherwise: on since session 46, the same bits and faster (docs/CUDA.md, "GDN prefill").
+pub const WG_DEFAULT: bool = true;
+
+/// The arithmetic new scratches start with: an index into [`DEFAULT_CHOICES`].
+static DEFAULT_MATH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(if WG_DEFAULT { 1 } else { 0 });
+const DEFAULT_CHOICES: [GdnPrefillMath; 5] =
+    [GdnPrefillMath::Tf32, GdnPrefillMath::Tf32Wg, GdnPrefillMath::Tf32WgC, GdnPrefillMath::F32, GdnPrefillMath::Tf32Old];
+
+/// The arithmetic every [`GdnPrefillScratch`] created afterwards starts with (by default
+/// [`GdnPrefillMath::Tf32Wg`], see [`WG_DEFAULT`]). Process-wide, so that the engine's
+/// accelerator and a tool's own prefiller agree (`calla cuda-bench | cuda-check
+/// --gdn-prefill-mma | --gdn-prefill-wgc`).
+pub fn set_default_math(math: GdnPrefillMath) {
+    let i = DEFAULT_CHOICES.iter().position(|&m| m == math).unwrap_or(0);
+    DEFAULT_MATH.store(i as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
@@ -112,7 +157,8 @@ impl GdnPrefillScratch {
         self.max_t
     }
 
-    /// The product arithmetic in use (default [`GdnPrefillMath::Tf32`]).
+    /// The product arithmetic in use ([`GdnPrefillMath::Tf32Wg`] unless
+    /// [`set_default_math`] chose another for new scratches, or [`Self::set_math`] since).
     pub fn math(&self) -> GdnPrefillMath {
         self.math
     }
@@ -157,24 +203,23 @@ impl CudaContext {
         if max_t == 0 {
             return Err(CudaError::Unsupported("gdn_prefill_scratch: max_t = 0".into()));
         }
-        for (name, floats) in [
-            ("gdnp_prep_f32", PREP_FLOATS),
-            ("gdnp_prep_tf32", PREP_FLOATS),
-            ("gdnp_state_f32", STATE_FLOATS),
-            ("gdnp_state_tf32", STATE_FLOATS),
-            ("gdnp_prep_tf32old", PREP_FLOATS),
-            ("gdnp_state_tf32old", STATE_FLOATS),
+        for (name, bytes) in [
+            ("gdnp_prep_f32", PREP_FLOATS * 4),
+            ("gdnp_prep_tf32", PREP_FLOATS * 4),
+            ("gdnp_prep_tf32old", PREP_FLOATS * 4),
+            ("gdnp_state_f32", GdnPrefillMath::F32.state_smem()),
+            ("gdnp_state_tf32", GdnPrefillMath::Tf32.state_smem()),
+            ("gdnp_state_tf32old", GdnPrefillMath::Tf32Old.state_smem()),
+            ("gdnp_state_tf32wg", GdnPrefillMath::Tf32Wg.state_smem()),
+            ("gdnp_state_tf32wgc", GdnPrefillMath::Tf32WgC.state_smem()),
         ] {
-            self.func(name)?.set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                (floats * 4) as i32,
-            )?;
+            self.func(name)?.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         let tp = max_t.div_ceil(CH) * CH;
         let s = self.stream();
         Ok(GdnPrefillScratch {
             max_t,
-            math: GdnPrefillMath::Tf32,
+            math: DEFAULT_CHOICES[DEFAULT_MATH.load(std::sync::atomic::Ordering::Relaxed) as usize % DEFAULT_CHOICES.len()],
             stages: 0b1111,
             q: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
             k: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
@@ -315,7 +360,7 @@ impl CudaContext {
         let math = scratch.math;
         // TF32: gdnp_conv stores q̂, k̂ TF32-rounded, as gdnp_prep_tf32 stores W and P, so the
         // tensor-core loads need no cvt (prep's β e^γ k̂ then scales the rounded k̂)
-        let round_qk = i32::from(math == GdnPrefillMath::Tf32);
+        let round_qk = i32::from(matches!(math, GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC));
         let stages = scratch.stages;
         let sc = scratch;
 
@@ -370,7 +415,7 @@ impl CudaContext {
             let cfg = LaunchConfig {
                 grid_dim: ((p::N_V_HEADS * SPLIT) as u32, 1, 1),
                 block_dim: (math.state_threads(), 1, 1),
-                shared_mem_bytes: (STATE_FLOATS * 4) as u32,
+                shared_mem_bytes: math.state_smem() as u32,
             };
             let mut b = self.kernel(self.func(math.state())?);
             b.ptr_mut(&mut *out)

@@ -261,6 +261,18 @@ impl Prefiller {
         })
     }
 
+    /// The GDN prefill's product arithmetic (its scratch's [`GdnPrefillScratch::math`]).
+    pub fn gdn_math(&self) -> crate::gdn_prefill::GdnPrefillMath {
+        self.gdn.math()
+    }
+
+    /// Sets the GDN prefill's product arithmetic for later chunks (measurement; `calla
+    /// cuda-bench --prefill-compare`).
+    #[doc(hidden)]
+    pub fn set_gdn_math(&mut self, math: crate::gdn_prefill::GdnPrefillMath) {
+        self.gdn.set_math(math);
+    }
+
     /// Applies a context setting `f` to `cx` (the context this prefiller runs on) and to the
     /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
     /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of

@@ -30,19 +30,20 @@ use model::reference as r;
 use rayon::prelude::*;
 use spec::production as p;
 
-use crate::common::{check, check_guarded, guarded, rand_f32s, Suite, Tol, GUARD, SENTINEL};
+use crate::common::{check, check_guarded, guarded, rand_f32s, Cmp, Suite, Tol, GUARD, SENTINEL};
 
 const SEC: &str = "gdnpre";
 const TOL_F32: Tol = Tol { rel: 1e-5, max_over_rms: 1e-4 };
 const TOL_TF32: Tol = Tol { rel: 5e-3, max_over_rms: 5e-2 };
 /// Bit-exact: `rel < tiny` only passes at 0.
 const EXACT: Tol = Tol { rel: f64::MIN_POSITIVE, max_over_rms: f64::MIN_POSITIVE };
-const MATHS: [GdnPrefillMath; 3] = [GdnPrefillMath::F32, GdnPrefillMath::Tf32, GdnPrefillMath::Tf32Old];
+const MATHS: [GdnPrefillMath; 5] =
+    [GdnPrefillMath::F32, GdnPrefillMath::Tf32, GdnPrefillMath::Tf32Old, GdnPrefillMath::Tf32Wg, GdnPrefillMath::Tf32WgC];
 
 fn tol(m: GdnPrefillMath) -> Tol {
     match m {
         GdnPrefillMath::F32 => TOL_F32,
-        GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Old => TOL_TF32,
+        GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Old | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => TOL_TF32,
     }
 }
 
@@ -51,6 +52,8 @@ fn mname(m: GdnPrefillMath) -> &'static str {
         GdnPrefillMath::F32 => "f32",
         GdnPrefillMath::Tf32 => "tf32",
         GdnPrefillMath::Tf32Old => "tf32-old",
+        GdnPrefillMath::Tf32Wg => "tf32-wg",
+        GdnPrefillMath::Tf32WgC => "tf32-wgc",
     }
 }
 
@@ -222,6 +225,8 @@ fn run_case(
     let x = proj(t, seed);
     let (mut conv_h, mut s_h) = (conv0.to_vec(), s0.to_vec());
     let out_ref = cpu_prefill(w, &x, t, &mut conv_h, &mut s_h);
+    // (out, S) of the mma.sync TF32 state kernel, for the wgmma form's line below
+    let mut tf32_mma: Option<(Vec<f32>, Vec<f32>)> = None;
     for m in MATHS {
         scratch.set_math(m);
         let mut convd = upload_guarded(cx, conv0);
@@ -240,6 +245,27 @@ fn run_case(
         let tj = |tl: Tol| format!("\"tol_rel\":{:e},\"tol_max_over_rms\":{:e},\"t\":{t}", tl.rel, tl.max_over_rms);
         s.record(SEC, &format!("T={t:<4} {label} {}: out", mname(m)), &co, &tj(tol(m)));
         s.record(SEC, &format!("T={t:<4} {label} {}: S", mname(m)), &cs, &tj(tol(m)));
+        match m {
+            GdnPrefillMath::Tf32 => tf32_mma = Some((cx.download_f32(&outd).unwrap(), cx.download_f32(&sd).unwrap())),
+            GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => {
+                // the same products of the same TF32-rounded operands, on warpgroup MMAs: the
+                // tensor cores sum a k-step as mma.sync does, so the outputs and the state must
+                // equal the mma.sync kernel's bit for bit (guard words included)
+                if let Some((o_mma, s_mma)) = &tf32_mma {
+                    let (o_wg, s_wg) = (cx.download_f32(&outd).unwrap(), cx.download_f32(&sd).unwrap());
+                    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                    let (dout, ds) = (differ(&o_wg, o_mma), differ(&s_wg, s_mma));
+                    let c = Cmp {
+                        rel: (dout + ds) as f64,
+                        max_over_rms: 0.0,
+                        ok: dout == 0 && ds == 0,
+                        msg: format!("{dout} of {} out words and {ds} of {} S words differ", o_wg.len(), s_wg.len()),
+                    };
+                    s.record(SEC, &format!("T={t:<4} {label} {} = tf32 (mma.sync), bit for bit", mname(m)), &c, "");
+                }
+            }
+            _ => {}
+        }
         if diagnose {
             diagnose_scratch(cx, scratch, w, &x, t, conv0, m);
         }
