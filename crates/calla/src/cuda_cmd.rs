@@ -905,7 +905,10 @@ struct PrefillKnobs {
     wide_grouped: bool,
     attn_split: bool,
     bulk_short: bool,
-    gdn_mma: bool,
+    /// The GDN state kernel's `W·S` and `Q̂·S` on wgmma (`Tf32Wg`, or `Tf32WgC` with `gdn_wgc`);
+    /// off: every product on mma.sync (`Tf32`).
+    gdn_wg: bool,
+    /// Its chunk update on wgmma too (`Tf32WgC`; implies `gdn_wg`).
     gdn_wgc: bool,
 }
 
@@ -933,7 +936,7 @@ impl PrefillKnobs {
             wide_grouped: cx.gemm_wide_grouped(),
             attn_split: cx.attn_causal_split(),
             bulk_short: cx.gemm_bulk_short(),
-            gdn_mma: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32,
+            gdn_wg: matches!(pf.gdn_math(), cuda::gdn_prefill::GdnPrefillMath::Tf32Wg | cuda::gdn_prefill::GdnPrefillMath::Tf32WgC),
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
         }
     }
@@ -947,7 +950,11 @@ impl PrefillKnobs {
         pf.side_splitk = self.side_splitk;
         {
             use cuda::gdn_prefill::GdnPrefillMath as M;
-            pf.set_gdn_math(if self.gdn_mma { M::Tf32 } else if self.gdn_wgc { M::Tf32WgC } else { M::Tf32Wg });
+            pf.set_gdn_math(match (self.gdn_wg, self.gdn_wgc) {
+                (false, _) => M::Tf32,
+                (true, false) => M::Tf32Wg,
+                (true, true) => M::Tf32WgC,
+            });
         }
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
@@ -970,8 +977,17 @@ impl PrefillKnobs {
 
     /// These settings with one flipped.
     fn flipped(mut self, knob: fn(&mut PrefillKnobs) -> &mut bool) -> Self {
+        let before = self;
         let v = knob(&mut self);
         *v = !*v;
+        // the GDN state kernel's two knobs name three kernels: turning the chunk update's
+        // wgmma on turns W·S's on too, turning W·S's off turns the chunk update's off too
+        if self.gdn_wgc && !before.gdn_wgc {
+            self.gdn_wg = true;
+        }
+        if !self.gdn_wg && before.gdn_wg {
+            self.gdn_wgc = false;
+        }
         self
     }
 }
@@ -1007,7 +1023,7 @@ const PREFILL_CASES: [PrefillCase; 22] = [
     PrefillCase { knob: |k| &mut k.wide_grouped, off_name: "grouped GEMMs without the wide tile", off_key: "grouped_no_wide_ms", on_name: "grouped GEMMs on the wide tile", on_key: "grouped_wide_ms" },
     PrefillCase { knob: |k| &mut k.attn_split, off_name: "attention without the causal split", off_key: "attn_no_causal_split_ms", on_name: "attention with the causal split", on_key: "attn_causal_split_ms" },
     PrefillCase { knob: |k| &mut k.bulk_short, off_name: "short chunks' dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_short_ms", on_name: "short chunks' dense GEMM weights by bulk copies too", on_key: "gemm_bulk_short_ms" },
-    PrefillCase { knob: |k| &mut k.gdn_mma, off_name: "GDN state kernel on mma.sync", off_key: "gdn_state_mma_ms", on_name: "GDN state kernel on wgmma", on_key: "gdn_state_wgmma_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_wg, off_name: "GDN state kernel on mma.sync", off_key: "gdn_state_mma_ms", on_name: "GDN state kernel's W·S, Q̂·S on wgmma", on_key: "gdn_state_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
 ];
 

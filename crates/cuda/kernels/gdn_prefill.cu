@@ -700,8 +700,8 @@ gdnp_prep_tf32(float* __restrict__ vb, float* __restrict__ w_out, float* __restr
 }
 
 // =====================================================================================
-// gdnp_state_{f32,tf32}: grid (n_v · SPLIT), 256 (f32) or 512 (tf32) threads, dynamic shared
-// memory SC_FLOATS floats.
+// gdnp_state_{f32,tf32,tf32wg,tf32wgc}: grid (n_v · SPLIT), 256 (f32) or 512 (tf32*) threads,
+// dynamic shared memory SC_FLOATS floats (the wgmma forms: see "the wgmma form" below).
 // Block = (V head j, value columns [c0, c0 + CW)); the block's slice of S lives in registers
 // (16 per thread) and, as the B operand of W·S and Q̂·S, in shared memory (TC: n-major, as V'
 // and e^{γ_C−γ}V', so that ldmatrix fetches the mma fragments; SKP, VKP).
@@ -802,8 +802,8 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, int t) {
 // (4 KB each); P (A of P·V', 64 chunk rows x 64) as a ring half; V' and e^{γ_C−γ}V' (B, N =
 // 32 columns, K = 64 chunk rows) 2 blocks of 32 n-rows. Every operand starts 1024-byte aligned
 // (the kernel aligns its dynamic shared memory up; the host adds 1 KiB). Descriptor: start +
-// 32 bytes per k-step of 8, SBO 1024 (8 rows), LBO unused. The ring slots keep their place in
-// floats and shrink to WG_SLOT = 8192 of the 8704 of SC_SLOT (W rows then Q̂ rows); the
+// 32 bytes per k-step of 8, SBO 1024 (8 rows), LBO unused. The ring keeps its region; its
+// slots are WG_SLOT = 8192 floats apart instead of SC_SLOT = 8704 (W rows then Q̂ rows); the
 // swizzled S sits WG_SHIFT floats into the [DK][CWP] region of S (1024-byte aligned there).
 // With the chunk update on wgmma too (WGC) every region but the ring moves up by WG_SHIFT
 // floats, which puts S, P, V' and e^{γ_C−γ}V' on 1024-byte boundaries: shared memory
@@ -817,6 +817,7 @@ static_assert((SC_S + WG_SHIFT) % 256 == 0 && (SC_P + WG_SHIFT) % 256 == 0 && (S
               "the swizzled operands start 1024-byte aligned");
 static_assert(4 * CW * 32 + WG_SHIFT <= DK * CWP && CH * CH <= CH * PP && 2 * CW * 32 <= CH * CWP,
               "the swizzled operands fit their regions");
+static_assert((SC_FLOATS + WG_SHIFT) * 4 + 1024 <= 232448, "shared memory per block of the wgmma forms");
 // float offset of element (r, k) of a K-major operand of 32-float rows with `rows` rows per block
 template <int ROWS>
 __device__ __forceinline__ int sw_off(int r, int k) {

@@ -114,7 +114,7 @@ impl GdnPrefillMath {
 }
 
 /// Whether a [`GdnPrefillScratch`] starts with [`GdnPrefillMath::Tf32Wg`] (the state kernel on
-/// warpgroup MMAs) rather than [`GdnPrefillMath::Tf32`] unless [`set_default_wg`] says
+/// warpgroup MMAs) rather than [`GdnPrefillMath::Tf32`] unless [`set_default_math`] says
 /// otherwise: on since session 46, the same bits and faster (docs/CUDA.md, "GDN prefill").
 pub const WG_DEFAULT: bool = true;
 
