@@ -404,11 +404,6 @@ __device__ __forceinline__ unsigned long long ap_desc(unsigned addr, unsigned lb
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
            ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);  // 1 << 62: 128-byte swizzle
 }
-__device__ __forceinline__ void ap_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void ap_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void ap_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma operand reads).
-__device__ __forceinline__ void ap_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving reads of an accumulator above wgmma.wait_group.
 template <int N>
 __device__ __forceinline__ void ap_fence_acc(float (&d)[N][4]) {
@@ -595,7 +590,7 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
     for (int j = j_begin; j < j_end; ++j) {
         const int kb = j * AP_BN;
         ap_cp_async_wait_all();  // K block j (and Q)
-        ap_fence_proxy_async();
+        calla_fence_proxy_async();
         __syncthreads();  // ... visible to all; every warpgroup is done with V block j - 1
         ap_load_kv128<NT>(sv, v_cache, m, kb, n_keys, tid);
         ap_cp_async_commit();
@@ -605,10 +600,10 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
         if (active) {
 #pragma unroll
             for (int i = 0; i < AP_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-            ap_wg_fence();
+            calla_wgmma_fence();
             ap_wg_qk(s, q_wg, BM, sk);
-            ap_wg_commit();
-            ap_wg_wait0();
+            calla_wgmma_commit();
+            calla_wgmma_wait<0>();
             ap_fence_acc(s);
             if (kb + AP_BN - 1 > lim_a) {
 #pragma unroll
@@ -667,7 +662,7 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
         }
 
         ap_cp_async_wait_all();  // V block j
-        ap_fence_proxy_async();
+        calla_fence_proxy_async();
         __syncthreads();  // ... visible to all; every warpgroup is done with K block j
         if (j + 1 < j_end) {
             ap_load_kv128<NT>(sk, k_cache, m, kb + AP_BN, n_keys, tid);
@@ -683,10 +678,10 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
                 p[kk][2] = ap_cvt_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
                 p[kk][3] = ap_cvt_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
             }
-            ap_wg_fence();
+            calla_wgmma_fence();
             ap_wg_pv(o, p, sv);
-            ap_wg_commit();
-            ap_wg_wait0();
+            calla_wgmma_commit();
+            calla_wgmma_wait<0>();
             ap_fence_acc(o);
         }
     }
@@ -867,16 +862,16 @@ extern "C" __global__ void __launch_bounds__(128)
     }
     ap_cp_async_commit();
     ap_cp_async_wait_all();
-    ap_fence_proxy_async();
+    calla_fence_proxy_async();
     __syncthreads();
     const int g = lane >> 2, cq = lane & 3, r0 = warp * 16 + g;
     float s[AP_BN / 8][4];
 #pragma unroll
     for (int i = 0; i < AP_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    ap_wg_fence();
+    calla_wgmma_fence();
     ap_wg_qk(s, sq, 64, sk);
-    ap_wg_commit();
-    ap_wg_wait0();
+    calla_wgmma_commit();
+    calla_wgmma_wait<0>();
     ap_fence_acc(s);
 #pragma unroll
     for (int nt = 0; nt < AP_BN / 8; ++nt) {
@@ -898,10 +893,10 @@ extern "C" __global__ void __launch_bounds__(128)
     float o[AP_HD / 8][4];
 #pragma unroll
     for (int i = 0; i < AP_HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    ap_wg_fence();
+    calla_wgmma_fence();
     ap_wg_pv(o, p, sv);
-    ap_wg_commit();
-    ap_wg_wait0();
+    calla_wgmma_commit();
+    calla_wgmma_wait<0>();
     ap_fence_acc(o);
 #pragma unroll
     for (int i = 0; i < AP_HD / 8; ++i) {

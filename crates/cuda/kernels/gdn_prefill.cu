@@ -827,12 +827,6 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
            (1ull << 62);  // LBO 16 (unused), SBO 1024, 128-byte swizzle
 }
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// this thread's generic-proxy writes to shared memory (cp.async, st.shared) made visible to the
-// async proxy (the wgmma operand reads); before the barrier that publishes them
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // D(64 x 16) += A(64 x 8, smem) · B(8 x 16, smem), TF32, f32 accumulators in the mma.sync
 // m16n8 layout per warp (d[4·nt ..] = n-tile nt)
 __device__ __forceinline__ void wgmma_tf32_n16(float (&d)[16], unsigned long long da, unsigned long long db) {
@@ -856,14 +850,14 @@ __device__ __forceinline__ void half_product_wg(float (&acc)[16], const float* s
     const int wg = t >> 7;
     const unsigned a0 = (unsigned)__cvta_generic_to_shared(slot + (wg & 1) * WG_MAT);
     const unsigned b0 = (unsigned)__cvta_generic_to_shared(Sw + 2 * half * (CW * 32) + 16 * (wg >> 1) * 32);
-    wg_fence();
+    calla_wgmma_fence();
 #pragma unroll
     for (int s = 0; s < HK / 8; ++s) {
         const unsigned off = (s & 3) * 32u;  // 8 floats per k-step within a 128-byte row
         wgmma_tf32_n16(acc, wg_desc(a0 + (s >> 2) * (CH * 128) + off), wg_desc(b0 + (s >> 2) * (CW * 128) + off));
     }
-    wg_commit();
-    wg_wait0();
+    calla_wgmma_commit();
+    calla_wgmma_wait<0>();
     fence_acc8(acc);
 }
 
@@ -902,7 +896,7 @@ __device__ __forceinline__ void chunk_update_wg(float (&sr)[16], float (&xo)[16]
         a[s][2] = __float_as_uint(k8[4 * KCP]);
         a[s][3] = __float_as_uint(k8[4 * KCP + 8]);
     }
-    wg_fence();  // before the branch: it orders every register the MMAs below read (sr, xo, a)
+    calla_wgmma_fence();  // before the branch: it orders every register the MMAs below read (sr, xo, a)
     // the warpgroup index broadcast from lane 0, so that the compiler sees a warp-uniform
     // branch (on `t >> 7` itself ptxas serializes every wgmma of the kernel, C7520)
     if (__shfl_sync(0xffffffffu, wg, 0) & 1) {
@@ -913,8 +907,8 @@ __device__ __forceinline__ void chunk_update_wg(float (&sr)[16], float (&xo)[16]
     }
 #pragma unroll
     for (int s = 0; s < CH / 8; ++s) wgmma_tf32_rs_n16(sr, a[s], wg_desc(bd + (s >> 2) * (CW * 128) + (s & 3) * 32u));
-    wg_commit();
-    wg_wait0();
+    calla_wgmma_commit();
+    calla_wgmma_wait<0>();
     fence_acc8(sr);
     fence_acc8(xo);
 }
@@ -1050,7 +1044,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     issue_half<NTH, WG, WGC>(S, a, 2, t);
     issue_kp<NTH, WGC>(S, a, 0, t);
     cp_wait<3>();  // H(0)
-    if constexpr (WG) fence_proxy_async();
+    if constexpr (WG) calla_fence_proxy_async();
     __syncthreads();
     float sr[16];  // this thread's share of S (s_pos), sr[0..NS)
 #pragma unroll
@@ -1069,7 +1063,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
             if constexpr (WG) SO[sw_off<CW>(c, r)] = round_tf32(sr[e]);
             else S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major (the other threads' reads are done)
         }
-        if constexpr (WG) fence_proxy_async();
+        if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
     }
     float xo[16];  // TC, m-tiles 4-7: O rows 16(mt-4).. as mma accumulators (xo[0..8))
@@ -1082,7 +1076,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n) % 3) * WG_SLOT, SO, 0, t);
         else half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, 0, t);
         cp_wait<2>();  // H(2n+1)
-        if constexpr (WG) fence_proxy_async();
+        if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
         issue_half<NTH, WG, WGC>(S, a, 2 * n + 3, t);  // into the slot just read
         if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n + 1) % 3) * WG_SLOT, SO, 1, t);
@@ -1153,7 +1147,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
             }
         }
         cp_wait<1>();  // KP(n) (and H(2n+2))
-        if constexpr (WG) fence_proxy_async();
+        if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
         issue_half<NTH, WG, WGC>(S, a, 2 * n + 4, t);  // into the slot of H(2n+1)
 
@@ -1259,7 +1253,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
             else if constexpr (TC) S[SC_S + c * SKP + r] = round_tf32(sr[e]);  // n-major
             else S[SC_S + r * CWP + c] = sr[e];
         }
-        if constexpr (WG) fence_proxy_async();
+        if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
         issue_kp<NTH, WGC>(S, a, n + 1, t);  // K̂ / P buffers are free now
     }

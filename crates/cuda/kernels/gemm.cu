@@ -119,14 +119,7 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// Makes this thread's completed generic-proxy writes to shared memory (cp.async) visible to
-// the async proxy (wgmma operand reads).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// (the fences and waits of wgmma: calla_fence_proxy_async, calla_wgmma_* in prelude.cuh)
 
 // Keeps the 16 registers of an A buffer alive (unmodified) up to this point: an in-flight
 // wgmma reads them asynchronously, which the compiler cannot see.
@@ -852,7 +845,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                         *reinterpret_cast<uint4*>(at + r * 128 + ((j ^ (r & 7)) << 4)) = o;
                     }
                 }
-                fence_proxy_async();  // this thread's A stores and activation copies, for wgmma
+                calla_fence_proxy_async();  // this thread's A stores and activation copies, for wgmma
                 calla_mbar_arrive(&s_full[t % WST]);
             }
             cp_async_wait<0>();
@@ -867,18 +860,18 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                 calla_mbar_wait_parity(&s_full[stg], (u32)(t / WST) & 1u);
                 const u32 st = sbase + stg * WSTAGE;
                 const u64 db = DESC_SW128 | (u64)((st >> 4) & 0x3FFFu);
-                wgmma_fence();
+                calla_wgmma_fence();
 #pragma unroll
                 for (int m = 0; m < MS; ++m) {
                     const u64 da = DESC_SW128 | (u64)(((st + SW + (wg * MS + m) * 64 * 128) >> 4) & 0x3FFFu);
 #pragma unroll
                     for (int k = 0; k < 4; ++k) wgmma_ss_bn<NN>(acc[m], da + 2 * k, db + 2 * k);
                 }
-                wgmma_commit();
-                wgmma_wait<1>();  // tile t - 1's MMAs have retired: its stage is free
+                calla_wgmma_commit();
+                calla_wgmma_wait<1>();  // tile t - 1's MMAs have retired: its stage is free
                 if (t > 0) calla_mbar_arrive(&s_full[WST + (t - 1) % WST]);
             }
-            wgmma_wait<0>();
+            calla_wgmma_wait<0>();
         };
         const int need = full_n ? BN : cnt;
         if constexpr (BN == 64) {
@@ -905,7 +898,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     auto begin_tile = [&](int t) {
         cp_async_wait<C::STAGES - 3>();
         if constexpr (BULK) calla_mbar_wait_parity(&s_full[rs], (u32)(t / C::STAGES) & 1u);
-        fence_proxy_async();
+        calla_fence_proxy_async();
         __syncthreads();
         if (t + C::STAGES - 2 < KT) load(t + C::STAGES - 2, ls);
         cp_async_commit();
@@ -923,21 +916,21 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             static_assert(NN % 16 == 0 && NN <= BN, "MMA width");
             auto issue = [&](int stage, int m, const u32 (&A)[4][4]) {
                 const u64 desc = DESC_SW128 | (u64)(((sbase + stage * C::STAGE) >> 4) & 0x3FFFu);
-                wgmma_fence();
+                calla_wgmma_fence();
 #pragma unroll
                 for (int s = 0; s < 4; ++s) wgmma_bn<NN>(acc[m], A[s], desc + 2 * s);
-                wgmma_commit();
+                calla_wgmma_commit();
             };
             if constexpr (MS == 2) {
                 for (int t = 0; t < KT; ++t) {
                     begin_tile(t);
                     dequant(rs, t, 0, A0);
                     issue(rs, 0, A0);
-                    wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
+                    calla_wgmma_wait<1>();  // slice 1 of tile t-1 done: A1 is free
                     keep_alive(A1);
                     dequant(rs, t, 1, A1);
                     issue(rs, 1, A1);
-                    wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
+                    calla_wgmma_wait<1>();  // slice 0 of tile t done: A0 is free
                     keep_alive(A0);
                     next_tile();
                 }
@@ -946,13 +939,13 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                     begin_tile(t);
                     dequant(rs, t, 0, A0);
                     issue(rs, 0, A0);
-                    wgmma_wait<1>();  // tile t-1 done: A1 is free
+                    calla_wgmma_wait<1>();  // tile t-1 done: A1 is free
                     keep_alive(A1);
                     next_tile();
                     begin_tile(t + 1);
                     dequant(rs, t + 1, 0, A1);
                     issue(rs, 0, A1);
-                    wgmma_wait<1>();  // tile t done: A0 is free
+                    calla_wgmma_wait<1>();  // tile t done: A0 is free
                     keep_alive(A0);
                     next_tile();
                 }
@@ -980,7 +973,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             if (need > 16) main_loop(Width<32>{});
             else main_loop(Width<16>{});
         }
-        wgmma_wait<0>();
+        calla_wgmma_wait<0>();
         keep_alive(A0);
         keep_alive(A1);
     } else {

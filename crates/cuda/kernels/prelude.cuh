@@ -510,8 +510,16 @@ __device__ __forceinline__ void calla_mbar_wait_parity(unsigned long long* m, un
     }
 }
 // Orders this thread's earlier generic-proxy accesses of shared memory before its later
-// asynchronous-proxy ones (a bulk copy into a buffer the block just read).
+// asynchronous-proxy ones (a bulk copy into a buffer the block just read; cp.async or st.shared
+// writes that warpgroup MMAs read after the barrier that follows).
 __device__ __forceinline__ void calla_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Warpgroup MMA (wgmma) ordering: the fence before the first wgmma that reads registers written
+// since, the commit of the issued wgmma into a group, and the wait until at most N groups are
+// pending (the accumulators and shared-memory operands of the others are then free).
+__device__ __forceinline__ void calla_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void calla_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void calla_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 // One bulk copy (TMA) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
 // `src` into this block's shared memory at `dst`, completing `bytes` on mbarrier m.
 __device__ __forceinline__ void calla_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* m) {
