@@ -1022,8 +1022,11 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     static_assert(!WGC || WG, "the wgmma chunk update needs the wgmma layout");
     extern __shared__ __align__(1024) float4 smem4[];
     // WG: the swizzled operands need 1024-byte alignment (the host adds 1 KiB of slack)
-    float* S = WG ? reinterpret_cast<float*>((reinterpret_cast<size_t>(smem4) + 1023) & ~(size_t)1023)
-                  : reinterpret_cast<float*>(smem4);
+    // (an offset added to the shared pointer, not a pointer rebuilt from an integer: the compiler
+    // then still knows S is shared memory and emits LDS / STS, not generic LD / ST, and no
+    // address-space conversion before each ldmatrix, cp.async or wgmma descriptor)
+    float* S = reinterpret_cast<float*>(smem4);
+    if constexpr (WG) S += ((1024u - ((unsigned)__cvta_generic_to_shared(smem4) & 1023u)) & 1023u) / 4;
     float* const R = S + (WGC ? WG_SHIFT : 0);  // every region but the ring
     float* const SO = S + SC_S + WG_SHIFT;      // WG: the swizzled S, 1024-byte aligned either way
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
