@@ -10,10 +10,13 @@ the sm_90a cubins of NVRTC 13.0).
     python3 scripts/sass.py qgemm_q4_tall_ln --dump out.sass # and the whole listing
     python3 scripts/sass.py router_dg_q4_p4 --cache target/gpu-cache
 
-A loop is a backward branch; for each one it prints its address range, its instruction count,
-the spill loads and stores (LDL / STL) inside it and the opcodes by count. This is what the
-kernel executes per iteration (per K tile of a GEMM, per chunk of the GDN state kernel), so a
-change's effect on the hot loop can be read before any GPU run.
+A loop is a backward branch; for each one it prints its address range, the static instructions
+in that range (every side of every branch inside it), the local loads and stores (LDL / STL:
+spills, or local arrays) and the opcodes by count. For a loop without branches inside (a GEMM's
+main loop) that is what a warp executes per iteration; with branches a warp runs fewer. A back
+edge from code laid out past a loop's end also shows up as a "loop" spanning both; read the
+--dump listing to be sure. With several cubins of one kernel file in the cache (an edited
+source compiled into the same folder) the newest is read, with a warning.
 """
 import argparse
 import collections
@@ -33,29 +36,39 @@ def tool_dir():
     bin_dir = os.path.join(TOOLS, "nvidia", "cu13", "bin")
     if not (os.path.exists(os.path.join(bin_dir, "cuobjdump")) and os.path.exists(os.path.join(bin_dir, "nvdisasm"))):
         print(f"installing {', '.join(PACKAGES)} into {TOOLS}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", TOOLS, *PACKAGES], check=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", TOOLS, *PACKAGES])
+        if r.returncode != 0:
+            sys.exit(f"pip could not install {', '.join(PACKAGES)} (exit status {r.returncode})")
     return bin_dir
 
 
 def sass_of(kernel, cache):
-    """The SASS listing of `kernel` from the first cubin in `cache` that holds it."""
-    cubins = sorted(glob.glob(os.path.join(cache, "*.cubin")))
+    """The SASS listing of `kernel` from the newest cubin in `cache` that holds it."""
+    cubins = sorted(glob.glob(os.path.join(cache, "*.cubin")), key=os.path.getmtime, reverse=True)
     if not cubins:
         sys.exit(f"no cubins in {cache}: run `calla cuda-compile --cache {cache}` (scripts/gpu_bundle.sh does)")
     bin_dir = tool_dir()
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    found, errors = [], []
     for cubin in cubins:
         out = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", "-fun", kernel, cubin],
                              capture_output=True, text=True, env=env)
-        if out.returncode != 0:
+        if out.returncode != 0:  # an unknown function is exit status 0 with a warning
+            errors.append(f"{os.path.basename(cubin)}: {out.stderr.strip()}")
             continue
         # -fun matches by prefix too (router_dg_q4_p4 also lists router_dg_q4_p4_k2, ...): keep
         # the exact function's section
         for part in re.split(r"\n(?=\s*Function : )", out.stdout):
             m = re.match(r"\s*Function : (\S+)", part)
             if m and m.group(1) == kernel:
-                return cubin, part
-    sys.exit(f"kernel {kernel} not found in the {len(cubins)} cubins of {cache}")
+                found.append((cubin, part))
+    if not found:
+        detail = "".join(f"\n  cuobjdump failed on {e}" for e in errors)
+        sys.exit(f"kernel {kernel} not found in the {len(cubins)} cubins of {cache}{detail}")
+    if len(found) > 1:
+        names = ", ".join(os.path.basename(c) for c, _ in found)
+        print(f"note: {len(found)} cubins hold {kernel} ({names}); reading the newest", file=sys.stderr)
+    return found[0]
 
 
 def instructions(listing):
@@ -82,11 +95,14 @@ def main():
     args = ap.parse_args()
     cubin, listing = sass_of(args.kernel, args.cache)
     if args.dump:
-        with open(args.dump, "w") as f:
-            f.write(listing)
+        try:
+            with open(args.dump, "w") as f:
+                f.write(listing)
+        except OSError as e:
+            sys.exit(f"cannot write {args.dump}: {e}")
     ins = instructions(listing)
-    spills = sum(1 for _, t in ins if opcode(t) in ("LDL", "STL"))
-    print(f"{args.kernel}: {len(ins)} instructions, {spills} spill loads/stores ({os.path.basename(cubin)})")
+    local = sum(1 for _, t in ins if opcode(t) in ("LDL", "STL"))
+    print(f"{args.kernel}: {len(ins)} instructions (padding included), {local} local loads/stores ({os.path.basename(cubin)})")
     for addr, text in ins:
         m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
         if not m or int(m.group(1), 16) >= addr:
@@ -96,7 +112,7 @@ def main():
         mix = collections.Counter(opcode(t) for t in body)
         sp = mix.get("LDL", 0) + mix.get("STL", 0)
         top = ", ".join(f"{k} {v}" for k, v in mix.most_common(args.top))
-        print(f"  loop {lo:#07x}..{addr:#07x}: {len(body):5d} instructions, {sp} spills | {top}")
+        print(f"  loop {lo:#07x}..{addr:#07x}: {len(body):5d} instructions, {sp} local | {top}")
 
 
 if __name__ == "__main__":

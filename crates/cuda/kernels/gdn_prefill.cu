@@ -1024,7 +1024,9 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     // WG: the swizzled operands need 1024-byte alignment (the host adds 1 KiB of slack)
     // (an offset added to the shared pointer, not a pointer rebuilt from an integer: the compiler
     // then still knows S is shared memory and emits LDS / STS, not generic LD / ST, and no
-    // address-space conversion before each ldmatrix, cp.async or wgmma descriptor)
+    // address-space conversion before each ldmatrix, cp.async or wgmma descriptor. From the
+    // __align__(1024) declaration the compiler folds the offset to 0 and ptxas places the buffer
+    // on a 1 KiB boundary; the check below traps if a toolchain ever does not.)
     float* S = reinterpret_cast<float*>(smem4);
     if constexpr (WG) S += ((1024u - ((unsigned)__cvta_generic_to_shared(smem4) & 1023u)) & 1023u) / 4;
     float* const R = S + (WGC ? WG_SHIFT : 0);  // every region but the ring
@@ -1033,6 +1035,12 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     const int mt = warp & 7, cn = 16 * (warp >> 3);  // TC: m-tile and first column of the warp
     const int j = blockIdx.x / SPLIT, c0 = (blockIdx.x % SPLIT) * CW;
     if (t == 0 && dynamic_smem_bytes() < (SC_FLOATS + (WGC ? WG_SHIFT : 0)) * 4u + (WG ? 1024u : 0u)) __trap();
+    if constexpr (WG) {
+        // the swizzled operands' real shared address (asm: not folded from the declaration)
+        unsigned long long sa;
+        asm volatile("cvta.to.shared.u64 %0, %1;" : "=l"(sa) : "l"(S));
+        if (t == 0 && (sa & 1023u) != 0) __trap();
+    }
     const StateArgs a{qn, kn, vu, w, P, gam, j, c0, Tpad, NC};
 
     calla_pdl_wait();
