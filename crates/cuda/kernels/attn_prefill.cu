@@ -400,10 +400,6 @@ AP_FLASH_ENTRY(attn_prefill_flash_q128, 8, 1)
 // * MN-major (V as B of P·V: N = dims, K = keys): start = key row 16·kk, LBO = R·128 (next 64
 //   dims), SBO = 1024 (next 8 keys).
 
-__device__ __forceinline__ unsigned long long ap_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);  // 1 << 62: 128-byte swizzle
-}
 // Keeps the compiler from moving reads of an accumulator above wgmma.wait_group.
 template <int N>
 __device__ __forceinline__ void ap_fence_acc(float (&d)[N][4]) {
@@ -458,8 +454,8 @@ __device__ __forceinline__ void ap_wg_qk(float (&s)[AP_BN / 8][4], unsigned q_ba
 #pragma unroll
     for (int kk = 0; kk < AP_HD / 16; ++kk) {
         const unsigned off = (kk & 3) * 32;
-        const unsigned long long da = ap_desc(q_base + (kk >> 2) * q_rows * 128 + off, 16, 1024);
-        const unsigned long long db = ap_desc(k_base + (kk >> 2) * AP_BN * 128 + off, 16, 1024);
+        const unsigned long long da = calla_wgmma_desc_sw128(q_base + (kk >> 2) * q_rows * 128 + off, 16, 1024);
+        const unsigned long long db = calla_wgmma_desc_sw128(k_base + (kk >> 2) * AP_BN * 128 + off, 16, 1024);
         ap_wgmma_ss_n64(s, da, db);
     }
 }
@@ -468,7 +464,7 @@ __device__ __forceinline__ void ap_wg_qk(float (&s)[AP_BN / 8][4], unsigned q_ba
 __device__ __forceinline__ void ap_wg_pv(float (&o)[AP_HD / 8][4], const unsigned (&p)[AP_BN / 16][4], unsigned v_base) {
 #pragma unroll
     for (int kk = 0; kk < AP_BN / 16; ++kk)
-        ap_wgmma_rs_n256(o, p[kk], ap_desc(v_base + kk * 16 * 128, AP_BN * 128, 1024));
+        ap_wgmma_rs_n256(o, p[kk], calla_wgmma_desc_sw128(v_base + kk * 16 * 128, AP_BN * 128, 1024));
 }
 
 // 2^x on the MUFU (ex2.approx, relative error 2^-22; -inf -> +0).

@@ -823,10 +823,8 @@ template <int ROWS>
 __device__ __forceinline__ int sw_off(int r, int k) {
     return (k >> 5) * (ROWS * 32) + r * 32 + ((((k & 31) >> 2) ^ (r & 7)) << 2) + (k & 3);
 }
-__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);  // LBO 16 (unused), SBO 1024, 128-byte swizzle
-}
+// LBO 16 (unused), SBO 1024 (8 rows)
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) { return calla_wgmma_desc_sw128(addr, 16, 1024); }
 // D(64 x 16) += A(64 x 8, smem) · B(8 x 16, smem), TF32, f32 accumulators in the mma.sync
 // m16n8 layout per warp (d[4·nt ..] = n-tile nt)
 __device__ __forceinline__ void wgmma_tf32_n16(float (&d)[16], unsigned long long da, unsigned long long db) {

@@ -520,6 +520,13 @@ __device__ __forceinline__ void calla_wgmma_fence() { asm volatile("wgmma.fence.
 __device__ __forceinline__ void calla_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void calla_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// A wgmma shared-memory matrix descriptor for the 128-byte-swizzle layout (PTX ISA "Matrix
+// Descriptor Format"): start address, leading and stride byte offsets (all >> 4), swizzle mode
+// 1 in bits 62-63. `addr` is a shared-state-space address.
+__device__ __forceinline__ unsigned long long calla_wgmma_desc_sw128(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
 // One bulk copy (TMA) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
 // `src` into this block's shared memory at `dst`, completing `bytes` on mbarrier m.
 __device__ __forceinline__ void calla_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* m) {
