@@ -148,14 +148,14 @@ pub struct PrefillFlags {
     #[arg(long)]
     attn_no_causal_split: bool,
     /// The GDN prefill's state kernel with every product on mma.sync (`GdnPrefillMath::Tf32`)
-    /// instead of `W·S` and `Q̂·S` on warpgroup MMAs (wgmma, the default since session 46; the
-    /// same bits).
-    #[arg(long, conflicts_with = "gdn_prefill_wgc")]
+    /// instead of on warpgroup MMAs (wgmma, the default; the same bits).
+    #[arg(long, conflicts_with = "gdn_prefill_wg")]
     gdn_prefill_mma: bool,
-    /// The GDN prefill's state kernel with its chunk update (`K̂ᵀV'`, `P·V'`) on warpgroup
-    /// MMAs too (`GdnPrefillMath::Tf32WgC`; written in session 46, not yet run on a GPU).
+    /// The GDN prefill's state kernel with only `W·S` and `Q̂·S` on warpgroup MMAs and its
+    /// chunk update (`K̂ᵀV'`, `P·V'`) on mma.sync (`GdnPrefillMath::Tf32Wg`, the default of
+    /// sessions 46-47; the same bits).
     #[arg(long)]
-    gdn_prefill_wgc: bool,
+    gdn_prefill_wg: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -872,10 +872,10 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
         use cuda::gdn_prefill::GdnPrefillMath as M;
         cuda::gdn_prefill::set_default_math(if f.gdn_prefill_mma {
             M::Tf32
-        } else if f.gdn_prefill_wgc {
-            M::Tf32WgC
-        } else {
+        } else if f.gdn_prefill_wg {
             M::Tf32Wg
+        } else {
+            cuda::gdn_prefill::DEFAULT_MATH_CHOICE
         });
     }
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);

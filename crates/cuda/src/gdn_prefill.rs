@@ -20,9 +20,10 @@
 //!
 //! [`GdnPrefillMath`] selects fp32 CUDA-core products or TF32 tensor-core products (fp32
 //! accumulation) for steps 2 and 3; the state, the triangular solve and all elementwise math
-//! are fp32 either way. With TF32 the state kernel runs `W·S` and `Q̂·S` on warpgroup MMAs
-//! (`wgmma`, [`GdnPrefillMath::Tf32Wg`], the default) or every product on `mma.sync`
-//! ([`GdnPrefillMath::Tf32`]): the same bits.
+//! are fp32 either way. With TF32 the state kernel runs every product on warpgroup MMAs
+//! (`wgmma`, [`GdnPrefillMath::Tf32WgC`], the default), only `W·S` and `Q̂·S` there
+//! ([`GdnPrefillMath::Tf32Wg`]), or every product on `mma.sync` ([`GdnPrefillMath::Tf32`]):
+//! the same bits.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
@@ -66,13 +67,13 @@ pub enum GdnPrefillMath {
     /// TF32 as [`Self::Tf32`], with the state kernel's `W·S` and `Q̂·S` on warpgroup MMAs
     /// (`wgmma`: shared-memory operands read once per warpgroup instead of once per warp;
     /// `gdnp_state_tf32wg`): the same products of the same TF32-rounded operands, summed as
-    /// `mma.sync` sums them, so the same bits (self-test `gdnpre`). The default since session
-    /// 46 ([`WG_DEFAULT`]).
+    /// `mma.sync` sums them, so the same bits (self-test `gdnpre`). The default in sessions
+    /// 46-47; the measured twin of [`Self::Tf32WgC`] since.
     Tf32Wg,
     /// [`Self::Tf32Wg`] with the chunk update's `K̂ᵀV'` and `P·V'` on warpgroup MMAs too
-    /// (`gdnp_state_tf32wgc`). Written in session 46 and compiled (no serialized wgmma), not yet
-    /// run on the GPU: the self-test checks it bit for bit against the mma.sync kernel.
-    #[doc(hidden)]
+    /// (`gdnp_state_tf32wgc`): the same bits again (self-test `gdnpre`, every case against the
+    /// mma.sync kernel), the state kernel 1-3% faster than [`Self::Tf32Wg`] on an H100
+    /// (session 48). The default ([`DEFAULT_MATH_CHOICE`]).
     Tf32WgC,
 }
 
@@ -113,20 +114,22 @@ impl GdnPrefillMath {
     }
 }
 
-/// Whether a [`GdnPrefillScratch`] starts with [`GdnPrefillMath::Tf32Wg`] (the state kernel on
-/// warpgroup MMAs) rather than [`GdnPrefillMath::Tf32`] unless [`set_default_math`] says
-/// otherwise: on since session 46, the same bits and faster (docs/CUDA.md, "GDN prefill").
-pub const WG_DEFAULT: bool = true;
+/// The arithmetic a [`GdnPrefillScratch`] starts with unless [`set_default_math`] says
+/// otherwise: every product of the state kernel on warpgroup MMAs ([`GdnPrefillMath::Tf32WgC`],
+/// since session 48; `W·S` and `Q̂·S` only, [`GdnPrefillMath::Tf32Wg`], since session 46), the
+/// same bits as the mma.sync kernel and faster (docs/CUDA.md, "GDN prefill").
+pub const DEFAULT_MATH_CHOICE: GdnPrefillMath = GdnPrefillMath::Tf32WgC;
 
-/// The arithmetic new scratches start with: an index into [`DEFAULT_CHOICES`].
-static DEFAULT_MATH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(if WG_DEFAULT { 1 } else { 0 });
 const DEFAULT_CHOICES: [GdnPrefillMath; 5] =
-    [GdnPrefillMath::Tf32, GdnPrefillMath::Tf32Wg, GdnPrefillMath::Tf32WgC, GdnPrefillMath::F32, GdnPrefillMath::Tf32Old];
+    [GdnPrefillMath::Tf32WgC, GdnPrefillMath::Tf32Wg, GdnPrefillMath::Tf32, GdnPrefillMath::F32, GdnPrefillMath::Tf32Old];
+const _: () = assert!(matches!(DEFAULT_CHOICES[0], GdnPrefillMath::Tf32WgC) && matches!(DEFAULT_MATH_CHOICE, GdnPrefillMath::Tf32WgC),
+    "index 0 of DEFAULT_CHOICES is the default");
+/// The arithmetic new scratches start with: an index into [`DEFAULT_CHOICES`].
+static DEFAULT_MATH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// The arithmetic every [`GdnPrefillScratch`] created afterwards starts with (by default
-/// [`GdnPrefillMath::Tf32Wg`], see [`WG_DEFAULT`]). Process-wide, so that the engine's
-/// accelerator and a tool's own prefiller agree (`calla cuda-bench | cuda-check
-/// --gdn-prefill-mma | --gdn-prefill-wgc`).
+/// [`DEFAULT_MATH_CHOICE`]). Process-wide, so that the engine's accelerator and a tool's own
+/// prefiller agree (`calla cuda-bench | cuda-check --gdn-prefill-mma | --gdn-prefill-wg`).
 pub fn set_default_math(math: GdnPrefillMath) {
     let i = DEFAULT_CHOICES.iter().position(|&m| m == math).unwrap_or(0);
     DEFAULT_MATH.store(i as u8, std::sync::atomic::Ordering::Relaxed);
@@ -157,7 +160,7 @@ impl GdnPrefillScratch {
         self.max_t
     }
 
-    /// The product arithmetic in use ([`GdnPrefillMath::Tf32Wg`] unless
+    /// The product arithmetic in use ([`DEFAULT_MATH_CHOICE`] unless
     /// [`set_default_math`] chose another for new scratches, or [`Self::set_math`] since).
     pub fn math(&self) -> GdnPrefillMath {
         self.math

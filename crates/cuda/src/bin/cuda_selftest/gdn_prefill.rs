@@ -5,8 +5,7 @@
 //! sequence split as 100 + 37 tokens against one 137-token call and against the CPU. Every
 //! product arithmetic ([`GdnPrefillMath`]) is checked, and in the cases of `run_case` the
 //! wgmma state kernels' `out` and `S` must equal the mma.sync kernel's ([`GdnPrefillMath::Tf32`])
-//! bit for bit. [`GdnPrefillMath::Tf32WgC`] (written, not yet run on a GPU) runs only with
-//! `CALLA_SELFTEST_GDNP_WGC=1`: a fault there would end the process's other checks.
+//! bit for bit.
 //! The CPU twin is the prefill path of `model::Model`'s GDN mixer (crates/model/src/lib.rs)
 //! after the projections, built in the same order from `model::reference::{causal_conv_silu,
 //! l2norm_inplace, softplus, sigmoid, gdn_chunk (gdn_step for T = 1), gated_rms_norm}`.
@@ -42,13 +41,6 @@ const TOL_TF32: Tol = Tol { rel: 5e-3, max_over_rms: 5e-2 };
 const EXACT: Tol = Tol { rel: f64::MIN_POSITIVE, max_over_rms: f64::MIN_POSITIVE };
 const ALL_MATHS: [GdnPrefillMath; 5] =
     [GdnPrefillMath::F32, GdnPrefillMath::Tf32, GdnPrefillMath::Tf32Old, GdnPrefillMath::Tf32Wg, GdnPrefillMath::Tf32WgC];
-
-/// The arithmetics this run checks and times: all but [`GdnPrefillMath::Tf32WgC`] unless
-/// `CALLA_SELFTEST_GDNP_WGC=1`.
-fn maths() -> Vec<GdnPrefillMath> {
-    let wgc = std::env::var("CALLA_SELFTEST_GDNP_WGC").is_ok_and(|v| v == "1");
-    ALL_MATHS.into_iter().filter(|&m| wgc || m != GdnPrefillMath::Tf32WgC).collect()
-}
 
 fn tol(m: GdnPrefillMath) -> Tol {
     match m {
@@ -237,7 +229,7 @@ fn run_case(
     let out_ref = cpu_prefill(w, &x, t, &mut conv_h, &mut s_h);
     // (out, S) of the mma.sync TF32 state kernel, for the wgmma form's line below
     let mut tf32_mma: Option<(Vec<f32>, Vec<f32>)> = None;
-    for m in maths() {
+    for m in ALL_MATHS {
         scratch.set_math(m);
         let mut convd = upload_guarded(cx, conv0);
         let mut sd = upload_guarded(cx, s0);
@@ -261,7 +253,7 @@ fn run_case(
                 // the same products of the same TF32-rounded operands, on warpgroup MMAs: the
                 // tensor cores sum a k-step as mma.sync does, so the outputs and the state must
                 // equal the mma.sync kernel's bit for bit (guard words included)
-                // (maths() runs Tf32 before the wgmma forms)
+                // (ALL_MATHS runs Tf32 before the wgmma forms)
                 let Some((o_mma, s_mma)) = &tf32_mma else {
                     let c = Cmp { rel: f64::NAN, max_over_rms: f64::NAN, ok: false, msg: "no mma.sync result to compare with".into() };
                     s.record(SEC, &format!("T={t:<4} {label} {} = tf32 (mma.sync), bit for bit", mname(m)), &c, "");
@@ -400,7 +392,7 @@ fn run_split(s: &mut Suite, scratch: &mut GdnPrefillScratch, w: &Weights, wd: &D
     let x = proj(t, 0x5917);
     let (mut conv_h, mut s_h) = (conv0.clone(), s0.clone());
     let out_ref = cpu_prefill(w, &x, t, &mut conv_h, &mut s_h);
-    for m in maths() {
+    for m in ALL_MATHS {
         scratch.set_math(m);
         // one call
         let mut convd = upload_guarded(cx, &conv0);
@@ -553,7 +545,7 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
         )
         .expect("gdn_prefill");
     };
-    for m in maths() {
+    for m in ALL_MATHS {
         scratch.set_math(m);
         for t in [512usize, 1024, 2048, 8192] {
             // each stage alone, replayed on stale inputs (the numbers are meaningless); the
