@@ -122,16 +122,25 @@ pub const DEFAULT_MATH_CHOICE: GdnPrefillMath = GdnPrefillMath::Tf32WgC;
 
 const DEFAULT_CHOICES: [GdnPrefillMath; 5] =
     [GdnPrefillMath::Tf32WgC, GdnPrefillMath::Tf32Wg, GdnPrefillMath::Tf32, GdnPrefillMath::F32, GdnPrefillMath::Tf32Old];
-const _: () = assert!(DEFAULT_CHOICES[0] as u8 == DEFAULT_MATH_CHOICE as u8, "index 0 of DEFAULT_CHOICES is the default");
+/// Index of `math` in [`DEFAULT_CHOICES`] (a compile error if it is missing there).
+const fn choice_index(math: GdnPrefillMath) -> u8 {
+    let mut i = 0;
+    while i < DEFAULT_CHOICES.len() {
+        if DEFAULT_CHOICES[i] as u8 == math as u8 {
+            return i as u8;
+        }
+        i += 1;
+    }
+    panic!("every GdnPrefillMath is in DEFAULT_CHOICES")
+}
 /// The arithmetic new scratches start with: an index into [`DEFAULT_CHOICES`].
-static DEFAULT_MATH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static DEFAULT_MATH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(choice_index(DEFAULT_MATH_CHOICE));
 
 /// The arithmetic every [`GdnPrefillScratch`] created afterwards starts with (by default
 /// [`DEFAULT_MATH_CHOICE`]). Process-wide, so that the engine's accelerator and a tool's own
 /// prefiller agree (`calla cuda-bench | cuda-check --gdn-prefill-mma | --gdn-prefill-wg`).
 pub fn set_default_math(math: GdnPrefillMath) {
-    let i = DEFAULT_CHOICES.iter().position(|&m| m == math).unwrap_or(0);
-    DEFAULT_MATH.store(i as u8, std::sync::atomic::Ordering::Relaxed);
+    DEFAULT_MATH.store(choice_index(math), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
