@@ -26,14 +26,19 @@
 #
 # With --no-cuda-bench, step 3 skips `calla cuda-bench` (the engine steps still run).
 #
-#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--no-cuda-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--timeline | --timeline-only] [--mlx | --only-mlx] [--no-check]
+# With --pack=FILE, OUTDIR is also packed into the gzip tarball FILE at the end (after every
+# step, failed or not): OUTDIR holds 10-30 files, more than some ways of fetching results back
+# return (the device tool here returns at most 8 files from $OUT: pass --pack=$OUT/gpu-out.tar.gz
+# and a work folder as OUTDIR).
+#
+#   scripts/gpu_run.sh [OUTDIR] [--no-bench] [--no-cuda-bench] [--quick] [--only=SECTIONS] [--ablate | --compare] [--timeline | --timeline-only] [--mlx | --only-mlx] [--no-check] [--pack=FILE]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   --*|"") out=gpu-out ;;
   *) out=$1; shift ;;
 esac
-bench=1; quick=""; ablate=""; mlx=0; check=1; timeline=0; cudabench=1
+bench=1; quick=""; ablate=""; mlx=0; check=1; timeline=0; cudabench=1; pack=""
 for a in "$@"; do
   case "$a" in
     --no-bench) bench=0 ;;
@@ -47,6 +52,7 @@ for a in "$@"; do
     --no-cuda-bench) cudabench=0 ;;
     --timeline) timeline=1 ;;
     --timeline-only) timeline=2 ;;
+    --pack=?*) pack=${a#--pack=} ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -162,6 +168,10 @@ if [ "$mlx" = 1 ]; then
   scripts/gpu_mlx.sh "$work/full-q4" "$out"
   rc=$?  # 3: wheel parts still missing (call again with the next part while the machine is warm)
   [ "$rc" = 0 ] || status=$rc
+fi
+if [ -n "$pack" ]; then
+  mkdir -p "$(dirname "$pack")"
+  tar -C "$out" -czf "$pack" . && echo "packed $out into $pack" || { echo "could not pack $out into $pack"; status=1; }
 fi
 echo "== done, status $status"
 exit $status
