@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # session 49, call 3: wgmma descriptors advanced by an add (flash attention's 128-row tile, GDN state kernels):
-# self-tests attnpre + gdnpre (new; base for the times), cuda-check, interleaved A/B of the whole prefill
+# self-tests attnpre + gdnpre (new; base for the times), cuda-check, interleaved A/B of the whole prefill.
+# Build here first: scripts/gpu_bundle.sh at the commit to compare against, then
+# `mv target/gpu-bundle target/gpu-bundle-s49b`; apply 2026-12-07-s49-wgmma-desc-add.patch and run
+# scripts/gpu_bundle.sh again (target/gpu-bundle); copy this script into target/gpu-bundle, and
+# carry both folders (scripts/gpu_slim.sh out, and move crates/cuda/results aside: 64 MiB).
 set -uo pipefail
 O=${OUT:-/tmp/out}; R=/tmp/res; mkdir -p $O $R
 b=/tmp/b; mkdir -p $b
@@ -28,7 +32,7 @@ timeout 60 $b/calla-new cuda-check --model $W/L4 --pdl > $R/cuda-check-new.txt 2
 wait $SP; tail -1 $R/synth-full.txt
 for v in base new new base; do
   n=$(ls $R/ab-$v-*.txt 2>/dev/null | wc -l)
-  extra=""; [ $v = base ] && extra="--prefill-router digits-registers"
+  extra=""
   timeout 35 $b/calla-$v cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,8192 --decode-contexts 128 --gen-tokens 8 $extra > $R/ab-$v-$n.txt 2>&1
   echo "$v $n rc $? $(grep -E '^prefill +[0-9]+:' $R/ab-$v-$n.txt | awk '{printf "%s %s ms; ", $2, $4}')"; tar -C $R -czf $O/s49c.tar.gz .
 done
