@@ -18,10 +18,9 @@ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee $R/gpu.txt
 W=/tmp/calla-gpu; mkdir -p $W
 ( $b/calla-base synth --out $W/full-q4 --bits 4 > $R/synth-full.txt 2>&1; echo synth-full rc $? >> $R/synth-full.txt ) &
 SP=$!
-for v in new; do
-  secs=attnpre,gdnpre
-  echo "== selftest $v $secs ($(date +%T))"
-  timeout 110 $b/selftest-$v --quick --only $secs > $R/selftest-$v.txt 2>&1; echo rc $?; tar -C $R -czf $O/s49c.tar.gz .
+for v in new base; do
+  echo "== selftest $v ($(date +%T))"
+  timeout 150 $b/selftest-$v --quick --only attnpre,gdnpre > $R/selftest-$v.txt 2>&1; echo rc $?; tar -C $R -czf $O/s49c.tar.gz .
   grep -E "SELFTEST|FAIL| failed|panicked" $R/selftest-$v.txt | head -5
   grep -E "t  1024 pos0    0:|t  8192 pos0    0:" $R/selftest-$v.txt | sed -E 's/\| (Q64|Q128)[^|]*//g' | cut -c1-230
   grep -E "^gdn_prefill tf32(-wg|-wgc)? +T=(1024|8192) " $R/selftest-$v.txt | cut -c1-200
@@ -32,8 +31,7 @@ timeout 60 $b/calla-new cuda-check --model $W/L4 --pdl > $R/cuda-check-new.txt 2
 wait $SP; tail -1 $R/synth-full.txt
 for v in base new new base; do
   n=$(ls $R/ab-$v-*.txt 2>/dev/null | wc -l)
-  extra=""
-  timeout 35 $b/calla-$v cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,8192 --decode-contexts 128 --gen-tokens 8 $extra > $R/ab-$v-$n.txt 2>&1
+  timeout 45 $b/calla-$v cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,8192 --decode-contexts 128 --gen-tokens 8 > $R/ab-$v-$n.txt 2>&1
   echo "$v $n rc $? $(grep -E '^prefill +[0-9]+:' $R/ab-$v-$n.txt | awk '{printf "%s %s ms; ", $2, $4}')"; tar -C $R -czf $O/s49c.tar.gz .
 done
 echo "== done ($(date +%T))"
