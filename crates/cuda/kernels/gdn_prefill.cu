@@ -825,6 +825,7 @@ __device__ __forceinline__ int sw_off(int r, int k) {
 }
 // LBO 16 (unused), SBO 1024 (8 rows)
 __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) { return calla_wgmma_desc_sw128(addr, 16, 1024); }
+
 // D(64 x 16) += A(64 x 8, smem) · B(8 x 16, smem), TF32, f32 accumulators in the mma.sync
 // m16n8 layout per warp (d[4·nt ..] = n-tile nt)
 __device__ __forceinline__ void wgmma_tf32_n16(float (&d)[16], unsigned long long da, unsigned long long db) {
@@ -846,13 +847,13 @@ __device__ __forceinline__ void fence_acc8(float (&d)[16]) {
 // same accumulator layout. Waits for its MMAs before returning.
 __device__ __forceinline__ void half_product_wg(float (&acc)[16], const float* slot, const float* Sw, int half, int t) {
     const int wg = t >> 7;
-    const unsigned a0 = (unsigned)__cvta_generic_to_shared(slot + (wg & 1) * WG_MAT);
-    const unsigned b0 = (unsigned)__cvta_generic_to_shared(Sw + 2 * half * (CW * 32) + 16 * (wg >> 1) * 32);
+    const unsigned long long da = wg_desc((unsigned)__cvta_generic_to_shared(slot + (wg & 1) * WG_MAT));
+    const unsigned long long db = wg_desc((unsigned)__cvta_generic_to_shared(Sw + 2 * half * (CW * 32) + 16 * (wg >> 1) * 32));
     calla_wgmma_fence();
 #pragma unroll
     for (int s = 0; s < HK / 8; ++s) {
         const unsigned off = (s & 3) * 32u;  // 8 floats per k-step within a 128-byte row
-        wgmma_tf32_n16(acc, wg_desc(a0 + (s >> 2) * (CH * 128) + off), wg_desc(b0 + (s >> 2) * (CW * 128) + off));
+        wgmma_tf32_n16(acc, calla_wgmma_desc_at(da, (s >> 2) * (CH * 128) + off), calla_wgmma_desc_at(db, (s >> 2) * (CW * 128) + off));
     }
     calla_wgmma_commit();
     calla_wgmma_wait<0>();

@@ -527,6 +527,10 @@ __device__ __forceinline__ unsigned long long calla_wgmma_desc_sw128(unsigned ad
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
            ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of `addr + bytes` from d, the descriptor of `addr`: the start field is addr / 16
+// in the low 14 bits and every shared address stays below 2^18, so the add carries into no other
+// field. The same descriptor as rebuilding it from the address, in one add.
+__device__ __forceinline__ unsigned long long calla_wgmma_desc_at(unsigned long long d, unsigned bytes) { return d + (bytes >> 4); }
 // One bulk copy (TMA) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
 // `src` into this block's shared memory at `dst`, completing `bytes` on mbarrier m.
 __device__ __forceinline__ void calla_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* m) {
