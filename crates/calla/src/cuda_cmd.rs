@@ -289,10 +289,19 @@ pub struct CudaBenchArgs {
     /// conversions apart (or fused), the grouped GEMMs at the other blocks per SM, the
     /// kernels launched without (or with) programmatic dependent launch, the MoE routing in
     /// four launches (or two), the dense GEMMs never (or sometimes) split over K and the
-    /// GEMMs' MMAs at the full tile width (or fitted to each tile's tokens), alternating, in
-    /// this process (median of 5 each).
+    /// GEMMs' MMAs at the full tile width (or fitted to each tile's tokens), and every other
+    /// switch of `PREFILL_CASES` (the keys `--prefill-compare-only` names), alternating, in
+    /// this process (median of 5 each by default, `--prefill-compare-rounds`).
     #[arg(long)]
     prefill_compare: bool,
+    /// With `--prefill-compare`: only the cases whose JSON key (either one, e.g.
+    /// `attn_causal_split_ms` or `attn_no_causal_split_ms`) is in this comma-separated list.
+    #[arg(long, value_delimiter = ',', value_name = "KEYS")]
+    prefill_compare_only: Vec<String>,
+    /// With `--prefill-compare`: rounds of the interleaved runs (the first warms up and is not
+    /// counted; the medians are over the others).
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(2..=200))]
+    prefill_compare_rounds: u32,
     #[command(flatten)]
     prefill_flags: PrefillFlags,
     /// Also time decode (first decode context) with the input projections launched as
@@ -1099,13 +1108,21 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     let mut prefill_compare = Vec::new();
     if let (true, Some(pf)) = (a.prefill_compare, pf.as_mut()) {
         let base = PrefillKnobs::read(&cx, pf);
+        let cases: Vec<&PrefillCase> = PREFILL_CASES
+            .iter()
+            .filter(|c| a.prefill_compare_only.is_empty() || a.prefill_compare_only.iter().any(|k| k == c.on_key || k == c.off_key))
+            .collect();
+        if cases.is_empty() {
+            let keys: Vec<&str> = PREFILL_CASES.iter().flat_map(|c| [c.off_key, c.on_key]).collect();
+            bail!("--prefill-compare-only {}: no such case; the keys are {}", a.prefill_compare_only.join(","), keys.join(", "));
+        }
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
             // as configured, then each case with its one setting flipped; rounds interleaved,
-            // round 0 warms up, medians of the other five
-            let mut ms: Vec<Vec<f64>> = vec![Vec::new(); PREFILL_CASES.len() + 1];
-            for round in 0..6 {
-                for (j, knobs) in std::iter::once(base).chain(PREFILL_CASES.iter().map(|c| base.flipped(c.knob))).enumerate() {
+            // round 0 warms up, medians of the others
+            let mut ms: Vec<Vec<f64>> = vec![Vec::new(); cases.len() + 1];
+            for round in 0..a.prefill_compare_rounds {
+                for (j, knobs) in std::iter::once(base).chain(cases.iter().map(|c| base.flipped(c.knob))).enumerate() {
                     knobs.apply(&cx, pf);
                     cx.synchronize()?;
                     let t = Instant::now();
@@ -1121,7 +1138,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             let on = times[0];
             let mut line = format!("prefill compare {n:>6}: as configured {on:>8.2} ms");
             let mut row = serde_json::json!({"prompt_tokens": n, "overlap_ms": on});
-            for (c, &t) in PREFILL_CASES.iter().zip(&times[1..]) {
+            for (c, &t) in cases.iter().zip(&times[1..]) {
                 let was = *(c.knob)(&mut base.clone());
                 let (name, key) = if was { (c.off_name, c.off_key) } else { (c.on_name, c.on_key) };
                 line.push_str(&format!("; {name} {t:>8.2} ms ({:+.1}%)", 100.0 * (t / on - 1.0)));
