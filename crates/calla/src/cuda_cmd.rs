@@ -1036,8 +1036,20 @@ const PREFILL_CASES: [PrefillCase; 22] = [
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
 ];
 
+/// The `--prefill-compare-only` keys that name no case of [`PREFILL_CASES`], as an error that
+/// lists the keys there are (checked before the model loads).
+fn check_prefill_compare_only(only: &[String]) -> Result<()> {
+    let keys: Vec<&str> = PREFILL_CASES.iter().flat_map(|c| [c.off_key, c.on_key]).collect();
+    let unknown: Vec<&str> = only.iter().map(String::as_str).filter(|k| !keys.contains(k)).collect();
+    if !unknown.is_empty() {
+        bail!("--prefill-compare-only: no case has the key {}; the keys are {}", unknown.join(", "), keys.join(", "));
+    }
+    Ok(())
+}
+
 /// `calla cuda-bench`.
 pub fn bench(a: CudaBenchArgs) -> Result<()> {
+    check_prefill_compare_only(&a.prefill_compare_only)?;
     if a.timeline {
         cuda::timeline::enable();
     }
@@ -1112,10 +1124,6 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
             .iter()
             .filter(|c| a.prefill_compare_only.is_empty() || a.prefill_compare_only.iter().any(|k| k == c.on_key || k == c.off_key))
             .collect();
-        if cases.is_empty() {
-            let keys: Vec<&str> = PREFILL_CASES.iter().flat_map(|c| [c.off_key, c.on_key]).collect();
-            bail!("--prefill-compare-only {}: no such case; the keys are {}", a.prefill_compare_only.join(","), keys.join(", "));
-        }
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);
             // as configured, then each case with its one setting flipped; rounds interleaved,
