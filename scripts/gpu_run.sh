@@ -59,24 +59,11 @@ done
 [ "$bench" = 0 ] && [ "$timeline" != 0 ] && echo "note: --timeline runs with the benchmark step; --no-bench / --only-mlx skip it" >&2
 mkdir -p "$out"
 b=/tmp/calla-gpu-bin
-mkdir -p $b
+. scripts/gpu_unpack.sh
 if [ "$check" = 1 ] || [ "$bench" = 1 ]; then
-  for f in calla cuda_selftest; do
-    python3 -c "import lzma,sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())" target/gpu-bundle/$f.xz > $b/$f \
-      && chmod +x $b/$f || { echo "missing target/gpu-bundle/$f.xz (run scripts/gpu_bundle.sh)"; exit 2; }
-  done
+  gpu_unpack_bins target/gpu-bundle $b || exit 2
 fi
-if [ -z "${CALLA_NVRTC_DIR:-}" ]; then
-  lib=$(find /usr/local /usr/lib /opt -name 'libnvrtc.so.13' 2>/dev/null | head -1)
-  [ -n "$lib" ] && export CALLA_NVRTC_DIR=$(dirname "$lib")
-fi
-export CALLA_CUDA_CACHE="${CALLA_CUDA_CACHE:-/tmp/calla-cuda-cache}"
-# the cubins scripts/gpu_bundle.sh compiled (used where this machine's NVRTC version matches;
-# otherwise the kernels compile here as before)
-if [ -f target/gpu-bundle/cuda-cache.tar.xz ]; then
-  mkdir -p "$CALLA_CUDA_CACHE"
-  python3 -c "import sys, tarfile; t = tarfile.open(sys.argv[1]); t.extractall(sys.argv[2], **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))" target/gpu-bundle/cuda-cache.tar.xz "$CALLA_CUDA_CACHE"
-fi
+gpu_cuda_env target/gpu-bundle
 work="${CALLA_GPU_WORK:-/tmp/calla-gpu}"
 mkdir -p "$work"
 status=0
