@@ -156,6 +156,11 @@ pub struct PrefillFlags {
     /// sessions 46-47; the same bits).
     #[arg(long)]
     gdn_prefill_wg: bool,
+    /// The GDN prefill's TF32 prep kernel in its form before session 52 (`gdnp_prep_tf32lx`:
+    /// the `Tm` products' operands rounded at every load, A and P made apart; the same bits;
+    /// `GdnPrefillScratch::set_prep_lean`).
+    #[arg(long)]
+    gdn_prep_old: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -887,6 +892,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
             cuda::gdn_prefill::DEFAULT_MATH_CHOICE
         });
     }
+    cuda::gdn_prefill::set_default_prep_lean(!f.gdn_prep_old);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -919,6 +925,8 @@ struct PrefillKnobs {
     gdn_wg: bool,
     /// Its chunk update on wgmma too (`Tf32WgC`; implies `gdn_wg`).
     gdn_wgc: bool,
+    /// The GDN prep kernel in session 52's lean form (else the form before).
+    gdn_prep_lean: bool,
 }
 
 impl PrefillKnobs {
@@ -947,6 +955,7 @@ impl PrefillKnobs {
             bulk_short: cx.gemm_bulk_short(),
             gdn_wg: matches!(pf.gdn_math(), cuda::gdn_prefill::GdnPrefillMath::Tf32Wg | cuda::gdn_prefill::GdnPrefillMath::Tf32WgC),
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
+            gdn_prep_lean: pf.gdn_prep_lean(),
         }
     }
 
@@ -965,6 +974,7 @@ impl PrefillKnobs {
                 (true, true) => M::Tf32WgC,
             });
         }
+        pf.set_gdn_prep_lean(self.gdn_prep_lean);
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
             c.set_gemm_group_major(self.group_major);
@@ -1011,7 +1021,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 22] = [
+const PREFILL_CASES: [PrefillCase; 23] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1034,6 +1044,7 @@ const PREFILL_CASES: [PrefillCase; 22] = [
     PrefillCase { knob: |k| &mut k.bulk_short, off_name: "short chunks' dense GEMM weights by per-thread copies", off_key: "gemm_no_bulk_short_ms", on_name: "short chunks' dense GEMM weights by bulk copies too", on_key: "gemm_bulk_short_ms" },
     PrefillCase { knob: |k| &mut k.gdn_wg, off_name: "GDN state kernel on mma.sync", off_key: "gdn_state_mma_ms", on_name: "GDN state kernel's W·S, Q̂·S on wgmma", on_key: "gdn_state_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
 ];
 
 /// The `--prefill-compare-only` keys that name no case of [`PREFILL_CASES`], as an error that

@@ -431,30 +431,35 @@ __device__ __forceinline__ void store_chunk(float* dst, const float4 (&r)[CH * D
     }
 }
 
-// dst[r][c] = scale[r] · chunk[r][c] (dst stride XSP) for a chunk held as load_chunk leaves it.
+// dst[r][c] = scale[r] · chunk[r][c] (dst stride XSP) for a chunk held as load_chunk leaves it;
+// RND: TF32-rounded (cvt.rna), for a tensor-core operand that is then loaded without a cvt.
+template <bool RND = false>
 __device__ __forceinline__ void store_chunk_scaled(float* dst, const float4 (&r)[CH * DK / 4 / PB_THREADS],
                                                    const float* scale, int t) {
+    const auto rd = [](float x) { return RND ? round_tf32(x) : x; };
 #pragma unroll
     for (int j = 0; j < CH * DK / 4 / PB_THREADS; ++j) {
         const int e = t + j * PB_THREADS, row = e >> 5;
         const float s = scale[row];
         *reinterpret_cast<float4*>(dst + row * XSP + 4 * (e & 31)) =
-            make_float4(r[j].x * s, r[j].y * s, r[j].z * s, r[j].w * s);
+            make_float4(rd(r[j].x * s), rd(r[j].y * s), rd(r[j].z * s), rd(r[j].w * s));
     }
 }
 
 // dst[r][c] = scale[r] · src[r][c] for a 64 x 128 chunk; dst stride XSP, src stride sstride;
-// PB_THREADS threads.
+// PB_THREADS threads. RND as store_chunk_scaled.
+template <bool RND = false>
 __device__ __forceinline__ void scale_rows(float* dst, const float* src, int sstride, const float* scale, int t) {
     float4 r[CH * DK / 4 / PB_THREADS];
     load_chunk(r, src, sstride, t);
-    store_chunk_scaled(dst, r, scale, t);
+    store_chunk_scaled<RND>(dst, r, scale, t);
 }
 
 // out (global, 64 rows of stride DV) = Tm (stride AP, lower triangular) · X (64 x 128, stride
 // XSP); 256 threads. Warps skip the k range above their rows.
 // RND (TC only): store the products TF32-rounded (W, an mma operand of gdnp_state_tf32 only).
-template <bool TC, bool RND = false>
+// OPR (TC only): Tm and X hold TF32-rounded values already (no cvt on their loads).
+template <bool TC, bool RND = false, bool OPR = false>
 __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm, const float* X, int t) {
     const int warp = t >> 5;
     if constexpr (TC) {
@@ -464,7 +469,7 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-        warp_mma<8, AP, 1, XSP, 1, false, false, true, false>(acc, Tm + 16 * mt * AP, X + 64 * nh, 2 * mt + 2);
+        warp_mma<8, AP, 1, XSP, 1, OPR, OPR, true, false>(acc, Tm + 16 * mt * AP, X + 64 * nh, 2 * mt + 2);
         const int lane = t & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -516,12 +521,22 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
     }
 }
 
-template <bool TC, bool PRE = true>
+// RX (TC with PRE only): the operands of the four Tm products rounded to TF32 once, where they
+// are stored (β V and β e^γ K̂ as they are scaled into XS, Tm_0 and Tm_1 after the solve), so
+// that tri_mm loads them without a cvt.rna (about four instructions per element on sm_90), and
+// A_h and P_h made in one pass that computes each decay factor e^{γ_h[r] − γ_h[m]} once for both
+// (the form before computed A in warps 0-3 and P in warps 4-7, each factor twice). The same
+// values reach the tensor cores and the same expressions make A and P, so the same bits.
+// `ablate` (measurement only; 0 in every real call): bits 1, 2, 4, 8 leave out the solve, the
+// four Tm products, the A and P element loops, the Gram products (the outputs are then wrong;
+// the time they save is their cost in place).
+template <bool TC, bool PRE = true, bool RX = false>
 __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out,
                                           float* __restrict__ gam_out, float* __restrict__ conv_state,
                                           const float* __restrict__ qn, const float* __restrict__ kn,
                                           const float* __restrict__ g_in, const float* __restrict__ beta_in,
-                                          const float* __restrict__ proj, int T, int Tpad, int NC) {
+                                          const float* __restrict__ proj, int T, int Tpad, int NC, int ablate) {
+    constexpr bool RS = TC && PRE && RX;  // Tm products' operands rounded where stored
     extern __shared__ float4 smem4[];
     float* S = reinterpret_cast<float*>(smem4);
     float* KS = S + PB_KS;
@@ -607,16 +622,21 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
 
     // K̂K̂ᵀ (warps 0-3) and Q̂K̂ᵀ (warps 4-7), 32 elements per thread.
     float acc[32];
-    gram<TC, PRE>(acc, warp < 4 ? KS : XS, KS, tid);
-    if (warp < 4) {
+    if (!(ablate & 8)) gram<TC, PRE>(acc, warp < 4 ? KS : XS, KS, tid);
+    else {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+    }
+    if (warp < 4 || RS) {
+        // K̂K̂ᵀ into A1; with RS also Q̂K̂ᵀ into A0 (free until the solve writes Tm_0 there)
 #pragma unroll
         for (int e = 0; e < 32; ++e) {
             int r, c;
             gram_pos<TC>(e, tid, r, c);
-            A1[r * AP + c] = acc[e];
+            (warp < 4 ? A1 : A0)[r * AP + c] = acc[e];
         }
     }
-    __syncthreads();  // γ and K̂K̂ᵀ ready
+    __syncthreads();  // γ and K̂K̂ᵀ (RS: and Q̂K̂ᵀ) ready
     if (t < 2 * CH) {
         const float gm = GAM[t];
         BEG[t] = BET[t] * expf(gm);
@@ -625,7 +645,31 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
 
     float* AX0 = XS;            // A_0, A_1 in the XS space (Q̂ is no longer needed)
     float* AX1 = XS + CH * AP;
-    if (warp < 4) {
+    if (ablate & 4) {
+    } else if (RS) {
+        // A_h and P_h in one pass over the 64 x 64 positions, both from one e^{γ_h[r] − γ_h[m]}
+        // (the expression of the two loops below, so the same bits): 16 positions per thread,
+        // a warp's 32 lanes one half-row, the halves alternating so that every warp has the
+        // same share of the lower triangle; P's rows stored whole (coalesced).
+        float* const P0 = p_out + ((size_t)(VPK * i) * NC + n) * CH * CH;  // P_1 at + NC·CH·CH
+        const int m0 = 32 * ((t >> 5) & 1) + (t & 31), m1 = m0 ^ 32;  // even j, odd j
+#pragma unroll 2
+        for (int j = 0; j < CH * CH / PB_THREADS; ++j) {
+            const int r = (t >> 6) + 4 * j, m = (j & 1) ? m1 : m0;
+            const float kk = A1[r * AP + m], qk = A0[r * AP + m];
+#pragma unroll
+            for (int h = 0; h < VPK; ++h) {
+                float a = 0.f, v = 0.f;
+                if (m <= r) {
+                    const float d = expf(GAM[h * CH + r] - GAM[h * CH + m]);
+                    if (m < r) a = (BET[h * CH + r] * kk) * d;
+                    v = round_tf32(qk * d);  // P is only an mma operand
+                }
+                (h ? AX1 : AX0)[r * AP + m] = a;
+                P0[(size_t)h * NC * CH * CH + r * CH + m] = v;
+            }
+        }
+    } else if (warp < 4) {
         // A_h[r, m] = β_h[r] (k̂_r·k̂_m) e^{γ_h[r] − γ_h[m]} for m < r, else 0.
         for (int e = tid; e < CH * CH; e += 128) {
             const int r = e >> 6, m = e & 63;
@@ -656,48 +700,63 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
     __syncthreads();
 
     // Tm_h = (I + A_h)^-1 into the A0 / A1 buffers: threads 0-127 head 0, 128-255 head 1.
-    solve_blocked((t >> 7) ? A1 : A0, (t >> 7) ? AX1 : AX0, tid);
+    if (!(ablate & 1)) solve_blocked((t >> 7) ? A1 : A0, (t >> 7) ? AX1 : AX0, tid);
 
-    if constexpr (TC) store_chunk_scaled(XS, vr, BET, t);
+    if constexpr (RS) {
+        // Tm_0 and Tm_1 (adjacent, 64 rows of stride AP each; the solve wrote every column
+        // below 64 and ended with a barrier) TF32-rounded in place: only the products below
+        // read them from here
+#pragma unroll
+        for (int j = 0; j < 2 * CH * AP / 4 / PB_THREADS + 1; ++j) {
+            const int e = t + j * PB_THREADS;
+            if (e < 2 * CH * AP / 4) {
+                float4* q = reinterpret_cast<float4*>(A0) + e;
+                const float4 v = *q;
+                *q = make_float4(round_tf32(v.x), round_tf32(v.y), round_tf32(v.z), round_tf32(v.w));
+            }
+        }
+    }
+    if constexpr (TC) store_chunk_scaled<RS>(XS, vr, BET, t);
     else scale_rows(XS, vb + v0, DV, BET, t);
     __syncthreads();
 
     // U_0 = Tm_0 β_0 V_0 (over v, in place), U_1, then W_0 = Tm_0 β_0 e^γ0 K̂, W_1. TC: V_1's
     // loads are issued before U_0's product (other rows of vb) and land during it.
+    const bool mm = !(ablate & 2);
     if constexpr (TC) load_chunk(vr, vb + v1, DV, t);
-    tri_mm<TC>(vb + v0, A0, XS, t);
+    if (mm) tri_mm<TC, false, RS>(vb + v0, A0, XS, t);
     __syncthreads();
-    if constexpr (TC) store_chunk_scaled(XS, vr, BET + CH, t);
+    if constexpr (TC) store_chunk_scaled<RS>(XS, vr, BET + CH, t);
     else scale_rows(XS, vb + v1, DV, BET + CH, t);
     __syncthreads();
-    tri_mm<TC>(vb + v1, A1, XS, t);
+    if (mm) tri_mm<TC, false, RS>(vb + v1, A1, XS, t);
     __syncthreads();
-    scale_rows(XS, KS, KSP, BEG, t);
+    scale_rows<RS>(XS, KS, KSP, BEG, t);
     __syncthreads();
-    tri_mm<TC, PRE>(w_out + v0, A0, XS, t);
+    if (mm) tri_mm<TC, PRE, RS>(w_out + v0, A0, XS, t);
     __syncthreads();
-    scale_rows(XS, KS, KSP, BEG + CH, t);
+    scale_rows<RS>(XS, KS, KSP, BEG + CH, t);
     __syncthreads();
-    tri_mm<TC, PRE>(w_out + v1, A1, XS, t);
+    if (mm) tri_mm<TC, PRE, RS>(w_out + v1, A1, XS, t);
 }
 
 }  // namespace calla_gdnp
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-gdnp_prep_f32(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out,
-              float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,
-              const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,
-              int Tpad, int NC) {
-    calla_gdnp::prep_body<false>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T, Tpad, NC);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2)
-gdnp_prep_tf32(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out,
-               float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,
-               const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,
-               int Tpad, int NC) {
-    calla_gdnp::prep_body<true>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T, Tpad, NC);
-}
+// The prep entry points (grid (n_k, NC), 256 threads, PB_FLOATS floats of dynamic shared memory).
+// gdnp_prep_tf32 is session 52's lean form (RX: the Tm products' operands rounded where stored,
+// A and P in one pass), gdnp_prep_tf32lx its measured twin, the form before: the same bits.
+#define CALLA_GDNP_PREP_ENTRY(NAME, TC, PRE, RX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
+    NAME(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out, \
+         float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,                \
+         const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,  \
+         int Tpad, int NC, int ablate) {                                                                            \
+        calla_gdnp::prep_body<TC, PRE, RX>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T,   \
+                                           Tpad, NC, ablate);                                                       \
+    }
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_f32, false, true, false)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32, true, true, true)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32lx, true, true, false)
 
 // =====================================================================================
 // gdnp_state_{f32,tf32,tf32wg,tf32wgc}: grid (n_v · SPLIT), 256 (f32) or 512 (tf32*) threads,
@@ -1375,13 +1434,7 @@ gdnp_norm_acts(unsigned* __restrict__ xb, const float* __restrict__ o_in, const 
 
 // The TF32 path as before session 24, every tensor-core operand rounded on load (PRE = false):
 // the measured twin of gdnp_prep_tf32 / gdnp_state_tf32 (GdnPrefillMath::Tf32Old).
-extern "C" __global__ void __launch_bounds__(256, 2)
-gdnp_prep_tf32old(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out,
-               float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,
-               const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,
-               int Tpad, int NC) {
-    calla_gdnp::prep_body<true, false>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T, Tpad, NC);
-}
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32old, true, false, false)
 extern "C" __global__ void __launch_bounds__(512, 1)
 gdnp_state_tf32old(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
                 const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,

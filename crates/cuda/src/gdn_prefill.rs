@@ -78,10 +78,18 @@ pub enum GdnPrefillMath {
 }
 
 impl GdnPrefillMath {
-    fn prep(self) -> &'static str {
+    /// The prep entry point; `lean` picks, on the TF32 forms that pre-round their operands,
+    /// session 52's form ([`GdnPrefillScratch::set_prep_lean`]).
+    fn prep(self, lean: bool) -> &'static str {
         match self {
             GdnPrefillMath::F32 => "gdnp_prep_f32",
-            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => "gdnp_prep_tf32",
+            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => {
+                if lean {
+                    "gdnp_prep_tf32"
+                } else {
+                    "gdnp_prep_tf32lx"
+                }
+            }
             GdnPrefillMath::Tf32Old => "gdnp_prep_tf32old",
         }
     }
@@ -143,6 +151,17 @@ pub fn set_default_math(math: GdnPrefillMath) {
     DEFAULT_MATH.store(choice_index(math), std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether new scratches' TF32 prep runs session 52's lean form
+/// ([`GdnPrefillScratch::set_prep_lean`]); on unless [`set_default_prep_lean`] turned it off.
+static DEFAULT_PREP_LEAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// The [`GdnPrefillScratch::set_prep_lean`] setting of every scratch created
+/// afterwards (process-wide, as [`set_default_math`]; `calla cuda-bench | cuda-check
+/// --gdn-prep-old`).
+pub fn set_default_prep_lean(on: bool) {
+    DEFAULT_PREP_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
 /// (`Tp` = `max_t` rounded up to a multiple of 64): `q̂, k̂` `[n_k, Tp, d_k]`, `v`/`U` and `W`
 /// `[n_v, Tp, d_v]`, `P` `[n_v, Tp/64, 64, 64]`, `g, β, γ` `[n_v, Tp]`, all f32
@@ -151,6 +170,8 @@ pub fn set_default_math(math: GdnPrefillMath) {
 pub struct GdnPrefillScratch {
     max_t: usize,
     math: GdnPrefillMath,
+    prep_lean: bool,
+    prep_ablate: i32,
     stages: u8,
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
@@ -177,6 +198,33 @@ impl GdnPrefillScratch {
     /// Selects the product arithmetic of later calls.
     pub fn set_math(&mut self, math: GdnPrefillMath) {
         self.math = math;
+    }
+
+    /// The TF32 prep kernel's form (`Tf32`, `Tf32Wg`, `Tf32WgC`; `F32` and `Tf32Old` ignore
+    /// it). `on` (`gdnp_prep_tf32`, the default since session 52): the operands of its four `Tm`
+    /// products (`Tm_h`, `β V`, `β e^γ K̂`) are rounded to TF32 once, where they are stored in
+    /// shared memory, and `A_h` and `P_h` are made in one pass that computes each decay factor
+    /// `e^{γ_h[r] − γ_h[m]}` once for both. `off` (`gdnp_prep_tf32lx`, the measured twin, the
+    /// form before): the operands are rounded at every load of an MMA fragment (a `cvt.rna` is
+    /// about four instructions on sm_90) and A and P made by two groups of warps, each factor
+    /// twice. The same values and expressions either way, so the same bits (self-test
+    /// `gdnpre`).
+    pub fn set_prep_lean(&mut self, on: bool) {
+        self.prep_lean = on;
+    }
+
+    /// Whether [`Self::set_prep_lean`] is on.
+    pub fn prep_lean(&self) -> bool {
+        self.prep_lean
+    }
+
+    /// Measurement only: the prep kernel leaves out the parts whose bits are set (1 the
+    /// triangular solve, 2 the four `Tm` products, 4 the `A` and `P` element loops, 8 the Gram
+    /// products), so that the time it saves is their cost in place. Any mask but 0 leaves the
+    /// outputs wrong.
+    #[doc(hidden)]
+    pub fn set_prep_ablate(&mut self, mask: i32) {
+        self.prep_ablate = mask;
     }
 
     /// Benchmarking only: launch just the stages whose bit is set (bit 0 conv, 1 prep,
@@ -217,6 +265,7 @@ impl CudaContext {
         for (name, bytes) in [
             ("gdnp_prep_f32", PREP_FLOATS * 4),
             ("gdnp_prep_tf32", PREP_FLOATS * 4),
+            ("gdnp_prep_tf32lx", PREP_FLOATS * 4),
             ("gdnp_prep_tf32old", PREP_FLOATS * 4),
             ("gdnp_state_f32", GdnPrefillMath::F32.state_smem()),
             ("gdnp_state_tf32", GdnPrefillMath::Tf32.state_smem()),
@@ -231,6 +280,8 @@ impl CudaContext {
         Ok(GdnPrefillScratch {
             max_t,
             math: DEFAULT_CHOICES[DEFAULT_MATH.load(std::sync::atomic::Ordering::Relaxed) as usize % DEFAULT_CHOICES.len()],
+            prep_lean: DEFAULT_PREP_LEAN.load(std::sync::atomic::Ordering::Relaxed),
+            prep_ablate: 0,
             stages: 0b1111,
             q: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
             k: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
@@ -405,7 +456,7 @@ impl CudaContext {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: (PREP_FLOATS * 4) as u32,
             };
-            let mut b = self.kernel(self.func(math.prep())?);
+            let mut b = self.kernel(self.func(math.prep(sc.prep_lean))?);
             b.ptr_mut(&mut sc.vu)
                 .ptr_mut(&mut sc.w)
                 .ptr_mut(&mut sc.p)
@@ -418,7 +469,8 @@ impl CudaContext {
                 .ptr(proj)
                 .arg(&t_i)
                 .arg(&tpad_i)
-                .arg(&nc_i);
+                .arg(&nc_i)
+                .arg(&sc.prep_ablate);
             // SAFETY: as above; the shared-memory size matches PB_FLOATS (the kernel checks).
             unsafe { b.launch(cfg) }?;
         }

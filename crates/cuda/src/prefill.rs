@@ -273,6 +273,19 @@ impl Prefiller {
         self.gdn.set_math(math);
     }
 
+    /// Whether the GDN prefill's TF32 prep runs session 52's lean form
+    /// ([`GdnPrefillScratch::set_prep_lean`]).
+    pub fn gdn_prep_lean(&self) -> bool {
+        self.gdn.prep_lean()
+    }
+
+    /// Sets [`GdnPrefillScratch::set_prep_lean`] for later chunks (measurement;
+    /// `calla cuda-bench --prefill-compare`).
+    #[doc(hidden)]
+    pub fn set_gdn_prep_lean(&mut self, on: bool) {
+        self.gdn.set_prep_lean(on);
+    }
+
     /// Applies a context setting `f` to `cx` (the context this prefiller runs on) and to the
     /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
     /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of

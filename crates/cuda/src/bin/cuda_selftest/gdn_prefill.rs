@@ -248,7 +248,29 @@ fn run_case(
         s.record(SEC, &format!("T={t:<4} {label} {}: out", mname(m)), &co, &tj(tol(m)));
         s.record(SEC, &format!("T={t:<4} {label} {}: S", mname(m)), &cs, &tj(tol(m)));
         match m {
-            GdnPrefillMath::Tf32 => tf32_mma = Some((cx.download_f32(&outd).unwrap(), cx.download_f32(&sd).unwrap())),
+            GdnPrefillMath::Tf32 => {
+                let (o_rs, s_rs) = (cx.download_f32(&outd).unwrap(), cx.download_f32(&sd).unwrap());
+                // the prep's Tm operands rounded at every load (gdnp_prep_tf32lx) instead of
+                // where they are stored: the same TF32 values reach the tensor cores, so the
+                // outputs and the state must be the same words (guards included)
+                scratch.set_prep_lean(false);
+                let mut convd = upload_guarded(cx, conv0);
+                let mut sd2 = upload_guarded(cx, s0);
+                let mut outd2 = guarded(cx, t * GDN_OUT);
+                gpu_call(cx, wd, scratch, &x, t, &mut convd, &mut sd2, &mut outd2, 0);
+                scratch.set_prep_lean(true);
+                let (o_ld, s_ld) = (cx.download_f32(&outd2).unwrap(), cx.download_f32(&sd2).unwrap());
+                let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                let (dout, ds) = (differ(&o_rs, &o_ld), differ(&s_rs, &s_ld));
+                let c = Cmp {
+                    rel: (dout + ds) as f64 / (o_rs.len() + s_rs.len()) as f64,
+                    max_over_rms: 0.0,
+                    ok: dout == 0 && ds == 0,
+                    msg: format!("{dout} of {} out words and {ds} of {} S words differ", o_rs.len(), s_rs.len()),
+                };
+                s.record(SEC, &format!("T={t:<4} {label} tf32 prep rounding at store = at load, bit for bit"), &c, "");
+                tf32_mma = Some((o_rs, s_rs));
+            }
             GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => {
                 // the same products of the same TF32-rounded operands, on warpgroup MMAs: the
                 // tensor cores sum a k-step as mma.sync does, so the outputs and the state must
@@ -568,7 +590,36 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                 t as f64 / sec / 1e6,
                 sec * 30.0 * 1e3
             );
-            let st_json = format!(",\"us_conv\":{sc:.1},\"us_prep\":{sp:.1},\"us_state\":{ss:.1},\"us_norm\":{sn:.1}");
+            let mut st_json = format!(",\"us_conv\":{sc:.1},\"us_prep\":{sp:.1},\"us_state\":{ss:.1},\"us_norm\":{sn:.1}");
+            if m == GdnPrefillMath::Tf32WgC {
+                // the prep alone in both forms (operands rounded where stored and A, P in one
+                // pass: the default; rounded at each load: the twin), each also with each of
+                // its parts left out (ablate bits; the outputs are then wrong)
+                scratch.set_stage_mask(0b0010);
+                for rx in [true, false] {
+                    scratch.set_prep_lean(rx);
+                    let whole = s.time_graph(reps, || call(t, &mut scratch, &mut outd, &mut convd, &mut sd)) * 1e6;
+                    let mut parts = Vec::new();
+                    for (bit, what) in [(1, "solve"), (2, "Tm products"), (4, "A, P loops"), (8, "Gram products")] {
+                        scratch.set_prep_ablate(bit);
+                        let us = s.time_graph(reps, || call(t, &mut scratch, &mut outd, &mut convd, &mut sd)) * 1e6;
+                        parts.push((what, bit, us));
+                    }
+                    scratch.set_prep_ablate(0);
+                    let form = if rx { "rounded where stored, A and P in one pass" } else { "rounded at each load (twin)" };
+                    let list: Vec<String> = parts.iter().map(|(w, _, us)| format!("without {w} {us:.0} ({:+.0})", us - whole)).collect();
+                    println!("gdn_prefill prep T={t:<5} {form}: {whole:.0} us; {}", list.join(", "));
+                    let key = if rx { "rx" } else { "lx" };
+                    st_json.push_str(&format!(",\"us_prep_{key}\":{whole:.1}"));
+                    for (_, bit, us) in &parts {
+                        st_json.push_str(&format!(",\"us_prep_{key}_ablate_{bit}\":{us:.1}"));
+                    }
+                }
+                scratch.set_prep_lean(true);
+                scratch.set_stage_mask(0b1111);
+                convd = cx.upload_f32(&rand_f32s(GDN_CONV_STATE_LEN, 0xA0, 1.0)).unwrap();
+                sd = cx.upload_f32(&rand_f32s(GDN_STATE_LEN, 0xB0, 0.3)).unwrap();
+            }
             s.json.push((
                 SEC.into(),
                 format!("{{\"timing\":true,\"math\":\"{}\",\"t\":{t},\"us_per_layer\":{:.1}{st_json}}}", mname(m), sec * 1e6),
