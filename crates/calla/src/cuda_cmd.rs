@@ -927,6 +927,8 @@ struct PrefillKnobs {
     gdn_wgc: bool,
     /// The GDN prep kernel in session 52's lean form (else the form before).
     gdn_prep_lean: bool,
+    /// Long prompts' dense GEMMs on the mid tile in place of the wide one.
+    mid: bool,
 }
 
 impl PrefillKnobs {
@@ -956,6 +958,7 @@ impl PrefillKnobs {
             gdn_wg: matches!(pf.gdn_math(), cuda::gdn_prefill::GdnPrefillMath::Tf32Wg | cuda::gdn_prefill::GdnPrefillMath::Tf32WgC),
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
             gdn_prep_lean: pf.gdn_prep_lean(),
+            mid: cx.gemm_mid(),
         }
     }
 
@@ -991,6 +994,7 @@ impl PrefillKnobs {
             c.set_gemm_wide_grouped(self.wide_grouped);
             c.set_attn_causal_split(self.attn_split);
             c.set_gemm_bulk_short(self.bulk_short);
+            c.set_gemm_mid(self.mid);
         });
     }
 
@@ -1021,7 +1025,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 23] = [
+const PREFILL_CASES: [PrefillCase; 24] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1045,6 +1049,7 @@ const PREFILL_CASES: [PrefillCase; 23] = [
     PrefillCase { knob: |k| &mut k.gdn_wg, off_name: "GDN state kernel on mma.sync", off_key: "gdn_state_mma_ms", on_name: "GDN state kernel's W·S, Q̂·S on wgmma", on_key: "gdn_state_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
+    PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
 ];
 
 /// The `--prefill-compare-only` keys that name no case of [`PREFILL_CASES`], as an error that

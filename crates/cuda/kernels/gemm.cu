@@ -1186,7 +1186,8 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 
 // ---- GEMM entry points: (bits) x (big: 256 W rows x 128 tokens, 1 block/SM | tall: 256 x 64,
 // 2 blocks/SM | small: 128 x 64, 2 blocks/SM | narrow: 256 x 32, 2 blocks/SM, for grouped expert
-// products that average few entries per expert | wide: 128 x 256, 1 block/SM, wgmma engines only)
+// products that average few entries per expert | wide: 128 x 256, 1 block/SM, wgmma engines only
+// | mid: 128 x 128, 2 blocks/SM, wgmma engines only)
 // x (engine); the _ln3 / _lb3 ones 3 blocks/SM
 #define CALLA_QGEMM_ENTRY_B(NAME, BITS, MS, BN, WG, LEAN, MINB, BULK)                                        \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                       \
@@ -1224,6 +1225,13 @@ CALLA_QGEMM_ENTRY(qgemm_q4_wide_ln, 4, 1, 256, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q8_wide_ln, 8, 1, 256, true, true, 1)
 CALLA_QGEMM_ENTRY_B(qgemm_q4_wide_lb, 4, 1, 256, true, true, 1, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q8_wide_lb, 8, 1, 256, true, true, 1, true)
+// mid (session 52, measured): 128 W rows x 128 tokens, two blocks per SM, wgmma engines only
+CALLA_QGEMM_ENTRY(qgemm_q4_mid_wg, 4, 1, 128, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_mid_wg, 8, 1, 128, true, false, 2)
+CALLA_QGEMM_ENTRY(qgemm_q4_mid_ln, 4, 1, 128, true, true, 2)
+CALLA_QGEMM_ENTRY(qgemm_q8_mid_ln, 8, 1, 128, true, true, 2)
+CALLA_QGEMM_ENTRY_B(qgemm_q4_mid_lb, 4, 1, 128, true, true, 2, true)
+CALLA_QGEMM_ENTRY_B(qgemm_q8_mid_lb, 8, 1, 128, true, true, 2, true)
 // the lean copies (group-major scales only)
 CALLA_QGEMM_ENTRY(qgemm_q4_big_ln, 4, 2, 128, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q4_tall_ln, 4, 2, 64, true, true, 2)

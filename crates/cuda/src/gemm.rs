@@ -267,6 +267,11 @@ pub enum GemmTile {
     /// feed 256 tokens (a quarter of [`GemmTile::Tall`]'s dequantization instructions per MMA;
     /// about as many copy instructions) for long prompts ([`CudaContext::set_gemm_wide`]). The wgmma engines only.
     Wide,
+    /// 128 weight rows × 128 tokens, two blocks per SM: the wide tile's rows with half its
+    /// tokens, so that an SM holds two blocks (four warps per scheduler instead of two; twice
+    /// the dequantization per MMA). The wgmma engines only; measured against the wide tile
+    /// ([`CudaContext::set_gemm_mid`], session 52).
+    Mid,
 }
 
 impl GemmTile {
@@ -274,14 +279,14 @@ impl GemmTile {
     pub const fn rows(self) -> usize {
         match self {
             GemmTile::Big | GemmTile::Tall | GemmTile::Narrow => 256,
-            GemmTile::Small | GemmTile::Wide => 128,
+            GemmTile::Small | GemmTile::Wide | GemmTile::Mid => 128,
         }
     }
     /// Tokens (or routed entries) per block.
     pub const fn tokens(self) -> usize {
         match self {
             GemmTile::Wide => 256,
-            GemmTile::Big => 128,
+            GemmTile::Big | GemmTile::Mid => 128,
             GemmTile::Tall | GemmTile::Small => 64,
             GemmTile::Narrow => 32,
         }
@@ -292,12 +297,12 @@ impl GemmTile {
     pub const fn per_sm(self) -> usize {
         match self {
             GemmTile::Big | GemmTile::Wide => 1,
-            GemmTile::Tall | GemmTile::Small | GemmTile::Narrow => 2,
+            GemmTile::Tall | GemmTile::Small | GemmTile::Narrow | GemmTile::Mid => 2,
         }
     }
 
     /// Every tile.
-    pub const ALL: [GemmTile; 5] = [GemmTile::Big, GemmTile::Tall, GemmTile::Small, GemmTile::Narrow, GemmTile::Wide];
+    pub const ALL: [GemmTile; 6] = [GemmTile::Big, GemmTile::Tall, GemmTile::Small, GemmTile::Narrow, GemmTile::Wide, GemmTile::Mid];
 }
 
 /// One GEMM kernel variant.
@@ -469,6 +474,7 @@ fn entry_name(bits: Bits, v: GemmVariant) -> String {
             GemmTile::Small => "small",
             GemmTile::Narrow => "narrow",
             GemmTile::Wide => "wide",
+            GemmTile::Mid => "mid",
         },
         match v.engine {
             GemmEngine::Wgmma => "wg",
@@ -527,17 +533,17 @@ fn runnable(bits: Bits, v: GemmVariant) -> GemmVariant {
 /// so that the caller can hold other fields mutably).
 fn grouped_tiles(scans: [&CudaSlice<i32>; 4], tile: GemmTile) -> &CudaSlice<i32> {
     match tile {
-        GemmTile::Big => scans[0],
+        GemmTile::Big | GemmTile::Mid => scans[0],
         GemmTile::Tall | GemmTile::Small => scans[1],
         GemmTile::Narrow => scans[2],
         GemmTile::Wide => scans[3],
     }
 }
 
-/// Whether `gemm.cu` has an entry point for the variant: the wide tile runs on the wgmma
-/// engines only.
+/// Whether `gemm.cu` has an entry point for the variant: the wide and mid tiles run on the
+/// wgmma engines only.
 fn has_entry(v: GemmVariant) -> bool {
-    !(v.tile == GemmTile::Wide && v.engine == GemmEngine::MmaSync)
+    !(matches!(v.tile, GemmTile::Wide | GemmTile::Mid) && v.engine == GemmEngine::MmaSync)
 }
 
 /// Dynamic shared memory of a GEMM variant (`Cfg::SMEM` in `gemm.cu`).
@@ -759,6 +765,22 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn gemm_wide(&self) -> bool {
         self.gemm_wide.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Lets the automatic choice of a dense GEMM's tile take [`GemmTile::Mid`] (128 weight rows
+    /// × 128 tokens, two blocks per SM) where it would take the wide tile (`true`; `false`, the
+    /// default). The same bits unsplit, as [`Self::set_gemm_wide`]. For measurement (`calla
+    /// cuda-bench --prefill-compare`, case `dense_mid_ms`); a [`CudaContext::sibling`] copies
+    /// the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_mid(&self, on: bool) {
+        self.gemm_mid.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_mid`].
+    #[doc(hidden)]
+    pub fn gemm_mid(&self) -> bool {
+        self.gemm_mid.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Lets the automatic choice of a grouped expert GEMM's tile ([`MoeRouting::force`] `None`)
@@ -1169,7 +1191,8 @@ impl CudaContext {
     /// (tall ≈ 0.9, small ≈ 0.76 of big at the same work).
     fn choose_dense(&self, n: usize, t: usize, swiglu: bool) -> GemmVariant {
         if self.gemm_wide() && t >= GemmTile::Wide.tokens() {
-            return GemmVariant { engine: self.auto_engine(), tile: GemmTile::Wide };
+            let tile = if self.gemm_mid() { GemmTile::Mid } else { GemmTile::Wide };
+            return GemmVariant { engine: self.auto_engine(), tile };
         }
         let sms = self.sm_count() as usize;
         let cost = |tile: GemmTile, per_sm: usize, eff: f64| {

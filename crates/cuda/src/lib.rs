@@ -201,6 +201,12 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_wide_ln",
             "qgemm_q4_wide_lb",
             "qgemm_q8_wide_lb",
+            "qgemm_q4_mid_wg",
+            "qgemm_q8_mid_wg",
+            "qgemm_q4_mid_ln",
+            "qgemm_q8_mid_ln",
+            "qgemm_q4_mid_lb",
+            "qgemm_q8_mid_lb",
             "qgemm_x_to_bf16",
             "qmat_group_major",
             "qmat_pack_group_major",
@@ -623,6 +629,9 @@ pub struct CudaContext {
     pub(crate) gemm_ws: std::sync::atomic::AtomicBool,
     /// Whether long prompts' dense products may take the wide tile ([`CudaContext::set_gemm_wide`]).
     pub(crate) gemm_wide: std::sync::atomic::AtomicBool,
+    /// Whether long prompts' dense products take the mid tile instead of the wide one
+    /// ([`CudaContext::set_gemm_mid`]).
+    pub(crate) gemm_mid: std::sync::atomic::AtomicBool,
     /// Whether long prompts' grouped expert products may take the wide tile
     /// ([`CudaContext::set_gemm_wide_grouped`]).
     pub(crate) gemm_wide_grouped: std::sync::atomic::AtomicBool,
@@ -792,6 +801,7 @@ impl CudaContext {
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
+            gemm_mid: std::sync::atomic::AtomicBool::new(false),
             gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
             attn_causal_split: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_causal_split()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
@@ -864,6 +874,7 @@ impl CudaContext {
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: copy(&self.gemm_ws),
             gemm_wide: copy(&self.gemm_wide),
+            gemm_mid: copy(&self.gemm_mid),
             gemm_wide_grouped: copy(&self.gemm_wide_grouped),
             attn_causal_split: copy(&self.attn_causal_split),
             eager_pdl: copy(&self.eager_pdl),

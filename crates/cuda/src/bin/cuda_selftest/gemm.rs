@@ -126,6 +126,7 @@ fn vname(v: Option<GemmVariant>) -> String {
                 GemmTile::Small => "small",
                 GemmTile::Narrow => "narrow",
                 GemmTile::Wide => "wide",
+                GemmTile::Mid => "mid",
             }
         ),
     }
@@ -2085,17 +2086,21 @@ pub fn wide_section(s: &mut Suite) {
                 cx.set_gemm_bulk(bulk);
                 let big = run(&mut scratch, GemmVariant { engine, tile: GemmTile::Big });
                 let wide = run(&mut scratch, GemmVariant { engine, tile: GemmTile::Wide });
+                // the mid tile (128 rows x 128 tokens, two blocks per SM; session 52) likewise
+                let mid = run(&mut scratch, GemmVariant { engine, tile: GemmTile::Mid });
                 let len = t * out_cols;
-                let c = match guards_and_finite(&big, len).and(guards_and_finite(&wide, len)) {
-                    Err(e) => failed(e),
-                    Ok(()) => check_bits(&wide[GUARD..GUARD + len], &big[GUARD..GUARD + len], "outputs"),
-                };
                 let how = match (engine, bulk) {
                     (GemmEngine::Wgmma, _) => "plain loop",
                     (_, true) => "lean loop, bulk copies",
                     _ => "lean loop, per-thread copies",
                 };
-                s.record(SEC, &format!("q{bits} {label} [{n}x{k}] T={t} {how}: wide tile = big tile, bit for bit"), &c, "");
+                for (tname, got) in [("wide", &wide), ("mid", &mid)] {
+                    let c = match guards_and_finite(&big, len).and(guards_and_finite(got, len)) {
+                        Err(e) => failed(e),
+                        Ok(()) => check_bits(&got[GUARD..GUARD + len], &big[GUARD..GUARD + len], "outputs"),
+                    };
+                    s.record(SEC, &format!("q{bits} {label} [{n}x{k}] T={t} {how}: {tname} tile = big tile, bit for bit"), &c, "");
+                }
                 if engine == GemmEngine::WgmmaLean && wide_lean.is_none() {
                     wide_lean = Some(wide);
                 }
@@ -2206,8 +2211,10 @@ pub fn wide_section(s: &mut Suite) {
         for t in [1024usize, 2048, tmax] {
             cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
             let mut us = Vec::new();
-            for wide in [false, true] {
+            // without the wide tile, with it, and with the mid tile in its place
+            for (wide, mid) in [(false, false), (true, false), (true, true)] {
                 cx.set_gemm_wide(wide);
+                cx.set_gemm_mid(mid);
                 us.push(s.time_graph(reps, || {
                     for _ in 0..8 {
                         let mut yv = yd.slice_mut(..t * cols);
@@ -2217,16 +2224,20 @@ pub fn wide_section(s: &mut Suite) {
                 }) / 8.0);
             }
             cx.set_gemm_wide(false);
+            cx.set_gemm_mid(false);
             let fl = gemm_flops(t, n, kk);
             println!(
-                "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%; {:.0} / {:.0} TFLOP/s)",
+                "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%; {:.0} / {:.0} TFLOP/s); mid tile {:>7.1} us ({:+.1}% against wide, {:.0} TFLOP/s)",
                 us[0] * 1e6,
                 us[1] * 1e6,
                 100.0 * (us[1] / us[0] - 1.0),
                 fl / us[0] / 1e12,
-                fl / us[1] / 1e12
+                fl / us[1] / 1e12,
+                us[2] * 1e6,
+                100.0 * (us[2] / us[1] - 1.0),
+                fl / us[2] / 1e12
             );
-            s.json.push((SEC.into(), format!("{{\"wide_dense\":\"{name}\",\"t\":{t},\"us\":[{:.1},{:.1}]}}", us[0] * 1e6, us[1] * 1e6)));
+            s.json.push((SEC.into(), format!("{{\"wide_dense\":\"{name}\",\"t\":{t},\"us\":[{:.1},{:.1},{:.1}]}}", us[0] * 1e6, us[1] * 1e6, us[2] * 1e6)));
         }
     }
     cx.set_gemm_wide(cuda::gemm::default_gemm_wide());
