@@ -1225,7 +1225,8 @@ CALLA_QGEMM_ENTRY(qgemm_q4_wide_ln, 4, 1, 256, true, true, 1)
 CALLA_QGEMM_ENTRY(qgemm_q8_wide_ln, 8, 1, 256, true, true, 1)
 CALLA_QGEMM_ENTRY_B(qgemm_q4_wide_lb, 4, 1, 256, true, true, 1, true)
 CALLA_QGEMM_ENTRY_B(qgemm_q8_wide_lb, 8, 1, 256, true, true, 1, true)
-// mid (session 52, measured): 128 W rows x 128 tokens, two blocks per SM, wgmma engines only
+// mid (prepared in session 52, not yet run on a GPU): 128 W rows x 128 tokens, two blocks per SM,
+// wgmma engines only
 CALLA_QGEMM_ENTRY(qgemm_q4_mid_wg, 4, 1, 128, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q8_mid_wg, 8, 1, 128, true, false, 2)
 CALLA_QGEMM_ENTRY(qgemm_q4_mid_ln, 4, 1, 128, true, true, 2)

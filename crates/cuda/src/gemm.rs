@@ -269,8 +269,8 @@ pub enum GemmTile {
     Wide,
     /// 128 weight rows × 128 tokens, two blocks per SM: the wide tile's rows with half its
     /// tokens, so that an SM holds two blocks (four warps per scheduler instead of two; twice
-    /// the dequantization per MMA). The wgmma engines only; measured against the wide tile
-    /// ([`CudaContext::set_gemm_mid`], session 52).
+    /// the dequantization per MMA). The wgmma engines only; opt-in, for measurement against the
+    /// wide tile ([`CudaContext::set_gemm_mid`]; prepared in session 52, not yet run on a GPU).
     Mid,
 }
 

@@ -260,14 +260,7 @@ fn run_case(
                 gpu_call(cx, wd, scratch, &x, t, &mut convd, &mut sd2, &mut outd2, 0);
                 scratch.set_prep_lean(true);
                 let (o_ld, s_ld) = (cx.download_f32(&outd2).unwrap(), cx.download_f32(&sd2).unwrap());
-                let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-                let (dout, ds) = (differ(&o_rs, &o_ld), differ(&s_rs, &s_ld));
-                let c = Cmp {
-                    rel: (dout + ds) as f64 / (o_rs.len() + s_rs.len()) as f64,
-                    max_over_rms: 0.0,
-                    ok: dout == 0 && ds == 0,
-                    msg: format!("{dout} of {} out words and {ds} of {} S words differ", o_rs.len(), s_rs.len()),
-                };
+                let c = same_words(&o_rs, &s_rs, &o_ld, &s_ld);
                 s.record(SEC, &format!("T={t:<4} {label} tf32 prep rounding at store = at load, bit for bit"), &c, "");
                 tf32_mma = Some((o_rs, s_rs));
             }
@@ -281,25 +274,29 @@ fn run_case(
                     s.record(SEC, &format!("T={t:<4} {label} {} = tf32 (mma.sync), bit for bit", mname(m)), &c, "");
                     continue;
                 };
-                {
-                    let (o_wg, s_wg) = (cx.download_f32(&outd).unwrap(), cx.download_f32(&sd).unwrap());
-                    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-                    let (dout, ds) = (differ(&o_wg, o_mma), differ(&s_wg, s_mma));
-                    // rel: the fraction of differing words
-                    let c = Cmp {
-                        rel: (dout + ds) as f64 / (o_wg.len() + s_wg.len()) as f64,
-                        max_over_rms: 0.0,
-                        ok: dout == 0 && ds == 0,
-                        msg: format!("{dout} of {} out words and {ds} of {} S words differ", o_wg.len(), s_wg.len()),
-                    };
-                    s.record(SEC, &format!("T={t:<4} {label} {} = tf32 (mma.sync), bit for bit", mname(m)), &c, "");
-                }
+                let (o_wg, s_wg) = (cx.download_f32(&outd).unwrap(), cx.download_f32(&sd).unwrap());
+                let c = same_words(&o_wg, &s_wg, o_mma, s_mma);
+                s.record(SEC, &format!("T={t:<4} {label} {} = tf32 (mma.sync), bit for bit", mname(m)), &c, "");
             }
             _ => {}
         }
         if diagnose {
             diagnose_scratch(cx, scratch, w, &x, t, conv0, m);
         }
+    }
+}
+
+/// Whether two runs' outputs and states (`out_a`, `s_a` against `out_b`, `s_b`, guard words
+/// included) are the same words: ok only when none differs; `rel` is the fraction of differing
+/// words.
+fn same_words(out_a: &[f32], s_a: &[f32], out_b: &[f32], s_b: &[f32]) -> Cmp {
+    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    let (dout, ds) = (differ(out_a, out_b), differ(s_a, s_b));
+    Cmp {
+        rel: (dout + ds) as f64 / (out_a.len() + s_a.len()) as f64,
+        max_over_rms: 0.0,
+        ok: dout == 0 && ds == 0,
+        msg: format!("{dout} of {} out words and {ds} of {} S words differ", out_a.len(), s_a.len()),
     }
 }
 
