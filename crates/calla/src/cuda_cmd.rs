@@ -147,6 +147,12 @@ pub struct PrefillFlags {
     /// before session 41; `CudaContext::set_attn_causal_split`).
     #[arg(long)]
     attn_no_causal_split: bool,
+    /// The attention prefill's 128-row tile warp-specialized (`Wg128ws`: a producer warpgroup
+    /// and two consumer warpgroups taking turns on the tensor cores; the same bits) or as
+    /// before (`false`). Default: `cuda::attn_prefill::ATTN_WS_DEFAULT`;
+    /// `CudaContext::set_attn_ws`.
+    #[arg(long, value_name = "BOOL")]
+    attn_ws: Option<bool>,
     /// The GDN prefill's state kernel with every product on mma.sync (`GdnPrefillMath::Tf32`)
     /// instead of on warpgroup MMAs (wgmma, the default; the same bits).
     #[arg(long, conflicts_with = "gdn_prefill_wg")]
@@ -300,7 +306,7 @@ pub struct CudaBenchArgs {
     #[arg(long)]
     prefill_compare: bool,
     /// With `--prefill-compare`: only the cases whose JSON key (either one, e.g.
-    /// `attn_causal_split_ms` or `attn_no_causal_split_ms`) is in this comma-separated list.
+    /// `attn_wg128ws_ms` or `attn_wg128_ms`) is in this comma-separated list.
     #[arg(long, value_delimiter = ',', value_name = "KEYS")]
     prefill_compare_only: Vec<String>,
     /// With `--prefill-compare`: rounds of the interleaved runs (the first warms up and is not
@@ -882,6 +888,9 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::attn_prefill::set_default_attn_causal_split(!f.attn_no_causal_split);
     cx.set_attn_causal_split(!f.attn_no_causal_split);
+    let ws = f.attn_ws.unwrap_or(cuda::attn_prefill::ATTN_WS_DEFAULT);
+    cuda::attn_prefill::set_default_attn_ws(ws);
+    cx.set_attn_ws(ws);
     {
         use cuda::gdn_prefill::GdnPrefillMath as M;
         cuda::gdn_prefill::set_default_math(if f.gdn_prefill_mma {
@@ -919,6 +928,8 @@ struct PrefillKnobs {
     wide: bool,
     wide_grouped: bool,
     attn_split: bool,
+    /// The 128-row attention tile warp-specialized (`Wg128ws`).
+    attn_ws: bool,
     bulk_short: bool,
     /// The GDN state kernel's `W·S` and `Q̂·S` on wgmma (`Tf32Wg`, or `Tf32WgC` with `gdn_wgc`);
     /// off: every product on mma.sync (`Tf32`).
@@ -954,6 +965,7 @@ impl PrefillKnobs {
             wide: cx.gemm_wide(),
             wide_grouped: cx.gemm_wide_grouped(),
             attn_split: cx.attn_causal_split(),
+            attn_ws: cx.attn_ws(),
             bulk_short: cx.gemm_bulk_short(),
             gdn_wg: matches!(pf.gdn_math(), cuda::gdn_prefill::GdnPrefillMath::Tf32Wg | cuda::gdn_prefill::GdnPrefillMath::Tf32WgC),
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
@@ -993,6 +1005,7 @@ impl PrefillKnobs {
             c.set_gemm_wide(self.wide);
             c.set_gemm_wide_grouped(self.wide_grouped);
             c.set_attn_causal_split(self.attn_split);
+            c.set_attn_ws(self.attn_ws);
             c.set_gemm_bulk_short(self.bulk_short);
             c.set_gemm_mid(self.mid);
         });
@@ -1025,7 +1038,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 24] = [
+const PREFILL_CASES: [PrefillCase; 25] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1050,6 +1063,7 @@ const PREFILL_CASES: [PrefillCase; 24] = [
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
+    PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile, two barriers per key block", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (producer + two consumers taking turns)", on_key: "attn_wg128ws_ms" },
 ];
 
 /// The `--prefill-compare-only` keys that name no case of [`PREFILL_CASES`], as an error that
@@ -1658,6 +1672,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_ws"] = serde_json::json!(f.gemm_ws);
     out["gemm_wide"] = serde_json::json!(!f.gemm_no_wide);
     out["gemm_wide_grouped"] = serde_json::json!(f.gemm_wide_grouped);
+    out["attn_ws"] = serde_json::json!(cx.attn_ws());
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

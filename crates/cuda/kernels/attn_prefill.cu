@@ -520,6 +520,48 @@ __device__ __forceinline__ void ap_store_acts(unsigned* __restrict__ xb, float (
     }
 }
 
+// Sum over the 4 lanes of a quad (the threads that hold one accumulator row).
+__device__ __forceinline__ float ap_quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// The non-split epilogue of the wgmma tiles: O / l ⊙ sigmoid(gate) of the thread's rows (head
+// `head`, tokens t_a and t_b; l_a, l_b already summed over the quad) as f32 rows of `out`
+// [T, NQ·HD] or, ACTS, as the o_proj GEMM's bf16 activations (ap_store_acts).
+template <bool ACTS>
+__device__ __forceinline__ void ap_flash_store(float* __restrict__ out, float (&o)[AP_HD / 8][4],
+                                               const float* __restrict__ proj, int head, int t_a, int t_b,
+                                               int t_count, float l_a, float l_b, int cq) {
+    const float inv_a = 1.0f / l_a, inv_b = 1.0f / l_b;
+    if constexpr (ACTS) {
+        ap_store_acts(reinterpret_cast<unsigned*>(out), o, proj, head, t_a, t_b, t_count, inv_a, inv_b, cq);
+        return;
+    }
+    if (t_a < t_count) {
+        const float* gate = proj + (size_t)t_a * AP_PROJ + head * 2 * AP_HD + AP_HD;
+        float* dst = out + ((size_t)t_a * AP_NQ + head) * AP_HD;
+#pragma unroll
+        for (int i = 0; i < AP_HD / 8; ++i) {
+            const int d = i * 8 + 2 * cq;
+            const float2 gv = *reinterpret_cast<const float2*>(gate + d);
+            *reinterpret_cast<float2*>(dst + d) =
+                make_float2(o[i][0] * inv_a * calla_sigmoid(gv.x), o[i][1] * inv_a * calla_sigmoid(gv.y));
+        }
+    }
+    if (t_b < t_count) {
+        const float* gate = proj + (size_t)t_b * AP_PROJ + head * 2 * AP_HD + AP_HD;
+        float* dst = out + ((size_t)t_b * AP_NQ + head) * AP_HD;
+#pragma unroll
+        for (int i = 0; i < AP_HD / 8; ++i) {
+            const int d = i * 8 + 2 * cq;
+            const float2 gv = *reinterpret_cast<const float2*>(gate + d);
+            *reinterpret_cast<float2*>(dst + d) =
+                make_float2(o[i][2] * inv_b * calla_sigmoid(gv.x), o[i][3] * inv_b * calla_sigmoid(gv.y));
+        }
+    }
+}
+
 // NWG warpgroups of 64 Q rows each: BM = 64·NWG rows = 8·NWG tokens per block. Grid and
 // dynamic smem ((BM + 2·BN) · 512 + 1024 bytes) as ap_flash.
 //
@@ -689,10 +731,8 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
         }
     }
 
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    l_a = ap_quad_sum(l_a);
+    l_b = ap_quad_sum(l_b);
     const int head = m * AP_GROUP + g;
     if constexpr (SPLIT) {
         ap_cp_async_wait_all();  // an empty split still has its Q and first K block in flight
@@ -711,33 +751,7 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
         }
         return;
     }
-    const float inv_a = 1.0f / l_a, inv_b = 1.0f / l_b;
-    if constexpr (ACTS) {
-        ap_store_acts(reinterpret_cast<unsigned*>(out), o, proj, head, t_a, t_b, t_count, inv_a, inv_b, cq);
-        return;
-    }
-    if (t_a < t_count) {
-        const float* gate = proj + (size_t)t_a * AP_PROJ + head * 2 * AP_HD + AP_HD;
-        float* dst = out + ((size_t)t_a * AP_NQ + head) * AP_HD;
-#pragma unroll
-        for (int i = 0; i < AP_HD / 8; ++i) {
-            const int d = i * 8 + 2 * cq;
-            const float2 gv = *reinterpret_cast<const float2*>(gate + d);
-            *reinterpret_cast<float2*>(dst + d) =
-                make_float2(o[i][0] * inv_a * calla_sigmoid(gv.x), o[i][1] * inv_a * calla_sigmoid(gv.y));
-        }
-    }
-    if (t_b < t_count) {
-        const float* gate = proj + (size_t)t_b * AP_PROJ + head * 2 * AP_HD + AP_HD;
-        float* dst = out + ((size_t)t_b * AP_NQ + head) * AP_HD;
-#pragma unroll
-        for (int i = 0; i < AP_HD / 8; ++i) {
-            const int d = i * 8 + 2 * cq;
-            const float2 gv = *reinterpret_cast<const float2*>(gate + d);
-            *reinterpret_cast<float2*>(dst + d) =
-                make_float2(o[i][2] * inv_b * calla_sigmoid(gv.x), o[i][3] * inv_b * calla_sigmoid(gv.y));
-        }
-    }
+    ap_flash_store<ACTS>(out, o, proj, head, t_a, t_b, t_count, l_a, l_b, cq);
 }
 
 #define AP_FLASH_WG_ENTRY(NAME, NWG, MINB)                                                                 \
@@ -767,6 +781,274 @@ AP_FLASH_WG_ENTRY(attn_prefill_flash_wg128, 2, 1)
     }
 AP_FLASH_WG_ACTS_ENTRY(attn_prefill_flash_wg64_acts, 1, 2)
 AP_FLASH_WG_ACTS_ENTRY(attn_prefill_flash_wg128_acts, 2, 1)
+
+// ---- The warp-specialized 128-row tile (Wg128ws, session 53) ----
+//
+// FlashAttention-3's arrangement (Shah et al. 2024, "FlashAttention-3: Fast and Accurate
+// Attention with Asynchrony and Low-precision", §3.1-3.2) on the Wg128 tile's math:
+//  * a producer warpgroup (threads 256..383, 24 registers after setmaxnreg) copies Q once and
+//    K and V blocks into two stages each (cp.async; each copy thread's landing counts one
+//    arrival on the stage's `full` mbarrier through cp.async.mbarrier.arrive.noinc) and refills
+//    a stage once its `empty` mbarrier says both consumer warpgroups are done with it (one
+//    arrival per consumer warp);
+//  * two consumer warpgroups (threads 0..255, 240 registers) of 64 Q rows each, as in Wg128,
+//    take turns on the tensor cores (named barriers 1 and 2, "ping-pong"): in its turn a
+//    warpgroup issues block j's Q·Kᵀ and block j − 1's P·V, hands the turn over, and runs block
+//    j's softmax while the other warpgroup's products run; O is rescaled once block j − 1's P·V
+//    has retired.
+// The same products in the same order as Wg128 (O ← α_j·O + P_j·V_j per block), so the same
+// bits. No block barrier in the loop. 192 KiB of tiles + 1 KiB of alignment slack + the
+// mbarriers: one block per SM.
+#define AP_WS_STAGES 2
+#define AP_WS_KV_BYTES (AP_BN * AP_ROW_BYTES)
+
+__device__ __forceinline__ void ap_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void ap_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+// One arrival on m once every cp.async this thread issued before has landed (the pending
+// count is not raised: m's expected count includes this thread).
+__device__ __forceinline__ void ap_cp_async_arrive(unsigned long long* m) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ap_smem_addr(m)) : "memory");
+}
+
+template <bool ACTS>
+__device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsigned short* __restrict__ q,
+                                            const unsigned short* __restrict__ k_cache,
+                                            const unsigned short* __restrict__ v_cache,
+                                            const float* __restrict__ proj, int t_count, int pos0, float scale_log2) {
+    constexpr int BM = 128, TOK = BM / AP_GROUP;
+    const unsigned base = ap_smem_addr(ap_smem);
+    const unsigned sq = (base + 1023u) & ~1023u;  // host adds 1 KiB of slack
+    const unsigned sk = sq + BM * AP_ROW_BYTES;   // stage s at sk + s · AP_WS_KV_BYTES
+    const unsigned sv = sk + AP_WS_STAGES * AP_WS_KV_BYTES;
+    // k_full[2], v_full[2], k_empty[2], v_empty[2] after the V stages
+    unsigned long long* bars =
+        reinterpret_cast<unsigned long long*>(ap_smem + (sv + AP_WS_STAGES * AP_WS_KV_BYTES - base));
+    unsigned long long* k_full = bars;
+    unsigned long long* v_full = bars + 2;
+    unsigned long long* k_empty = bars + 4;
+    unsigned long long* v_empty = bars + 6;
+
+    calla_pdl_wait();
+    const int n_tiles = (t_count + TOK - 1) / TOK;
+    const int tile = n_tiles - 1 - (int)(blockIdx.x / AP_NKV);
+    const int m = (int)(blockIdx.x % AP_NKV);
+    if (tile < 0) return;
+    const int t0 = tile * TOK;
+    const int t_last = min(t0 + TOK, t_count) - 1;
+    const int n_keys = pos0 + t_last + 1;
+    const int n_blk = (n_keys + AP_BN - 1) / AP_BN;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < AP_WS_STAGES; ++s) {
+            calla_mbar_init(&k_full[s], 128);
+            calla_mbar_init(&v_full[s], 128);
+            calla_mbar_init(&k_empty[s], 8);
+            calla_mbar_init(&v_empty[s], 8);
+        }
+    }
+    __syncthreads();  // the mbarriers are initialised before anyone arrives or polls
+
+    if (warp >= 8) {
+        // ---- producer warpgroup ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        const int pt = tid - 256;
+        // thread pt copies chunk pt % 32 of rows pt / 32 + 4·ii (as ap_load_kv128 with 128
+        // threads), addresses stepped instead of rebuilt: the warpgroup has 24 registers
+        const int c = pt & 31, r0 = pt >> 5;
+        const unsigned x0 = (unsigned)((c & 7) ^ (r0 & 7)) << 4, x1 = (unsigned)((c & 7) ^ ((r0 + 4) & 7)) << 4;
+#pragma unroll 2
+        for (int ii = 0; ii < BM / 4; ++ii) {
+            const int r = r0 + 4 * ii;
+            const int tok = t0 + r / AP_GROUP;
+            const bool ok = tok < t_count;
+            const unsigned short* src =
+                q + ((size_t)(ok ? tok : 0) * AP_NQ + m * AP_GROUP + r % AP_GROUP) * AP_HD + c * 8;
+            ap_cp_async16(sq + (c >> 3) * BM * 128 + r * 128 + ((ii & 1) ? x1 : x0), src, ok ? 16 : 0);
+        }
+        // one 64-key block of K or V into the stage at `dst`
+        auto load_kv = [&](unsigned dst, const unsigned short* __restrict__ cache, int kb) {
+            const unsigned short* src = cache + ((size_t)(kb + r0) * AP_NKV + m) * AP_HD + c * 8;
+            dst += (c >> 3) * AP_BN * 128 + r0 * 128;
+#pragma unroll 2
+            for (int ii = 0; ii < AP_BN / 4; ++ii) {
+                const bool ok = kb + r0 + 4 * ii < n_keys;
+                ap_cp_async16(dst + ii * 4 * 128 + ((ii & 1) ? x1 : x0), ok ? src + (size_t)ii * 4 * AP_NKV * AP_HD : cache,
+                              ok ? 16 : 0);
+            }
+        };
+        for (int j = 0; j < n_blk; ++j) {
+            const int s = j & 1;
+            const unsigned prev = (unsigned)((j >> 1) + 1) & 1u;  // parity of the stage's last use, block j − 2
+            if (j >= AP_WS_STAGES) calla_mbar_wait_parity(&k_empty[s], prev);
+            load_kv(sk + s * AP_WS_KV_BYTES, k_cache, j * AP_BN);
+            ap_cp_async_arrive(&k_full[s]);  // Q too, with block 0
+            if (j >= AP_WS_STAGES) calla_mbar_wait_parity(&v_empty[s], prev);
+            load_kv(sv + s * AP_WS_KV_BYTES, v_cache, j * AP_BN);
+            ap_cp_async_arrive(&v_full[s]);
+        }
+        ap_cp_async_wait_all();
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int wg = warp >> 2;
+    const int g = lane >> 2, cq = lane & 3;
+    const int t_a = t0 + 2 * warp, t_b = t_a + 1;
+    const int lim_a = pos0 + min(t_a, t_count - 1), lim_b = pos0 + min(t_b, t_count - 1);
+    // Both warpgroups walk every key block of the tile, with no branch around a product (ptxas
+    // serializes wgmma issued in divergent paths, C7518/C7520): where warpgroup 0's rows end a
+    // block before the tile's last one (one tile in eight), its last block is masked whole,
+    // which leaves its max, sum and O as they are (p = 0 everywhere).
+    const unsigned q_wg = sq + wg * 64 * 128;
+
+    float o[AP_HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < AP_HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m_a = AP_NEG_INF, m_b = AP_NEG_INF, l_a = 0.f, l_b = 0.f;
+    unsigned p[AP_BN / 16][4];  // block j − 1's probabilities, the A fragments of its P·V
+    float sc[AP_BN / 8][4];
+
+    // S = Q·K_j of stage j % 2 (issued, one commit group)
+    auto issue_qk = [&](int j) {
+#pragma unroll
+        for (int i = 0; i < AP_BN / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+        calla_mbar_wait_parity(&k_full[j & 1], (unsigned)(j >> 1) & 1u);
+        calla_fence_proxy_async();
+        calla_wgmma_fence();
+        ap_wg_qk<true>(sc, q_wg, BM, sk + (j & 1) * AP_WS_KV_BYTES);
+        calla_wgmma_commit();
+    };
+    // O += P_j·V_j of stage j % 2 (issued, one commit group)
+    auto issue_pv = [&](int j) {
+        calla_mbar_wait_parity(&v_full[j & 1], (unsigned)(j >> 1) & 1u);
+        calla_fence_proxy_async();
+        calla_wgmma_fence();
+        ap_wg_pv(o, p, sv + (j & 1) * AP_WS_KV_BYTES);
+        calla_wgmma_commit();
+    };
+    // block j's online softmax on sc (retired): the causal mask, the new maxima (log2 units),
+    // sc ← 2^(s·scale − max), the sums updated; returns the factors α of the old O rows
+    auto softmax = [&](int j, float& al_a, float& al_b) {
+        const int kb = j * AP_BN;
+        if (kb + AP_BN - 1 > lim_a) {
+#pragma unroll
+            for (int nt = 0; nt < AP_BN / 8; ++nt) {
+                const int key = kb + nt * 8 + 2 * cq;
+                if (key > lim_a) sc[nt][0] = AP_NEG_INF;
+                if (key + 1 > lim_a) sc[nt][1] = AP_NEG_INF;
+                if (key > lim_b) sc[nt][2] = AP_NEG_INF;
+                if (key + 1 > lim_b) sc[nt][3] = AP_NEG_INF;
+            }
+        }
+        float mx_a = AP_NEG_INF, mx_b = AP_NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < AP_BN / 8; ++nt) {
+            mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
+            mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        // as Wg128: block 0 makes every row's max finite
+        const float mn_a = fmaxf(m_a, mx_a * scale_log2), mn_b = fmaxf(m_b, mx_b * scale_log2);
+        al_a = ap_exp2(m_a - mn_a);
+        al_b = ap_exp2(m_b - mn_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        float rs_a = 0.f, rs_b = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < AP_BN / 8; ++nt) {
+            sc[nt][0] = ap_exp2(fmaf(sc[nt][0], scale_log2, -mn_a));
+            sc[nt][1] = ap_exp2(fmaf(sc[nt][1], scale_log2, -mn_a));
+            sc[nt][2] = ap_exp2(fmaf(sc[nt][2], scale_log2, -mn_b));
+            sc[nt][3] = ap_exp2(fmaf(sc[nt][3], scale_log2, -mn_b));
+            rs_a += sc[nt][0] + sc[nt][1];
+            rs_b += sc[nt][2] + sc[nt][3];
+        }
+        l_a = l_a * al_a + rs_a;
+        l_b = l_b * al_b + rs_b;
+    };
+    auto to_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < AP_BN / 16; ++kk) {
+            p[kk][0] = ap_cvt_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+            p[kk][1] = ap_cvt_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+            p[kk][2] = ap_cvt_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            p[kk][3] = ap_cvt_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+    };
+
+    // Turns: warpgroup w waits on named barrier 1 + w (its own 128 threads plus the other
+    // warpgroup's 128 arrivals) and hands over by arriving on the other one; warpgroup 0 goes
+    // first. Every consumer warp arrives once per block on each `empty` mbarrier (count 8).
+    if (wg == 1) ap_bar_arrive(1);
+    {
+        ap_bar_sync(1 + wg);
+        issue_qk(0);
+        ap_bar_arrive(1 + (wg ^ 1));
+        calla_wgmma_wait<0>();
+        ap_fence_acc(sc);
+        if (lane == 0) calla_mbar_arrive(&k_empty[0]);
+        float al_a, al_b;
+        softmax(0, al_a, al_b);  // O is zero: nothing to rescale
+        to_p();
+    }
+    for (int j = 1; j < n_blk; ++j) {
+        ap_bar_sync(1 + wg);
+        issue_qk(j);
+        issue_pv(j - 1);
+        ap_bar_arrive(1 + (wg ^ 1));
+        calla_wgmma_wait<1>();  // Q·Kᵀ (the older group) has retired, P·V may still run
+        ap_fence_acc(sc);
+        if (lane == 0) calla_mbar_arrive(&k_empty[j & 1]);
+        float al_a, al_b;
+        softmax(j, al_a, al_b);
+        calla_wgmma_wait<0>();  // block j − 1's P·V has retired: O and p are free
+        ap_fence_acc(o);
+        if (lane == 0) calla_mbar_arrive(&v_empty[(j - 1) & 1]);
+        // rescale O only when some row's max moved (rare after the first blocks)
+        if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < AP_HD / 8; ++i) {
+                o[i][0] *= al_a;
+                o[i][1] *= al_a;
+                o[i][2] *= al_b;
+                o[i][3] *= al_b;
+            }
+        }
+        to_p();
+    }
+    // the last block's P·V, in one more turn
+    ap_bar_sync(1 + wg);
+    issue_pv(n_blk - 1);
+    ap_bar_arrive(1 + (wg ^ 1));
+    calla_wgmma_wait<0>();
+    ap_fence_acc(o);
+    if (wg == 0) ap_bar_sync(1);  // warpgroup 1's last hand-over (leaves barrier 1 balanced)
+
+    l_a = ap_quad_sum(l_a);
+    l_b = ap_quad_sum(l_b);
+    ap_flash_store<ACTS>(out, o, proj, m * AP_GROUP + g, t_a, t_b, t_count, l_a, l_b, cq);
+}
+
+// 128-row Q tile, a producer and two consumer warpgroups (384 threads; 240 + 24 registers by
+// setmaxnreg, so 168 at launch), 193 KiB smem: one block per SM.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    attn_prefill_flash_wg128ws(float* __restrict__ out, const unsigned short* __restrict__ q,
+                               const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache,
+                               const float* __restrict__ proj, int t_count, int pos0, float scale_log2) {
+    ap_flash_ws<false>(out, q, k_cache, v_cache, proj, t_count, pos0, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    attn_prefill_flash_wg128ws_acts(unsigned* __restrict__ xb, const unsigned short* __restrict__ q,
+                                    const unsigned short* __restrict__ k_cache,
+                                    const unsigned short* __restrict__ v_cache, const float* __restrict__ proj,
+                                    int t_count, int pos0, float scale_log2) {
+    ap_flash_ws<true>(reinterpret_cast<float*>(xb), q, k_cache, v_cache, proj, t_count, pos0, scale_log2);
+}
 
 // Split-KV form of attn_prefill_flash_wg64: partials to part_o / part_ml (see ap_flash_wg), no
 // output; grid n_tiles · NKV · n_split.

@@ -53,22 +53,39 @@ pub enum AttnTile {
     /// 128 rows (16 tokens), two warpgroups issuing wgmma, 129 KiB shared memory, one block
     /// per SM.
     Wg128,
+    /// [`AttnTile::Wg128`] warp-specialized as FlashAttention-3 (Shah et al. 2024, §3.1-3.2)
+    /// arranges it: a producer warpgroup copies K and V into two stages each (mbarriers, no
+    /// block barrier in the loop) and the two consumer warpgroups take turns on the tensor
+    /// cores, one's softmax beside the other's products (384 threads, 240 registers per
+    /// consumer thread by `setmaxnreg`, 193 KiB shared memory). The same products in the same
+    /// order, so the same bits ([`CudaContext::set_attn_ws`] picks it where the plan says
+    /// `Wg128`).
+    Wg128ws,
 }
 
 impl AttnTile {
     /// Every tile, for tests and benchmarks.
-    pub const ALL: [AttnTile; 4] = [
+    pub const ALL: [AttnTile; 5] = [
         AttnTile::Q64,
         AttnTile::Q128,
         AttnTile::Wg64,
         AttnTile::Wg128,
+        AttnTile::Wg128ws,
     ];
 
+    /// Warps that hold Q rows (16 rows each).
     fn warps(self) -> usize {
         match self {
             AttnTile::Q64 | AttnTile::Wg64 => 4,
-            AttnTile::Q128 | AttnTile::Wg128 => 8,
+            AttnTile::Q128 | AttnTile::Wg128 | AttnTile::Wg128ws => 8,
         }
+    }
+
+    /// Threads per block: the Q rows' warps, plus the producer warpgroup of
+    /// [`AttnTile::Wg128ws`].
+    fn threads(self) -> usize {
+        let producer = if self == AttnTile::Wg128ws { 128 } else { 0 };
+        self.warps() * 32 + producer
     }
 
     /// Tokens per Q tile.
@@ -82,6 +99,7 @@ impl AttnTile {
             AttnTile::Q128 => "attn_prefill_flash_q128",
             AttnTile::Wg64 => "attn_prefill_flash_wg64",
             AttnTile::Wg128 => "attn_prefill_flash_wg128",
+            AttnTile::Wg128ws => "attn_prefill_flash_wg128ws",
         }
     }
 
@@ -91,18 +109,22 @@ impl AttnTile {
         match self {
             AttnTile::Wg64 => Some("attn_prefill_flash_wg64_acts"),
             AttnTile::Wg128 => Some("attn_prefill_flash_wg128_acts"),
+            AttnTile::Wg128ws => Some("attn_prefill_flash_wg128ws_acts"),
             AttnTile::Q64 | AttnTile::Q128 => None,
         }
     }
 
-    /// Dynamic shared memory: the Q tile and one K and one V tile of [`BN`] keys, bf16 (plus
-    /// 1 KiB for the wgmma kernel to align its tiles to the 128-byte swizzle's 1 KiB atoms).
+    /// Dynamic shared memory: the Q tile and one K and one V tile of [`BN`] keys (two of
+    /// each and the stages' eight mbarriers for [`AttnTile::Wg128ws`]), bf16, plus 1 KiB for
+    /// the wgmma kernels to align their tiles to the 128-byte swizzle's 1 KiB atoms.
     fn smem_bytes(self) -> usize {
         let slack = match self {
             AttnTile::Wg64 | AttnTile::Wg128 => 1024,
+            AttnTile::Wg128ws => 1024 + 8 * 8,
             AttnTile::Q64 | AttnTile::Q128 => 0,
         };
-        (self.warps() * 16 + 2 * BN) * p::HEAD_DIM * 2 + slack
+        let kv_tiles = if self == AttnTile::Wg128ws { 4 } else { 2 };
+        (self.warps() * 16 + kv_tiles * BN) * p::HEAD_DIM * 2 + slack
     }
 }
 
@@ -147,6 +169,23 @@ static DEFAULT_ATTN_CAUSAL_SPLIT: std::sync::atomic::AtomicBool = std::sync::ato
 /// cuda-check --attn-no-causal-split` turns it off).
 pub fn set_default_attn_causal_split(on: bool) {
     DEFAULT_ATTN_CAUSAL_SPLIT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_attn_ws`] on (the
+/// process default, [`set_default_attn_ws`]; [`ATTN_WS_DEFAULT`] unless set).
+pub fn default_attn_ws() -> bool {
+    DEFAULT_ATTN_WS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The built-in default of [`default_attn_ws`].
+pub const ATTN_WS_DEFAULT: bool = false;
+
+static DEFAULT_ATTN_WS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(ATTN_WS_DEFAULT);
+
+/// Sets [`default_attn_ws`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --attn-ws BOOL`).
+pub fn set_default_attn_ws(on: bool) {
+    DEFAULT_ATTN_WS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The key blocks the [`AttnTile::Wg64`] tiles of `t` tokens at `pos0` walk: the heaviest
@@ -260,6 +299,20 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn attn_causal_split(&self) -> bool {
         self.attn_causal_split.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs the plan's [`AttnTile::Wg128`] as [`AttnTile::Wg128ws`] (`true`) or as planned
+    /// (`false`, the measured twin): the same bits either way. A [`CudaContext::sibling`]
+    /// copies the setting; new contexts start with [`default_attn_ws`].
+    #[doc(hidden)]
+    pub fn set_attn_ws(&self, on: bool) {
+        self.attn_ws.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_attn_ws`].
+    #[doc(hidden)]
+    pub fn attn_ws(&self) -> bool {
+        self.attn_ws.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Scratch for [`Self::attn_prefill`] calls of up to `max_t` tokens (`max_t · 8 KiB` plus
@@ -387,7 +440,11 @@ impl CudaContext {
         if plan.n_split > 1 {
             self.flash_split(plan.n_split, proj, t, pos0, &kc, &vc, scratch, out)
         } else {
-            self.flash(plan.tile, proj, t, pos0, &kc, &vc, scratch, out)
+            let tile = match plan.tile {
+                AttnTile::Wg128 if self.attn_ws() => AttnTile::Wg128ws,
+                tile => tile,
+            };
+            self.flash(tile, proj, t, pos0, &kc, &vc, scratch, out)
         }
     }
 
@@ -544,7 +601,7 @@ impl CudaContext {
         let n_tiles = t.div_ceil(tile.tokens());
         let cfg = LaunchConfig {
             grid_dim: ((n_tiles * p::N_KV_HEADS) as u32, 1, 1),
-            block_dim: ((tile.warps() * 32) as u32, 1, 1),
+            block_dim: (tile.threads() as u32, 1, 1),
             shared_mem_bytes: tile.smem_bytes() as u32,
         };
         let (t_i, pos0_i) = (t as i32, pos0 as i32);
@@ -655,7 +712,7 @@ impl CudaContext {
         let n_tiles = t.div_ceil(tile.tokens());
         let cfg = LaunchConfig {
             grid_dim: ((n_tiles * p::N_KV_HEADS * n_split) as u32, 1, 1),
-            block_dim: ((tile.warps() * 32) as u32, 1, 1),
+            block_dim: (tile.threads() as u32, 1, 1),
             shared_mem_bytes: tile.smem_bytes() as u32,
         };
         let (t_i, pos0_i, n_split_i) = (t as i32, pos0 as i32, n_split as i32);

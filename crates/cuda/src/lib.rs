@@ -261,6 +261,8 @@ pub const KERNELS: &[KernelSource] = &[
             "attn_prefill_flash_wg128",
             "attn_prefill_flash_wg64_acts",
             "attn_prefill_flash_wg128_acts",
+            "attn_prefill_flash_wg128ws",
+            "attn_prefill_flash_wg128ws_acts",
             "attn_prefill_flash_wg64_split",
             "attn_prefill_combine",
             "attn_prefill_combine_acts",
@@ -638,6 +640,9 @@ pub struct CudaContext {
     /// Whether the attention prefill may split causal prompts' key ranges in two
     /// ([`CudaContext::set_attn_causal_split`]).
     pub(crate) attn_causal_split: std::sync::atomic::AtomicBool,
+    /// The plan's 128-row attention tile as its pipelined form
+    /// ([`CudaContext::set_attn_ws`]).
+    pub(crate) attn_ws: std::sync::atomic::AtomicBool,
     /// Launches made through [`CudaContext::kernel`] carry the programmatic-stream-serialization
     /// attribute ([`CudaContext::set_eager_pdl`]; off unless set).
     eager_pdl: std::sync::atomic::AtomicBool,
@@ -804,6 +809,7 @@ impl CudaContext {
             gemm_mid: std::sync::atomic::AtomicBool::new(false),
             gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
             attn_causal_split: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_causal_split()),
+            attn_ws: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_ws()),
             eager_pdl: std::sync::atomic::AtomicBool::new(false),
             moe_route_fused: std::sync::atomic::AtomicBool::new(gemm::MOE_ROUTE_FUSED),
             moe_place_in_scan: std::sync::atomic::AtomicBool::new(true),
@@ -877,6 +883,7 @@ impl CudaContext {
             gemm_mid: copy(&self.gemm_mid),
             gemm_wide_grouped: copy(&self.gemm_wide_grouped),
             attn_causal_split: copy(&self.attn_causal_split),
+            attn_ws: copy(&self.attn_ws),
             eager_pdl: copy(&self.eager_pdl),
             moe_route_fused: copy(&self.moe_route_fused),
             moe_place_in_scan: copy(&self.moe_place_in_scan),

@@ -46,7 +46,7 @@ use model::reference as r;
 use rayon::prelude::*;
 use spec::production as p;
 
-use crate::common::{check_guarded, guarded, rand_f32s, Cmp, Suite, Tol, GUARD};
+use crate::common::{check_bits, check_guarded, guarded, rand_f32s, Cmp, Suite, Tol, GUARD};
 
 const SEC: &str = "attnpre";
 const TOL: Tol = Tol {
@@ -380,6 +380,8 @@ pub fn run(s: &mut Suite) {
         "attn_prefill_flash_wg128",
         "attn_prefill_flash_wg64_acts",
         "attn_prefill_flash_wg128_acts",
+        "attn_prefill_flash_wg128ws",
+        "attn_prefill_flash_wg128ws_acts",
     ] {
         let f = cx.func(name).expect("func");
         println!(
@@ -431,6 +433,9 @@ pub fn run(s: &mut Suite) {
         let prep = cpu_prep(&w, &proj_h, t, pos0);
         let mut reference: Option<Vec<f64>> = None;
         let (mut kc_auto, mut vc_auto) = (Vec::new(), Vec::new());
+        // Wg128's output, which Wg128ws (the same products in the same order) must equal bit
+        // for bit
+        let mut out_wg128: Option<Vec<f32>> = None;
         let plan = attn_prefill_plan(t, pos0, cx.sm_count() as usize);
         let mut variants = vec![Variant::Auto];
         variants.extend(AttnTile::ALL.iter().map(|&t| Variant::Tile(t)));
@@ -523,6 +528,19 @@ pub fn run(s: &mut Suite) {
                 &c,
                 &format!("\"t\":{t},\"pos0\":{pos0},\"variant\":\"{vname}\""),
             );
+            match variant {
+                Variant::Tile(AttnTile::Wg128) => out_wg128 = Some(out.clone()),
+                Variant::Tile(AttnTile::Wg128ws) => {
+                    // (the guards were checked above)
+                    let body = GUARD..GUARD + t * ATTN_PREFILL_OUT;
+                    let c = match &out_wg128 {
+                        Some(want) => check_bits(&out[body.clone()], &want[body], "out words"),
+                        None => Cmp { rel: f64::NAN, max_over_rms: f64::NAN, ok: false, msg: "Wg128 did not run before Wg128ws; ".into() },
+                    };
+                    s.record(SEC, &format!("{label} out = Wg128's, bit for bit"), &c, "");
+                }
+                _ => {}
+            }
             // the o_proj GEMM's bf16 activations from the same kernels' epilogues: equal bit
             // for bit to this variant's f32 rows rounded (what convert_acts would make), on
             // the same starting caches; the mma.sync tiles refuse. The scratch first holds
