@@ -153,6 +153,11 @@ pub struct PrefillFlags {
     /// `CudaContext::set_attn_ws`.
     #[arg(long, value_name = "BOOL")]
     attn_ws: Option<bool>,
+    /// Which warp-specialized tile `--attn-ws true` (and the `--prefill-compare` case
+    /// `attn_wg128ws_ms`) runs: `ws` (cp.async from the producer warpgroup), `tma` (bulk tensor
+    /// copies) or `mc` (bulk tensor copies multicast over clusters of two blocks).
+    #[arg(long, value_name = "FORM", default_value = "ws", value_parser = ["ws", "tma", "mc"])]
+    attn_ws_form: String,
     /// The GDN prefill's state kernel with every product on mma.sync (`GdnPrefillMath::Tf32`)
     /// instead of on warpgroup MMAs (wgmma, the default; the same bits).
     #[arg(long, conflicts_with = "gdn_prefill_wg")]
@@ -888,6 +893,15 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::attn_prefill::set_default_attn_causal_split(!f.attn_no_causal_split);
     cx.set_attn_causal_split(!f.attn_no_causal_split);
+    {
+        use cuda::attn_prefill::AttnTile as T;
+        let form = match f.attn_ws_form.as_str() {
+            "tma" => T::Wg128tma,
+            "mc" => T::Wg128mc,
+            _ => T::Wg128ws,
+        };
+        cuda::attn_prefill::set_attn_ws_form(form).expect("a warp-specialized tile");
+    }
     let ws = f.attn_ws.unwrap_or(cuda::attn_prefill::ATTN_WS_DEFAULT);
     cuda::attn_prefill::set_default_attn_ws(ws);
     cx.set_attn_ws(ws);
@@ -1673,6 +1687,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_wide"] = serde_json::json!(!f.gemm_no_wide);
     out["gemm_wide_grouped"] = serde_json::json!(f.gemm_wide_grouped);
     out["attn_ws"] = serde_json::json!(cx.attn_ws());
+    out["attn_ws_form"] = serde_json::json!(format!("{:?}", cuda::attn_prefill::attn_ws_form()));
     out["prefill_eager_pdl"] = serde_json::json!(!f.prefill_no_pdl);
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);

@@ -810,12 +810,74 @@ __device__ __forceinline__ void ap_cp_async_arrive(unsigned long long* m) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ap_smem_addr(m)) : "memory");
 }
 
-template <bool ACTS>
-__device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsigned short* __restrict__ q,
-                                            const unsigned short* __restrict__ k_cache,
-                                            const unsigned short* __restrict__ v_cache,
+// A tensor map (CUtensorMap, 128 bytes, opaque) passed by value as a __grid_constant__
+// kernel parameter; the bulk tensor copies take its generic address.
+struct __align__(64) ApTmap {
+    unsigned long long w[16];
+};
+
+// Bulk tensor copy (TMA) of one 3-D box at coordinates (c0, c1, c2) of `map` into this block's
+// shared memory at `dst`, completing its bytes on mbarrier `bar` (shared addresses).
+__device__ __forceinline__ void ap_tma_3d(unsigned dst, const ApTmap& map, unsigned bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+// The same box into the same offset of every block of the cluster in `mask`, completing its
+// bytes on the mbarrier at offset `bar` of each.
+__device__ __forceinline__ void ap_tma_3d_mc(unsigned dst, const ApTmap& map, unsigned bar, int c0, int c1, int c2,
+                                             unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, %4, "
+        "%5}], [%2], %6;\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
+        : "memory");
+}
+// One arrival (release, cluster scope) on the mbarrier at this block's offset of `m` in block
+// `rank` of the cluster.
+__device__ __forceinline__ void ap_mbar_arrive_remote(unsigned long long* m, unsigned rank) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(calla_mapa_u32(ap_smem_addr(m), rank))
+                 : "memory");
+}
+// Waits for the phase of parity `parity` of m, acquiring at cluster scope (arrivals from the
+// other block of the cluster).
+__device__ __forceinline__ void ap_mbar_wait_cluster(unsigned long long* m, unsigned parity) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(ap_smem_addr(m)), "r"(parity)
+                     : "memory");
+    }
+}
+
+// What the producer reads: the Q scratch and the caches (LOAD 0), or their tensor maps (LOAD
+// 1, 2): Q [T, NQ, HD] as boxes of 64 dims × 8 heads × 16 tokens, K and V [pos0 + T, NKV, HD]
+// (rows past pos0 + T read as zeros) as boxes of 64 dims × 1 head × 64 keys, 128-byte swizzle
+// (the tiles' layout: ap_swz128).
+struct ApWsSrc {
+    const unsigned short* q;
+    const unsigned short* k_cache;
+    const unsigned short* v_cache;
+    const ApTmap* qmap;
+    const ApTmap* kmap;
+    const ApTmap* vmap;
+};
+
+// LOAD: 0 = cp.async from every producer thread (each landing one arrival, count 128), 1 = bulk
+// tensor copies (TMA) from one producer thread (count 1 + the bytes), 2 = TMA multicast over a
+// cluster of two blocks: the blocks hold adjacent tiles of the same KV head (the heavier in rank
+// 0; with an odd tile count the last cluster's rank 1 repeats rank 0's tile, writing the same
+// values), each copies half of every K and V block's 64-dim column boxes into both, and a stage
+// is refilled once the consumer warps of both blocks have released it (16 arrivals, the other
+// block's remotely). Both blocks walk the heavier tile's key blocks; the lighter tile's extra
+// block is masked whole for its rows.
+template <bool ACTS, int LOAD>
+__device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsSrc src,
                                             const float* __restrict__ proj, int t_count, int pos0, float scale_log2) {
     constexpr int BM = 128, TOK = BM / AP_GROUP;
+    constexpr bool TMA = LOAD >= 1, MC = LOAD == 2;
     const unsigned base = ap_smem_addr(ap_smem);
     const unsigned sq = (base + 1023u) & ~1023u;  // host adds 1 KiB of slack
     const unsigned sk = sq + BM * AP_ROW_BYTES;   // stage s at sk + s · AP_WS_KV_BYTES
@@ -830,65 +892,127 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
 
     calla_pdl_wait();
     const int n_tiles = (t_count + TOK - 1) / TOK;
-    const int tile = n_tiles - 1 - (int)(blockIdx.x / AP_NKV);
-    const int m = (int)(blockIdx.x % AP_NKV);
-    if (tile < 0) return;
+    int tile, m, n_blk_tile = 0;
+    unsigned rank = 0;
+    if constexpr (MC) {
+        rank = calla_cluster_ctarank();
+        const int pair = (int)(blockIdx.x >> 1);
+        m = pair % AP_NKV;
+        const int heavy = n_tiles - 1 - 2 * (pair / AP_NKV);
+        tile = max(heavy - (int)rank, 0);
+        // the cluster walks the heavier tile's blocks
+        n_blk_tile = (pos0 + min(heavy * TOK + TOK, t_count) + AP_BN - 1) / AP_BN;
+    } else {
+        tile = n_tiles - 1 - (int)(blockIdx.x / AP_NKV);
+        m = (int)(blockIdx.x % AP_NKV);
+        if (tile < 0) return;
+    }
     const int t0 = tile * TOK;
     const int t_last = min(t0 + TOK, t_count) - 1;
     const int n_keys = pos0 + t_last + 1;
-    const int n_blk = (n_keys + AP_BN - 1) / AP_BN;
+    const int n_blk = MC ? n_blk_tile : (n_keys + AP_BN - 1) / AP_BN;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
+        constexpr unsigned FULL = TMA ? 1 : 128, EMPTY = MC ? 16 : 8;
 #pragma unroll
         for (int s = 0; s < AP_WS_STAGES; ++s) {
-            calla_mbar_init(&k_full[s], 128);
-            calla_mbar_init(&v_full[s], 128);
-            calla_mbar_init(&k_empty[s], 8);
-            calla_mbar_init(&v_empty[s], 8);
+            calla_mbar_init(&k_full[s], FULL);
+            calla_mbar_init(&v_full[s], FULL);
+            calla_mbar_init(&k_empty[s], EMPTY);
+            calla_mbar_init(&v_empty[s], EMPTY);
         }
+        if constexpr (MC) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();  // the mbarriers are initialised before anyone arrives or polls
+    // the mbarriers are initialised before anyone arrives or polls (in both blocks)
+    if constexpr (MC)
+        calla_cluster_sync();
+    else
+        __syncthreads();
 
     if (warp >= 8) {
         // ---- producer warpgroup ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-        const int pt = tid - 256;
-        // thread pt copies chunk pt % 32 of rows pt / 32 + 4·ii (as ap_load_kv128 with 128
-        // threads), addresses stepped instead of rebuilt: the warpgroup has 24 registers
-        const int c = pt & 31, r0 = pt >> 5;
-        const unsigned x0 = (unsigned)((c & 7) ^ (r0 & 7)) << 4, x1 = (unsigned)((c & 7) ^ ((r0 + 4) & 7)) << 4;
-#pragma unroll 2
-        for (int ii = 0; ii < BM / 4; ++ii) {
-            const int r = r0 + 4 * ii;
-            const int tok = t0 + r / AP_GROUP;
-            const bool ok = tok < t_count;
-            const unsigned short* src =
-                q + ((size_t)(ok ? tok : 0) * AP_NQ + m * AP_GROUP + r % AP_GROUP) * AP_HD + c * 8;
-            ap_cp_async16(sq + (c >> 3) * BM * 128 + r * 128 + ((ii & 1) ? x1 : x0), src, ok ? 16 : 0);
-        }
-        // one 64-key block of K or V into the stage at `dst`
-        auto load_kv = [&](unsigned dst, const unsigned short* __restrict__ cache, int kb) {
-            const unsigned short* src = cache + ((size_t)(kb + r0) * AP_NKV + m) * AP_HD + c * 8;
-            dst += (c >> 3) * AP_BN * 128 + r0 * 128;
-#pragma unroll 2
-            for (int ii = 0; ii < AP_BN / 4; ++ii) {
-                const bool ok = kb + r0 + 4 * ii < n_keys;
-                ap_cp_async16(dst + ii * 4 * 128 + ((ii & 1) ? x1 : x0), ok ? src + (size_t)ii * 4 * AP_NKV * AP_HD : cache,
-                              ok ? 16 : 0);
+        if constexpr (TMA) {
+            if (warp == 8 && lane == 0) {
+                constexpr unsigned Q_BYTES = BM * AP_ROW_BYTES;
+                // this block's column boxes of each K and V block: all 4, or 2 of them (MC)
+                constexpr int NC = MC ? 2 : 4;
+                const int c0 = MC ? 2 * (int)rank : 0;
+                for (int j = 0; j < n_blk; ++j) {
+                    const int s = j & 1;
+                    const unsigned prev = (unsigned)((j >> 1) + 1) & 1u;  // the stage's last use, block j − 2
+                    if (j >= AP_WS_STAGES) ap_mbar_wait_cluster(&k_empty[s], prev);
+                    calla_mbar_arrive_expect_tx(&k_full[s], AP_WS_KV_BYTES + (j == 0 ? Q_BYTES : 0));
+                    if (j == 0) {
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+                            ap_tma_3d(sq + c * BM * 128, *src.qmap, ap_smem_addr(&k_full[0]), c * 64, m * AP_GROUP, t0);
+                    }
+#pragma unroll
+                    for (int c = c0; c < c0 + NC; ++c) {
+                        const unsigned dst = sk + s * AP_WS_KV_BYTES + c * AP_BN * 128;
+                        if constexpr (MC)
+                            ap_tma_3d_mc(dst, *src.kmap, ap_smem_addr(&k_full[s]), c * 64, m, j * AP_BN, 3);
+                        else
+                            ap_tma_3d(dst, *src.kmap, ap_smem_addr(&k_full[s]), c * 64, m, j * AP_BN);
+                    }
+                    if (j >= AP_WS_STAGES) ap_mbar_wait_cluster(&v_empty[s], prev);
+                    calla_mbar_arrive_expect_tx(&v_full[s], AP_WS_KV_BYTES);
+#pragma unroll
+                    for (int c = c0; c < c0 + NC; ++c) {
+                        const unsigned dst = sv + s * AP_WS_KV_BYTES + c * AP_BN * 128;
+                        if constexpr (MC)
+                            ap_tma_3d_mc(dst, *src.vmap, ap_smem_addr(&v_full[s]), c * 64, m, j * AP_BN, 3);
+                        else
+                            ap_tma_3d(dst, *src.vmap, ap_smem_addr(&v_full[s]), c * 64, m, j * AP_BN);
+                    }
+                }
             }
-        };
-        for (int j = 0; j < n_blk; ++j) {
-            const int s = j & 1;
-            const unsigned prev = (unsigned)((j >> 1) + 1) & 1u;  // parity of the stage's last use, block j − 2
-            if (j >= AP_WS_STAGES) calla_mbar_wait_parity(&k_empty[s], prev);
-            load_kv(sk + s * AP_WS_KV_BYTES, k_cache, j * AP_BN);
-            ap_cp_async_arrive(&k_full[s]);  // Q too, with block 0
-            if (j >= AP_WS_STAGES) calla_mbar_wait_parity(&v_empty[s], prev);
-            load_kv(sv + s * AP_WS_KV_BYTES, v_cache, j * AP_BN);
-            ap_cp_async_arrive(&v_full[s]);
+            // (MC: the block stays for the cluster barrier at the end; its partner may still
+            // arrive on this block's mbarriers until then)
+            __syncwarp();
+            if constexpr (MC) calla_cluster_sync();
+            return;
+        } else {
+            const unsigned short* __restrict__ q = src.q;
+            const int pt = tid - 256;
+            // thread pt copies chunk pt % 32 of rows pt / 32 + 4·ii (as ap_load_kv128 with 128
+            // threads), addresses stepped instead of rebuilt: the warpgroup has 24 registers
+            const int c = pt & 31, r0 = pt >> 5;
+            const unsigned x0 = (unsigned)((c & 7) ^ (r0 & 7)) << 4, x1 = (unsigned)((c & 7) ^ ((r0 + 4) & 7)) << 4;
+#pragma unroll 2
+            for (int ii = 0; ii < BM / 4; ++ii) {
+                const int r = r0 + 4 * ii;
+                const int tok = t0 + r / AP_GROUP;
+                const bool ok = tok < t_count;
+                const unsigned short* qs =
+                    q + ((size_t)(ok ? tok : 0) * AP_NQ + m * AP_GROUP + r % AP_GROUP) * AP_HD + c * 8;
+                ap_cp_async16(sq + (c >> 3) * BM * 128 + r * 128 + ((ii & 1) ? x1 : x0), qs, ok ? 16 : 0);
+            }
+            // one 64-key block of K or V into the stage at `dst`
+            auto load_kv = [&](unsigned dst, const unsigned short* __restrict__ cache, int kb) {
+                const unsigned short* cs = cache + ((size_t)(kb + r0) * AP_NKV + m) * AP_HD + c * 8;
+                dst += (c >> 3) * AP_BN * 128 + r0 * 128;
+#pragma unroll 2
+                for (int ii = 0; ii < AP_BN / 4; ++ii) {
+                    const bool ok = kb + r0 + 4 * ii < n_keys;
+                    ap_cp_async16(dst + ii * 4 * 128 + ((ii & 1) ? x1 : x0), ok ? cs + (size_t)ii * 4 * AP_NKV * AP_HD : cache,
+                                  ok ? 16 : 0);
+                }
+            };
+            for (int j = 0; j < n_blk; ++j) {
+                const int s = j & 1;
+                const unsigned prev = (unsigned)((j >> 1) + 1) & 1u;  // the stage's last use, block j − 2
+                if (j >= AP_WS_STAGES) calla_mbar_wait_parity(&k_empty[s], prev);
+                load_kv(sk + s * AP_WS_KV_BYTES, src.k_cache, j * AP_BN);
+                ap_cp_async_arrive(&k_full[s]);  // Q too, with block 0
+                if (j >= AP_WS_STAGES) calla_mbar_wait_parity(&v_empty[s], prev);
+                load_kv(sv + s * AP_WS_KV_BYTES, src.v_cache, j * AP_BN);
+                ap_cp_async_arrive(&v_full[s]);
+            }
+            ap_cp_async_wait_all();
+            return;
         }
-        ap_cp_async_wait_all();
-        return;
     }
 
     // ---- consumer warpgroups ----
@@ -915,7 +1039,7 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
 #pragma unroll
         for (int i = 0; i < AP_BN / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
         calla_mbar_wait_parity(&k_full[j & 1], (unsigned)(j >> 1) & 1u);
-        calla_fence_proxy_async();
+        if constexpr (!TMA) calla_fence_proxy_async();  // the cp.async writes, for wgmma
         calla_wgmma_fence();
         ap_wg_qk<true>(sc, q_wg, BM, sk + (j & 1) * AP_WS_KV_BYTES);
         calla_wgmma_commit();
@@ -923,7 +1047,7 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
     // O += P_j·V_j of stage j % 2 (issued, one commit group)
     auto issue_pv = [&](int j) {
         calla_mbar_wait_parity(&v_full[j & 1], (unsigned)(j >> 1) & 1u);
-        calla_fence_proxy_async();
+        if constexpr (!TMA) calla_fence_proxy_async();
         calla_wgmma_fence();
         ap_wg_pv(o, p, sv + (j & 1) * AP_WS_KV_BYTES);
         calla_wgmma_commit();
@@ -971,6 +1095,15 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
         l_a = l_a * al_a + rs_a;
         l_b = l_b * al_b + rs_b;
     };
+    // this warp is done with a stage: one arrival on its `empty` mbarrier (MC: in both blocks)
+    auto release = [&](unsigned long long* e) {
+        if constexpr (MC) {
+            ap_mbar_arrive_remote(e, 0);
+            ap_mbar_arrive_remote(e, 1);
+        } else {
+            calla_mbar_arrive(e);
+        }
+    };
     auto to_p = [&]() {
 #pragma unroll
         for (int kk = 0; kk < AP_BN / 16; ++kk) {
@@ -991,7 +1124,7 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
         ap_bar_arrive(1 + (wg ^ 1));
         calla_wgmma_wait<0>();
         ap_fence_acc(sc);
-        if (lane == 0) calla_mbar_arrive(&k_empty[0]);
+        if (lane == 0) release(&k_empty[0]);
         float al_a, al_b;
         softmax(0, al_a, al_b);  // O is zero: nothing to rescale
         to_p();
@@ -1003,12 +1136,12 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
         ap_bar_arrive(1 + (wg ^ 1));
         calla_wgmma_wait<1>();  // Q·Kᵀ (the older group) has retired, P·V may still run
         ap_fence_acc(sc);
-        if (lane == 0) calla_mbar_arrive(&k_empty[j & 1]);
+        if (lane == 0) release(&k_empty[j & 1]);
         float al_a, al_b;
         softmax(j, al_a, al_b);
         calla_wgmma_wait<0>();  // block j − 1's P·V has retired: O and p are free
         ap_fence_acc(o);
-        if (lane == 0) calla_mbar_arrive(&v_empty[(j - 1) & 1]);
+        if (lane == 0) release(&v_empty[(j - 1) & 1]);
         // rescale O only when some row's max moved (rare after the first blocks)
         if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {
 #pragma unroll
@@ -1032,23 +1165,40 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const unsig
     l_a = ap_quad_sum(l_a);
     l_b = ap_quad_sum(l_b);
     ap_flash_store<ACTS>(out, o, proj, m * AP_GROUP + g, t_a, t_b, t_count, l_a, l_b, cq);
+    __syncwarp();
+    if constexpr (MC) calla_cluster_sync();  // the partner's remote arrivals on this block are done
 }
 
-// 128-row Q tile, a producer and two consumer warpgroups (384 threads; 240 + 24 registers by
-// setmaxnreg, so 168 at launch), 193 KiB smem: one block per SM.
+// Entry points: 128-row Q tile, a producer and two consumer warpgroups (384 threads; 240 + 24
+// registers by setmaxnreg, so 168 at launch), 193 KiB smem: one block per SM. `_tma`: the
+// producer's copies as bulk tensor copies from the tensor maps; `_mc`: those multicast over a
+// cluster of two blocks.
 extern "C" __global__ void __launch_bounds__(384, 1)
     attn_prefill_flash_wg128ws(float* __restrict__ out, const unsigned short* __restrict__ q,
                                const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache,
                                const float* __restrict__ proj, int t_count, int pos0, float scale_log2) {
-    ap_flash_ws<false>(out, q, k_cache, v_cache, proj, t_count, pos0, scale_log2);
+    ap_flash_ws<false, 0>(out, ApWsSrc{q, k_cache, v_cache, nullptr, nullptr, nullptr}, proj, t_count, pos0, scale_log2);
 }
 extern "C" __global__ void __launch_bounds__(384, 1)
     attn_prefill_flash_wg128ws_acts(unsigned* __restrict__ xb, const unsigned short* __restrict__ q,
                                     const unsigned short* __restrict__ k_cache,
                                     const unsigned short* __restrict__ v_cache, const float* __restrict__ proj,
                                     int t_count, int pos0, float scale_log2) {
-    ap_flash_ws<true>(reinterpret_cast<float*>(xb), q, k_cache, v_cache, proj, t_count, pos0, scale_log2);
+    ap_flash_ws<true, 0>(reinterpret_cast<float*>(xb), ApWsSrc{q, k_cache, v_cache, nullptr, nullptr, nullptr}, proj,
+                         t_count, pos0, scale_log2);
 }
+#define AP_FLASH_TMA_ENTRY(NAME, ACTS, LOAD, ATTRS)                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1) ATTRS                                             \
+        NAME(float* __restrict__ out, const float* __restrict__ proj, int t_count, int pos0, float scale_log2, \
+             const __grid_constant__ ApTmap qmap, const __grid_constant__ ApTmap kmap,                      \
+             const __grid_constant__ ApTmap vmap) {                                                        \
+        ap_flash_ws<ACTS, LOAD>(out, ApWsSrc{nullptr, nullptr, nullptr, &qmap, &kmap, &vmap}, proj, t_count, pos0, \
+                                scale_log2);                                                               \
+    }
+AP_FLASH_TMA_ENTRY(attn_prefill_flash_wg128tma, false, 1, )
+AP_FLASH_TMA_ENTRY(attn_prefill_flash_wg128tma_acts, true, 1, )
+AP_FLASH_TMA_ENTRY(attn_prefill_flash_wg128mc, false, 2, __cluster_dims__(2, 1, 1))
+AP_FLASH_TMA_ENTRY(attn_prefill_flash_wg128mc_acts, true, 2, __cluster_dims__(2, 1, 1))
 
 // Split-KV form of attn_prefill_flash_wg64: partials to part_o / part_ml (see ap_flash_wg), no
 // output; grid n_tiles · NKV · n_split.

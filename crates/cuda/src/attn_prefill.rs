@@ -16,7 +16,7 @@
 //! `model::reference::{zrms_norm, rope_inplace, attend, sigmoid}`.
 
 use cudarc::driver::{
-    sys::CUfunction_attribute, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig,
+    sys, sys::CUfunction_attribute, CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
 };
 use spec::production as p;
 
@@ -61,30 +61,45 @@ pub enum AttnTile {
     /// order, so the same bits ([`CudaContext::set_attn_ws`] picks it where the plan says
     /// `Wg128`).
     Wg128ws,
+    /// [`AttnTile::Wg128ws`] with the producer's copies as bulk tensor copies (TMA) from one
+    /// thread, from tensor maps of the Q scratch and the caches built at each call (rows past
+    /// `pos0 + t` read as zeros).
+    Wg128tma,
+    /// [`AttnTile::Wg128tma`] over clusters of two blocks that hold adjacent tiles of one KV
+    /// head: each block copies half of every K and V block and multicasts it into both, so
+    /// each key block crosses from L2 once per two tiles.
+    Wg128mc,
 }
 
 impl AttnTile {
     /// Every tile, for tests and benchmarks.
-    pub const ALL: [AttnTile; 5] = [
+    pub const ALL: [AttnTile; 7] = [
         AttnTile::Q64,
         AttnTile::Q128,
         AttnTile::Wg64,
         AttnTile::Wg128,
         AttnTile::Wg128ws,
+        AttnTile::Wg128tma,
+        AttnTile::Wg128mc,
     ];
+
+    /// The warp-specialized forms (a producer warpgroup, 384 threads).
+    fn specialized(self) -> bool {
+        matches!(self, AttnTile::Wg128ws | AttnTile::Wg128tma | AttnTile::Wg128mc)
+    }
 
     /// Warps that hold Q rows (16 rows each).
     fn warps(self) -> usize {
         match self {
             AttnTile::Q64 | AttnTile::Wg64 => 4,
-            AttnTile::Q128 | AttnTile::Wg128 | AttnTile::Wg128ws => 8,
+            AttnTile::Q128 | AttnTile::Wg128 | AttnTile::Wg128ws | AttnTile::Wg128tma | AttnTile::Wg128mc => 8,
         }
     }
 
     /// Threads per block: the Q rows' warps, plus the producer warpgroup of
     /// [`AttnTile::Wg128ws`].
     fn threads(self) -> usize {
-        let producer = if self == AttnTile::Wg128ws { 128 } else { 0 };
+        let producer = if self.specialized() { 128 } else { 0 };
         self.warps() * 32 + producer
     }
 
@@ -100,6 +115,8 @@ impl AttnTile {
             AttnTile::Wg64 => "attn_prefill_flash_wg64",
             AttnTile::Wg128 => "attn_prefill_flash_wg128",
             AttnTile::Wg128ws => "attn_prefill_flash_wg128ws",
+            AttnTile::Wg128tma => "attn_prefill_flash_wg128tma",
+            AttnTile::Wg128mc => "attn_prefill_flash_wg128mc",
         }
     }
 
@@ -110,6 +127,8 @@ impl AttnTile {
             AttnTile::Wg64 => Some("attn_prefill_flash_wg64_acts"),
             AttnTile::Wg128 => Some("attn_prefill_flash_wg128_acts"),
             AttnTile::Wg128ws => Some("attn_prefill_flash_wg128ws_acts"),
+            AttnTile::Wg128tma => Some("attn_prefill_flash_wg128tma_acts"),
+            AttnTile::Wg128mc => Some("attn_prefill_flash_wg128mc_acts"),
             AttnTile::Q64 | AttnTile::Q128 => None,
         }
     }
@@ -120,11 +139,57 @@ impl AttnTile {
     fn smem_bytes(self) -> usize {
         let slack = match self {
             AttnTile::Wg64 | AttnTile::Wg128 => 1024,
-            AttnTile::Wg128ws => 1024 + 8 * 8,
+            AttnTile::Wg128ws | AttnTile::Wg128tma | AttnTile::Wg128mc => 1024 + 8 * 8,
             AttnTile::Q64 | AttnTile::Q128 => 0,
         };
-        let kv_tiles = if self == AttnTile::Wg128ws { 4 } else { 2 };
+        let kv_tiles = if self.specialized() { 4 } else { 2 };
         (self.warps() * 16 + kv_tiles * BN) * p::HEAD_DIM * 2 + slack
+    }
+}
+
+/// A bulk-tensor-copy descriptor (`CUtensorMap`) as a kernel argument (`ApTmap` in
+/// `kernels/attn_prefill.cu`: 128 opaque bytes, 64-byte aligned, passed by value as a
+/// `__grid_constant__` parameter).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TensorMap3d(sys::CUtensorMap);
+
+// SAFETY: plain bytes that the driver copies into the kernel's parameter space.
+unsafe impl DeviceRepr for TensorMap3d {}
+
+impl TensorMap3d {
+    /// The map of a bf16 tensor at device address `ptr` with `dims` elements (innermost first),
+    /// the byte strides of dimensions 1 and 2, copied in boxes of `boxes` elements into the
+    /// 128-byte-swizzled layout the wgmma tiles read (`boxes[0]` · 2 = 128 bytes); elements
+    /// outside `dims` read as zeros (`cuTensorMapEncodeTiled`, CUDA driver API). Errors: the
+    /// driver's, e.g. for a misaligned address or stride.
+    fn bf16(ptr: u64, dims: [u64; 3], strides: [u64; 2], boxes: [u32; 3]) -> Result<Self, CudaError> {
+        // SAFETY: an all-zero CUtensorMap is a valid (opaque) value to be overwritten.
+        let mut map = TensorMap3d(unsafe { std::mem::zeroed() });
+        let elem_strides = [1u32; 3];
+        // SAFETY: every pointer is to a local array of the rank's length; the driver only
+        // writes `map`.
+        let r = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map.0,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                3,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(map)
+        } else {
+            Err(CudaError::Driver(DriverError(r)))
+        }
     }
 }
 
@@ -187,6 +252,34 @@ static DEFAULT_ATTN_WS: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 pub fn set_default_attn_ws(on: bool) {
     DEFAULT_ATTN_WS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
+
+/// Which warp-specialized tile [`CudaContext::set_attn_ws`] runs in place of the plan's
+/// [`AttnTile::Wg128`], for every context of the process: [`AttnTile::Wg128ws`] (the default),
+/// [`AttnTile::Wg128tma`] or [`AttnTile::Wg128mc`] (`calla cuda-bench | cuda-check
+/// --attn-ws-form`); any other tile is refused with [`CudaError::Unsupported`].
+#[doc(hidden)]
+pub fn set_attn_ws_form(tile: AttnTile) -> Result<(), CudaError> {
+    let code = match tile {
+        AttnTile::Wg128ws => 0,
+        AttnTile::Wg128tma => 1,
+        AttnTile::Wg128mc => 2,
+        other => return Err(CudaError::Unsupported(format!("set_attn_ws_form: {other:?} is not a warp-specialized tile"))),
+    };
+    ATTN_WS_FORM.store(code, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// See [`set_attn_ws_form`].
+#[doc(hidden)]
+pub fn attn_ws_form() -> AttnTile {
+    match ATTN_WS_FORM.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => AttnTile::Wg128tma,
+        2 => AttnTile::Wg128mc,
+        _ => AttnTile::Wg128ws,
+    }
+}
+
+static ATTN_WS_FORM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// The key blocks the [`AttnTile::Wg64`] tiles of `t` tokens at `pos0` walk: the heaviest
 /// tile's (the last one's: its last query sees `pos0 + t` keys) and the sum over all tiles and
@@ -301,7 +394,8 @@ impl CudaContext {
         self.attn_causal_split.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Runs the plan's [`AttnTile::Wg128`] as [`AttnTile::Wg128ws`] (`true`) or as planned
+    /// Runs the plan's [`AttnTile::Wg128`] as [`AttnTile::Wg128ws`] (`true`; or the form
+    /// [`set_attn_ws_form`] names) or as planned
     /// (`false`, the measured twin): the same bits either way. A [`CudaContext::sibling`]
     /// copies the setting; new contexts start with [`default_attn_ws`].
     #[doc(hidden)]
@@ -441,7 +535,7 @@ impl CudaContext {
             self.flash_split(plan.n_split, proj, t, pos0, &kc, &vc, scratch, out)
         } else {
             let tile = match plan.tile {
-                AttnTile::Wg128 if self.attn_ws() => AttnTile::Wg128ws,
+                AttnTile::Wg128 if self.attn_ws() => attn_ws_form(),
                 tile => tile,
             };
             self.flash(tile, proj, t, pos0, &kc, &vc, scratch, out)
@@ -599,27 +693,48 @@ impl CudaContext {
             return Ok(());
         };
         let n_tiles = t.div_ceil(tile.tokens());
+        // Wg128mc: clusters of two blocks, a pair of tiles each
+        let blocks = if tile == AttnTile::Wg128mc { n_tiles.div_ceil(2) * 2 } else { n_tiles };
         let cfg = LaunchConfig {
-            grid_dim: ((n_tiles * p::N_KV_HEADS) as u32, 1, 1),
+            grid_dim: ((blocks * p::N_KV_HEADS) as u32, 1, 1),
             block_dim: (tile.threads() as u32, 1, 1),
             shared_mem_bytes: tile.smem_bytes() as u32,
         };
         let (t_i, pos0_i) = (t as i32, pos0 as i32);
         // softmax in base 2: exp(s / sqrt(d)) = 2^(s · log2(e) / sqrt(d))
         let scale_log2 = std::f32::consts::LOG2_E / (p::HEAD_DIM as f32).sqrt();
+        let maps = match tile {
+            AttnTile::Wg128tma | AttnTile::Wg128mc => {
+                let (hd, row) = (p::HEAD_DIM as u64, 2 * p::HEAD_DIM as u64);
+                let keys = (pos0 + t) as u64;
+                Some([
+                    TensorMap3d::bf16(scratch.q.device_ptr(stream).0, [hd, p::N_Q_HEADS as u64, t as u64], [row, row * p::N_Q_HEADS as u64], [64, 8, 16])?,
+                    TensorMap3d::bf16(k_cache.device_ptr(stream).0, [hd, p::N_KV_HEADS as u64, keys], [row, row * p::N_KV_HEADS as u64], [64, 1, BN as u32])?,
+                    TensorMap3d::bf16(v_cache.device_ptr(stream).0, [hd, p::N_KV_HEADS as u64, keys], [row, row * p::N_KV_HEADS as u64], [64, 1, BN as u32])?,
+                ])
+            }
+            _ => None,
+        };
         let mut b = self.kernel(self.func(entry)?);
         out.push(&mut b, op, t)?;
-        b.ptr(&scratch.q)
-            .ptr(k_cache)
-            .ptr(v_cache)
-            .ptr(proj)
-            .arg(&t_i)
-            .arg(&pos0_i)
-            .arg(&scale_log2);
+        match &maps {
+            Some([qm, km, vm]) => {
+                b.ptr(proj).arg(&t_i).arg(&pos0_i).arg(&scale_log2).arg(qm).arg(km).arg(vm);
+            }
+            None => {
+                b.ptr(&scratch.q)
+                    .ptr(k_cache)
+                    .ptr(v_cache)
+                    .ptr(proj)
+                    .arg(&t_i)
+                    .arg(&pos0_i)
+                    .arg(&scale_log2);
+            }
+        }
         // SAFETY: argument order and types match the kernel; bounds checked above (reads proj
-        // rows < t, scratch rows < t, cache rows < pos0 + t; writes out rows < t, or words of
-        // acts rows < t). The shared memory limit was raised by attn_prefill_scratch, which
-        // made `scratch`.
+        // rows < t, scratch rows < t, cache rows < pos0 + t, the tensor maps' extents being
+        // those; writes out rows < t, or words of acts rows < t). The shared memory limit was
+        // raised by attn_prefill_scratch, which made `scratch`.
         unsafe { b.launch(cfg) }?;
         out.done(t);
         Ok(())

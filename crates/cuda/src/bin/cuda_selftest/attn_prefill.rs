@@ -382,6 +382,10 @@ pub fn run(s: &mut Suite) {
         "attn_prefill_flash_wg128_acts",
         "attn_prefill_flash_wg128ws",
         "attn_prefill_flash_wg128ws_acts",
+        "attn_prefill_flash_wg128tma",
+        "attn_prefill_flash_wg128tma_acts",
+        "attn_prefill_flash_wg128mc",
+        "attn_prefill_flash_wg128mc_acts",
     ] {
         let f = cx.func(name).expect("func");
         println!(
@@ -433,8 +437,8 @@ pub fn run(s: &mut Suite) {
         let prep = cpu_prep(&w, &proj_h, t, pos0);
         let mut reference: Option<Vec<f64>> = None;
         let (mut kc_auto, mut vc_auto) = (Vec::new(), Vec::new());
-        // Wg128's output, which Wg128ws (the same products in the same order) must equal bit
-        // for bit
+        // Wg128's output, which the warp-specialized forms (the same products in the same
+        // order) must equal bit for bit
         let mut out_wg128: Option<Vec<f32>> = None;
         let plan = attn_prefill_plan(t, pos0, cx.sm_count() as usize);
         let mut variants = vec![Variant::Auto];
@@ -530,12 +534,12 @@ pub fn run(s: &mut Suite) {
             );
             match variant {
                 Variant::Tile(AttnTile::Wg128) => out_wg128 = Some(out.clone()),
-                Variant::Tile(AttnTile::Wg128ws) => {
+                Variant::Tile(tile @ (AttnTile::Wg128ws | AttnTile::Wg128tma | AttnTile::Wg128mc)) => {
                     // (the guards were checked above)
                     let body = GUARD..GUARD + t * ATTN_PREFILL_OUT;
                     let c = match &out_wg128 {
                         Some(want) => check_bits(&out[body.clone()], &want[body], "out words"),
-                        None => Cmp { rel: f64::NAN, max_over_rms: f64::NAN, ok: false, msg: "Wg128 did not run before Wg128ws; ".into() },
+                        None => Cmp { rel: f64::NAN, max_over_rms: f64::NAN, ok: false, msg: format!("Wg128 did not run before {tile:?}; ") },
                     };
                     s.record(SEC, &format!("{label} out = Wg128's, bit for bit"), &c, "");
                 }
