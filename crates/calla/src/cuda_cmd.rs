@@ -147,16 +147,17 @@ pub struct PrefillFlags {
     /// before session 41; `CudaContext::set_attn_causal_split`).
     #[arg(long)]
     attn_no_causal_split: bool,
-    /// The attention prefill's 128-row tile warp-specialized (`Wg128ws`: a producer warpgroup
-    /// and two consumer warpgroups taking turns on the tensor cores; the same bits) or as
-    /// before (`false`). Default: `cuda::attn_prefill::ATTN_WS_DEFAULT`;
-    /// `CudaContext::set_attn_ws`.
+    /// The attention prefill's 128-row tile warp-specialized (a producer warpgroup and two
+    /// consumer warpgroups taking turns on the tensor cores; `--attn-ws-form` says which; the
+    /// same bits) or as before session 53 (`false`: `Wg128`). Default:
+    /// `cuda::attn_prefill::ATTN_WS_DEFAULT`; `CudaContext::set_attn_ws`.
     #[arg(long, value_name = "BOOL")]
     attn_ws: Option<bool>,
     /// Which warp-specialized tile `--attn-ws true` (and the `--prefill-compare` case
-    /// `attn_wg128ws_ms`) runs: `ws` (cp.async from the producer warpgroup), `tma` (bulk tensor
-    /// copies) or `mc` (bulk tensor copies multicast over clusters of two blocks).
-    #[arg(long, value_name = "FORM", default_value = "ws", value_parser = ["ws", "tma", "mc"])]
+    /// `attn_wg128ws_ms`) runs: `tma` (bulk tensor copies; the default), `ws` (cp.async from
+    /// the producer warpgroup) or `mc` (bulk tensor copies multicast over clusters of two
+    /// blocks).
+    #[arg(long, value_name = "FORM", default_value = "tma", value_parser = ["ws", "tma", "mc"])]
     attn_ws_form: String,
     /// The GDN prefill's state kernel with every product on mma.sync (`GdnPrefillMath::Tf32`)
     /// instead of on warpgroup MMAs (wgmma, the default; the same bits).
@@ -896,9 +897,9 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     {
         use cuda::attn_prefill::AttnTile as T;
         let form = match f.attn_ws_form.as_str() {
-            "tma" => T::Wg128tma,
+            "ws" => T::Wg128ws,
             "mc" => T::Wg128mc,
-            _ => T::Wg128ws,
+            _ => T::Wg128tma,
         };
         cuda::attn_prefill::set_attn_ws_form(form).expect("a warp-specialized tile");
     }
@@ -942,7 +943,7 @@ struct PrefillKnobs {
     wide: bool,
     wide_grouped: bool,
     attn_split: bool,
-    /// The 128-row attention tile warp-specialized (`Wg128ws`).
+    /// The 128-row attention tile warp-specialized (`--attn-ws-form`, `Wg128tma` by default).
     attn_ws: bool,
     bulk_short: bool,
     /// The GDN state kernel's `W·S` and `Q̂·S` on wgmma (`Tf32Wg`, or `Tf32WgC` with `gdn_wgc`);
@@ -1077,7 +1078,7 @@ const PREFILL_CASES: [PrefillCase; 25] = [
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
-    PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile, two barriers per key block", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (producer + two consumers taking turns)", on_key: "attn_wg128ws_ms" },
+    PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile as before (Wg128)", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (--attn-ws-form)", on_key: "attn_wg128ws_ms" },
 ];
 
 /// The `--prefill-compare-only` keys that name no case of [`PREFILL_CASES`], as an error that
