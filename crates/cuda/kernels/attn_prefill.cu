@@ -787,10 +787,11 @@ AP_FLASH_WG_ACTS_ENTRY(attn_prefill_flash_wg128_acts, 2, 1)
 // FlashAttention-3's arrangement (Shah et al. 2024, "FlashAttention-3: Fast and Accurate
 // Attention with Asynchrony and Low-precision", §3.1-3.2) on the Wg128 tile's math:
 //  * a producer warpgroup (threads 256..383, 24 registers after setmaxnreg) copies Q once and
-//    K and V blocks into two stages each (cp.async; each copy thread's landing counts one
-//    arrival on the stage's `full` mbarrier through cp.async.mbarrier.arrive.noinc) and refills
-//    a stage once its `empty` mbarrier says both consumer warpgroups are done with it (one
-//    arrival per consumer warp);
+//    K and V blocks into two stages each and refills a stage once its `empty` mbarrier says
+//    both consumer warpgroups are done with it (one arrival per consumer warp): by bulk tensor
+//    copies from one thread (LOAD 1, Wg128tma, the default), by cp.async from all 128 (LOAD 0,
+//    Wg128ws), or by bulk tensor copies multicast over a cluster of two (LOAD 2, Wg128mc; see
+//    ap_flash_ws);
 //  * two consumer warpgroups (threads 0..255, 240 registers) of 64 Q rows each, as in Wg128,
 //    take turns on the tensor cores (named barriers 1 and 2, "ping-pong"): in its turn a
 //    warpgroup issues block j's Q·Kᵀ and block j − 1's P·V, hands the turn over, and runs block
@@ -798,7 +799,8 @@ AP_FLASH_WG_ACTS_ENTRY(attn_prefill_flash_wg128_acts, 2, 1)
 //    has retired.
 // The same products in the same order as Wg128 (O ← α_j·O + P_j·V_j per block), so the same
 // bits. No block barrier in the loop. 192 KiB of tiles + 1 KiB of alignment slack + the
-// mbarriers: one block per SM.
+// mbarriers: one block per SM. Session 53 (H100, 8,192 tokens): 1,030 µs with TMA against
+// 1,377 for Wg128 (cp.async producer 1,329, multicast 1,658).
 #define AP_WS_STAGES 2
 #define AP_WS_KV_BYTES (AP_BN * AP_ROW_BYTES)
 

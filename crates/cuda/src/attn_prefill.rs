@@ -58,8 +58,9 @@ pub enum AttnTile {
     /// block barrier in the loop) and the two consumer warpgroups take turns on the tensor
     /// cores, one's softmax beside the other's products (384 threads, 240 registers per
     /// consumer thread by `setmaxnreg`, 193 KiB shared memory). The same products in the same
-    /// order, so the same bits ([`CudaContext::set_attn_ws`] picks it where the plan says
-    /// `Wg128`).
+    /// order, so the same bits. This form's producer copies by cp.async from all its 128
+    /// threads (1,329 µs at 8,192 tokens on an H100); [`CudaContext::set_attn_ws`] runs it
+    /// where the plan says `Wg128` when [`set_attn_ws_form`] names it.
     Wg128ws,
     /// [`AttnTile::Wg128ws`] with the producer's copies as bulk tensor copies (TMA) from one
     /// thread, from tensor maps of the Q scratch and the caches built at each call (rows past
