@@ -100,8 +100,8 @@ impl AttnTile {
         }
     }
 
-    /// Threads per block: the Q rows' warps, plus the producer warpgroup of
-    /// [`AttnTile::Wg128ws`].
+    /// Threads per block: the Q rows' warps, plus the producer warpgroup of the
+    /// warp-specialized tiles.
     fn threads(self) -> usize {
         let producer = if self.specialized() { 128 } else { 0 };
         self.warps() * 32 + producer
@@ -138,7 +138,7 @@ impl AttnTile {
     }
 
     /// Dynamic shared memory: the Q tile and one K and one V tile of [`BN`] keys (two of
-    /// each and the stages' eight mbarriers for [`AttnTile::Wg128ws`]), bf16, plus 1 KiB for
+    /// each and the stages' eight mbarriers for the warp-specialized tiles), bf16, plus 1 KiB for
     /// the wgmma kernels to align their tiles to the 128-byte swizzle's 1 KiB atoms.
     fn smem_bytes(self) -> usize {
         let slack = match self {
