@@ -18,7 +18,7 @@ timeout 200 $b/calla cuda-bench --model $W/full-q4 --pdl --prompt-tokens 512,102
 grep -E "^prefill|^decode|calla cuda-bench" $R/bench.txt | cut -c1-200
 echo "== prefill compare ($(date +%T))"
 # (only where the call's device time allows: the bench above is what this call is for)
-[ $SECONDS -lt 240 ] && timeout 100 $b/calla cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,2048,8192 --decode-contexts 128 --gen-tokens 4 --prefill-compare --prefill-compare-only attn_wg128ws_ms --prefill-compare-rounds 9 > $R/compare-tma.txt 2>&1; echo rc $?
+[ $SECONDS -lt 150 ] && timeout 80 $b/calla cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,2048,8192 --decode-contexts 128 --gen-tokens 4 --prefill-compare --prefill-compare-only attn_wg128ws_ms --prefill-compare-rounds 9 > $R/compare-tma.txt 2>&1; echo rc $?
 grep -E "prefill compare" $R/compare-tma.txt 2>/dev/null | cut -c1-220
 echo "== done ($(date +%T))"
 pk
