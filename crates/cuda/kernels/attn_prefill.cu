@@ -923,7 +923,9 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
             calla_mbar_init(&k_empty[s], EMPTY);
             calla_mbar_init(&v_empty[s], EMPTY);
         }
-        if constexpr (MC) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        // the initialisations visible to the bulk copies' completions (async proxy) and, MC,
+        // to the other block (as gemm.cu does for its bulk copies)
+        if constexpr (TMA) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     // the mbarriers are initialised before anyone arrives or polls (in both blocks)
     if constexpr (MC)
@@ -1025,8 +1027,9 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
     const int lim_a = pos0 + min(t_a, t_count - 1), lim_b = pos0 + min(t_b, t_count - 1);
     // Both warpgroups walk every key block of the tile, with no branch around a product (ptxas
     // serializes wgmma issued in divergent paths, C7518/C7520): where warpgroup 0's rows end a
-    // block before the tile's last one (one tile in eight), its last block is masked whole,
-    // which leaves its max, sum and O as they are (p = 0 everywhere).
+    // block before the tile's last one (a 64-key boundary among the tile's last 8 tokens: one
+    // tile in four where pos0 % 16 is 1..8, never where it is 0), its last block is masked
+    // whole, which leaves its max, sum and O as they are (p = 0 everywhere).
     const unsigned q_wg = sq + wg * 64 * 128;
 
     float o[AP_HD / 8][4];
