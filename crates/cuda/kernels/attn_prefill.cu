@@ -562,6 +562,86 @@ __device__ __forceinline__ void ap_flash_store(float* __restrict__ out, float (&
     }
 }
 
+// Block kb / BN's online softmax on a warpgroup tile's scores s (retired, the mma
+// accumulator layout: thread (g, cq) holds rows a and b): the causal mask (keys past lim_a /
+// lim_b), the rows' new maxima m (log2 units), s ← 2^(s·scale − base) and the sums l updated;
+// al_a, al_b are the factors of the old O rows. A warp whose rows see no key of the block keeps
+// its max (finite since block 0, which holds key 0; SPLIT: a split may start later and see none
+// yet, then the max stays -inf and the exponent base is 0, so p = 0 and the zero O and sum stay
+// zero).
+template <bool SPLIT>
+__device__ __forceinline__ void ap_softmax_block(float (&s)[AP_BN / 8][4], int kb, int lim_a, int lim_b, int cq,
+                                                 float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
+                                                 float& al_a, float& al_b) {
+    if (kb + AP_BN - 1 > lim_a) {
+#pragma unroll
+        for (int nt = 0; nt < AP_BN / 8; ++nt) {
+            const int key = kb + nt * 8 + 2 * cq;
+            if (key > lim_a) s[nt][0] = AP_NEG_INF;
+            if (key + 1 > lim_a) s[nt][1] = AP_NEG_INF;
+            if (key > lim_b) s[nt][2] = AP_NEG_INF;
+            if (key + 1 > lim_b) s[nt][3] = AP_NEG_INF;
+        }
+    }
+    float mx_a = AP_NEG_INF, mx_b = AP_NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < AP_BN / 8; ++nt) {
+        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float mn_a = fmaxf(m_a, mx_a * scale_log2), mn_b = fmaxf(m_b, mx_b * scale_log2);
+    float base_a = mn_a, base_b = mn_b;
+    if constexpr (SPLIT) {
+        base_a = mn_a == AP_NEG_INF ? 0.f : mn_a;
+        base_b = mn_b == AP_NEG_INF ? 0.f : mn_b;
+    }
+    al_a = ap_exp2(m_a - base_a);
+    al_b = ap_exp2(m_b - base_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float rs_a = 0.f, rs_b = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < AP_BN / 8; ++nt) {
+        s[nt][0] = ap_exp2(fmaf(s[nt][0], scale_log2, -base_a));
+        s[nt][1] = ap_exp2(fmaf(s[nt][1], scale_log2, -base_a));
+        s[nt][2] = ap_exp2(fmaf(s[nt][2], scale_log2, -base_b));
+        s[nt][3] = ap_exp2(fmaf(s[nt][3], scale_log2, -base_b));
+        rs_a += s[nt][0] + s[nt][1];
+        rs_b += s[nt][2] + s[nt][3];
+    }
+    l_a = l_a * al_a + rs_a;
+    l_b = l_b * al_b + rs_b;
+}
+
+// O's rows scaled by their softmax factors, only when some row's max moved in this warp (rare
+// after the first blocks).
+__device__ __forceinline__ void ap_rescale_o(float (&o)[AP_HD / 8][4], float al_a, float al_b) {
+    if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < AP_HD / 8; ++i) {
+            o[i][0] *= al_a;
+            o[i][1] *= al_a;
+            o[i][2] *= al_b;
+            o[i][3] *= al_b;
+        }
+    }
+}
+
+// The probabilities as the A fragments of P·V's 4 k16 steps (bf16 pairs).
+__device__ __forceinline__ void ap_probs_bf16(const float (&s)[AP_BN / 8][4], unsigned (&p)[AP_BN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < AP_BN / 16; ++kk) {
+        p[kk][0] = ap_cvt_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+        p[kk][1] = ap_cvt_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+        p[kk][2] = ap_cvt_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        p[kk][3] = ap_cvt_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
 // NWG warpgroups of 64 Q rows each: BM = 64·NWG rows = 8·NWG tokens per block. Grid and
 // dynamic smem ((BM + 2·BN) · 512 + 1024 bytes) as ap_flash.
 //
@@ -650,60 +730,9 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
             calla_wgmma_commit();
             calla_wgmma_wait<0>();
             ap_fence_acc(s);
-            if (kb + AP_BN - 1 > lim_a) {
-#pragma unroll
-                for (int nt = 0; nt < AP_BN / 8; ++nt) {
-                    const int key = kb + nt * 8 + 2 * cq;
-                    if (key > lim_a) s[nt][0] = AP_NEG_INF;
-                    if (key + 1 > lim_a) s[nt][1] = AP_NEG_INF;
-                    if (key > lim_b) s[nt][2] = AP_NEG_INF;
-                    if (key + 1 > lim_b) s[nt][3] = AP_NEG_INF;
-                }
-            }
-            float mx_a = AP_NEG_INF, mx_b = AP_NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < AP_BN / 8; ++nt) {
-                mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-                mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-            }
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-            // A warp whose rows see no key of this block keeps its max (finite since block 0;
-            // a split may start later and see none yet: then the max stays -inf and the
-            // exponent base is 0, so p = 0 and the zero O and sum stay zero).
-            const float mn_a = fmaxf(m_a, mx_a * scale_log2), mn_b = fmaxf(m_b, mx_b * scale_log2);
-            float base_a = mn_a, base_b = mn_b;
-            if constexpr (SPLIT) {
-                base_a = mn_a == AP_NEG_INF ? 0.f : mn_a;
-                base_b = mn_b == AP_NEG_INF ? 0.f : mn_b;
-            }
-            const float al_a = ap_exp2(m_a - base_a), al_b = ap_exp2(m_b - base_b);
-            m_a = mn_a;
-            m_b = mn_b;
-            float rs_a = 0.f, rs_b = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < AP_BN / 8; ++nt) {
-                s[nt][0] = ap_exp2(fmaf(s[nt][0], scale_log2, -base_a));
-                s[nt][1] = ap_exp2(fmaf(s[nt][1], scale_log2, -base_a));
-                s[nt][2] = ap_exp2(fmaf(s[nt][2], scale_log2, -base_b));
-                s[nt][3] = ap_exp2(fmaf(s[nt][3], scale_log2, -base_b));
-                rs_a += s[nt][0] + s[nt][1];
-                rs_b += s[nt][2] + s[nt][3];
-            }
-            l_a = l_a * al_a + rs_a;
-            l_b = l_b * al_b + rs_b;
-            // rescale O only when some row's max moved (rare after the first blocks)
-            if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {
-#pragma unroll
-                for (int i = 0; i < AP_HD / 8; ++i) {
-                    o[i][0] *= al_a;
-                    o[i][1] *= al_a;
-                    o[i][2] *= al_b;
-                    o[i][3] *= al_b;
-                }
-            }
+            float al_a, al_b;
+            ap_softmax_block<SPLIT>(s, kb, lim_a, lim_b, cq, scale_log2, m_a, m_b, l_a, l_b, al_a, al_b);
+            ap_rescale_o(o, al_a, al_b);
         }
 
         ap_cp_async_wait_all();  // V block j
@@ -716,13 +745,7 @@ __device__ __forceinline__ void ap_flash_wg(float* __restrict__ out, const unsig
 
         if (active) {
             unsigned p[AP_BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < AP_BN / 16; ++kk) {
-                p[kk][0] = ap_cvt_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-                p[kk][1] = ap_cvt_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-                p[kk][2] = ap_cvt_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                p[kk][3] = ap_cvt_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            }
+            ap_probs_bf16(s, p);
             calla_wgmma_fence();
             ap_wg_pv(o, p, sv);
             calla_wgmma_commit();
@@ -842,17 +865,6 @@ __device__ __forceinline__ void ap_mbar_arrive_remote(unsigned long long* m, uns
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(calla_mapa_u32(ap_smem_addr(m), rank))
                  : "memory");
 }
-// Waits for the phase of parity `parity` of m, acquiring at cluster scope (arrivals from the
-// other block of the cluster).
-__device__ __forceinline__ void ap_mbar_wait_cluster(unsigned long long* m, unsigned parity) {
-    unsigned done = 0;
-    while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(ap_smem_addr(m)), "r"(parity)
-                     : "memory");
-    }
-}
 
 // What the producer reads: the Q scratch and the caches (LOAD 0), or their tensor maps (LOAD
 // 1, 2): Q [T, NQ, HD] as boxes of 64 dims × 8 heads × 16 tokens, K and V [pos0 + T, NKV, HD]
@@ -945,7 +957,7 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
                 for (int j = 0; j < n_blk; ++j) {
                     const int s = j & 1;
                     const unsigned prev = (unsigned)((j >> 1) + 1) & 1u;  // the stage's last use, block j − 2
-                    if (j >= AP_WS_STAGES) ap_mbar_wait_cluster(&k_empty[s], prev);
+                    if (j >= AP_WS_STAGES) calla_mbar_wait_parity_cluster(&k_empty[s], prev);
                     calla_mbar_arrive_expect_tx(&k_full[s], AP_WS_KV_BYTES + (j == 0 ? Q_BYTES : 0));
                     if (j == 0) {
 #pragma unroll
@@ -960,7 +972,7 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
                         else
                             ap_tma_3d(dst, *src.kmap, ap_smem_addr(&k_full[s]), c * 64, m, j * AP_BN);
                     }
-                    if (j >= AP_WS_STAGES) ap_mbar_wait_cluster(&v_empty[s], prev);
+                    if (j >= AP_WS_STAGES) calla_mbar_wait_parity_cluster(&v_empty[s], prev);
                     calla_mbar_arrive_expect_tx(&v_full[s], AP_WS_KV_BYTES);
 #pragma unroll
                     for (int c = c0; c < c0 + NC; ++c) {
@@ -1057,49 +1069,6 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
         ap_wg_pv(o, p, sv + (j & 1) * AP_WS_KV_BYTES);
         calla_wgmma_commit();
     };
-    // block j's online softmax on sc (retired): the causal mask, the new maxima (log2 units),
-    // sc ← 2^(s·scale − max), the sums updated; returns the factors α of the old O rows
-    auto softmax = [&](int j, float& al_a, float& al_b) {
-        const int kb = j * AP_BN;
-        if (kb + AP_BN - 1 > lim_a) {
-#pragma unroll
-            for (int nt = 0; nt < AP_BN / 8; ++nt) {
-                const int key = kb + nt * 8 + 2 * cq;
-                if (key > lim_a) sc[nt][0] = AP_NEG_INF;
-                if (key + 1 > lim_a) sc[nt][1] = AP_NEG_INF;
-                if (key > lim_b) sc[nt][2] = AP_NEG_INF;
-                if (key + 1 > lim_b) sc[nt][3] = AP_NEG_INF;
-            }
-        }
-        float mx_a = AP_NEG_INF, mx_b = AP_NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < AP_BN / 8; ++nt) {
-            mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
-            mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        // as Wg128: block 0 makes every row's max finite
-        const float mn_a = fmaxf(m_a, mx_a * scale_log2), mn_b = fmaxf(m_b, mx_b * scale_log2);
-        al_a = ap_exp2(m_a - mn_a);
-        al_b = ap_exp2(m_b - mn_b);
-        m_a = mn_a;
-        m_b = mn_b;
-        float rs_a = 0.f, rs_b = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < AP_BN / 8; ++nt) {
-            sc[nt][0] = ap_exp2(fmaf(sc[nt][0], scale_log2, -mn_a));
-            sc[nt][1] = ap_exp2(fmaf(sc[nt][1], scale_log2, -mn_a));
-            sc[nt][2] = ap_exp2(fmaf(sc[nt][2], scale_log2, -mn_b));
-            sc[nt][3] = ap_exp2(fmaf(sc[nt][3], scale_log2, -mn_b));
-            rs_a += sc[nt][0] + sc[nt][1];
-            rs_b += sc[nt][2] + sc[nt][3];
-        }
-        l_a = l_a * al_a + rs_a;
-        l_b = l_b * al_b + rs_b;
-    };
     // this warp is done with a stage: one arrival on its `empty` mbarrier (MC: in both blocks)
     auto release = [&](unsigned long long* e) {
         if constexpr (MC) {
@@ -1109,16 +1078,6 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
             calla_mbar_arrive(e);
         }
     };
-    auto to_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < AP_BN / 16; ++kk) {
-            p[kk][0] = ap_cvt_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-            p[kk][1] = ap_cvt_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-            p[kk][2] = ap_cvt_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            p[kk][3] = ap_cvt_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-    };
-
     // Turns: warpgroup w waits on named barrier 1 + w (its own 128 threads plus the other
     // warpgroup's 128 arrivals) and hands over by arriving on the other one; warpgroup 0 goes
     // first. Every consumer warp arrives once per block on each `empty` mbarrier (count 8).
@@ -1131,8 +1090,8 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
         ap_fence_acc(sc);
         if (lane == 0) release(&k_empty[0]);
         float al_a, al_b;
-        softmax(0, al_a, al_b);  // O is zero: nothing to rescale
-        to_p();
+        ap_softmax_block<false>(sc, 0, lim_a, lim_b, cq, scale_log2, m_a, m_b, l_a, l_b, al_a, al_b);
+        ap_probs_bf16(sc, p);  // (O is zero: nothing to rescale)
     }
     for (int j = 1; j < n_blk; ++j) {
         ap_bar_sync(1 + wg);
@@ -1143,21 +1102,12 @@ __device__ __forceinline__ void ap_flash_ws(float* __restrict__ out, const ApWsS
         ap_fence_acc(sc);
         if (lane == 0) release(&k_empty[j & 1]);
         float al_a, al_b;
-        softmax(j, al_a, al_b);
+        ap_softmax_block<false>(sc, j * AP_BN, lim_a, lim_b, cq, scale_log2, m_a, m_b, l_a, l_b, al_a, al_b);
         calla_wgmma_wait<0>();  // block j − 1's P·V has retired: O and p are free
         ap_fence_acc(o);
         if (lane == 0) release(&v_empty[(j - 1) & 1]);
-        // rescale O only when some row's max moved (rare after the first blocks)
-        if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {
-#pragma unroll
-            for (int i = 0; i < AP_HD / 8; ++i) {
-                o[i][0] *= al_a;
-                o[i][1] *= al_a;
-                o[i][2] *= al_b;
-                o[i][3] *= al_b;
-            }
-        }
-        to_p();
+        ap_rescale_o(o, al_a, al_b);
+        ap_probs_bf16(sc, p);
     }
     // the last block's P·V, in one more turn
     ap_bar_sync(1 + wg);

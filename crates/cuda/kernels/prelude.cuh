@@ -509,6 +509,16 @@ __device__ __forceinline__ void calla_mbar_wait_parity(unsigned long long* m, un
                      : "memory");
     }
 }
+// The same, acquiring at cluster scope (arrivals from other blocks of the cluster).
+__device__ __forceinline__ void calla_mbar_wait_parity_cluster(unsigned long long* m, unsigned parity) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(calla_smem_u32(m)), "r"(parity)
+                     : "memory");
+    }
+}
 // Orders this thread's earlier generic-proxy accesses of shared memory before its later
 // asynchronous-proxy ones (a bulk copy into a buffer the block just read; cp.async or st.shared
 // writes that warpgroup MMAs read after the barrier that follows).
