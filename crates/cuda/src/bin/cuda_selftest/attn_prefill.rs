@@ -374,20 +374,13 @@ fn run_gpu_acts(
 pub fn run(s: &mut Suite) {
     let cx = s.cx;
     probe(s);
-    for name in [
-        "attn_prefill_flash_q64",
-        "attn_prefill_flash_q128",
-        "attn_prefill_flash_wg64",
-        "attn_prefill_flash_wg128",
-        "attn_prefill_flash_wg64_acts",
-        "attn_prefill_flash_wg128_acts",
-        "attn_prefill_flash_wg128ws",
-        "attn_prefill_flash_wg128ws_acts",
-        "attn_prefill_flash_wg128tma",
-        "attn_prefill_flash_wg128tma_acts",
-        "attn_prefill_flash_wg128mc",
-        "attn_prefill_flash_wg128mc_acts",
-    ] {
+    // every flash entry point of the kernel source (cuda::KERNELS)
+    let flash_entries = cuda::KERNELS
+        .iter()
+        .filter(|k| k.name == "attn_prefill")
+        .flat_map(|k| k.entries.iter())
+        .filter(|e| e.starts_with("attn_prefill_flash_"));
+    for &name in flash_entries {
         let f = cx.func(name).expect("func");
         println!(
             "{SEC:<10} {name}: {} registers, {} bytes local memory per thread",
