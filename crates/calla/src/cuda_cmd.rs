@@ -173,6 +173,11 @@ pub struct PrefillFlags {
     /// `GdnPrefillScratch::set_prep_lean`).
     #[arg(long)]
     gdn_prep_old: bool,
+    /// The GDN prefill's lean TF32 prep with its four `Tm` products unbalanced over the warps,
+    /// as before session 54 (`gdnp_prep_tf32`: warp w one 16-row tile, 2 to 8 k-steps; the
+    /// same bits; `GdnPrefillScratch::set_prep_balanced`).
+    #[arg(long)]
+    gdn_prep_unbalanced: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -917,6 +922,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
         });
     }
     cuda::gdn_prefill::set_default_prep_lean(!f.gdn_prep_old);
+    cuda::gdn_prefill::set_default_prep_balanced(!f.gdn_prep_unbalanced);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -953,8 +959,12 @@ struct PrefillKnobs {
     gdn_wgc: bool,
     /// The GDN prep kernel in session 52's lean form (else the form before).
     gdn_prep_lean: bool,
+    /// Its `Tm` products balanced over the warps (session 54; else as before).
+    gdn_prep_bal: bool,
     /// Long prompts' dense GEMMs on the mid tile in place of the wide one.
     mid: bool,
+    /// The 8k chunks' GDN input projections on the big tile in place of the wide one.
+    big_long: bool,
 }
 
 impl PrefillKnobs {
@@ -985,7 +995,9 @@ impl PrefillKnobs {
             gdn_wg: matches!(pf.gdn_math(), cuda::gdn_prefill::GdnPrefillMath::Tf32Wg | cuda::gdn_prefill::GdnPrefillMath::Tf32WgC),
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
             gdn_prep_lean: pf.gdn_prep_lean(),
+            gdn_prep_bal: pf.gdn_prep_balanced(),
             mid: cx.gemm_mid(),
+            big_long: cx.gemm_big_long(),
         }
     }
 
@@ -1005,6 +1017,7 @@ impl PrefillKnobs {
             });
         }
         pf.set_gdn_prep_lean(self.gdn_prep_lean);
+        pf.set_gdn_prep_balanced(self.gdn_prep_bal);
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
             c.set_gemm_group_major(self.group_major);
@@ -1023,6 +1036,7 @@ impl PrefillKnobs {
             c.set_attn_ws(self.attn_ws);
             c.set_gemm_bulk_short(self.bulk_short);
             c.set_gemm_mid(self.mid);
+            c.set_gemm_big_long(self.big_long);
         });
     }
 
@@ -1053,7 +1067,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 25] = [
+const PREFILL_CASES: [PrefillCase; 27] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1077,7 +1091,9 @@ const PREFILL_CASES: [PrefillCase; 25] = [
     PrefillCase { knob: |k| &mut k.gdn_wg, off_name: "GDN state kernel on mma.sync", off_key: "gdn_state_mma_ms", on_name: "GDN state kernel's W·S, Q̂·S on wgmma", on_key: "gdn_state_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_prep_bal, off_name: "GDN prep's Tm products one row tile per warp", off_key: "gdn_prep_unbalanced_ms", on_name: "GDN prep's Tm products balanced over the warps (session 54)", on_key: "gdn_prep_balanced_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
+    PrefillCase { knob: |k| &mut k.big_long, off_name: "8k chunks' tallest dense GEMMs on the wide tile", off_key: "dense_wide_long_ms", on_name: "8k chunks' tallest dense GEMMs on the big tile", on_key: "dense_big_long_ms" },
     PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile as before (Wg128)", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (--attn-ws-form)", on_key: "attn_wg128ws_ms" },
 ];
 

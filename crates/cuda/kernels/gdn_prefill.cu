@@ -521,16 +521,91 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
     }
 }
 
+// tri_mm on the tensor cores with the warps' shares balanced (session 54). tri_mm gives warp w
+// the row tile w & 3 (2, 4, 6 or 8 k-steps: Tm is lower triangular) and 64 columns, so the warps
+// of row tile 3 do four times the work of row tile 0's and the rest wait at the next barrier.
+// Here warp w takes the row tiles P and 3 − P (P = w & 1: 2 + 8 or 4 + 6 k-steps, 10 either
+// way) and the 32 columns 32·(w >> 1) ..; a k-step's B fragments (scalar loads of the k-major X)
+// serve both row tiles while both need them. Every output element meets the same Tm and X
+// values in the same k-step order as in tri_mm (one mma.sync per k-step, from zero), so the
+// same bits. RND / OPR as tri_mm.
+template <bool RND, bool OPR, int P>
+__device__ __forceinline__ void tri_mm_bal_p(float* __restrict__ out, const float* Tm, const float* X, int cq) {
+    constexpr int MA = P, MB = 3 - P;                // row tiles (16 rows each)
+    constexpr int KA = 2 * MA + 2, KB = 2 * MB + 2;  // their k-steps (KA < KB)
+    static_assert(KA < KB && KA + KB == 10, "row tile pairs {0, 3}, {1, 2}");
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    float acc_a[4][4], acc_b[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_a[nt][e] = acc_b[nt][e] = 0.f;
+    const float* ta = ldsm_a_lane<AP>(Tm + 16 * MA * AP);
+    const float* tb = ldsm_a_lane<AP>(Tm + 16 * MB * AP);
+    const float* xb = X + q * XSP + g + 32 * cq;
+    const auto cv = [](float x) { return OPR ? __float_as_uint(x) : to_tf32(x); };
+#pragma unroll
+    for (int ks = 0; ks < KB; ++ks) {
+        unsigned b[4][2];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            b[nt][0] = cv(xb[ks * 8 * XSP + nt * 8]);
+            b[nt][1] = cv(xb[ks * 8 * XSP + 4 * XSP + nt * 8]);
+        }
+        unsigned a[4];
+        ldsm_x4(a, tb + ks * 8);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = cv(__uint_as_float(a[i]));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma_tf32(acc_b[nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
+        if (ks < KA) {
+            ldsm_x4(a, ta + ks * 8);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = cv(__uint_as_float(a[i]));
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) mma_tf32(acc_a[nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
+        }
+    }
+    const auto store = [&](const float (&acc)[4][4], int mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 16 * mt + g + 8 * h, c = 32 * cq + 8 * nt + 2 * q;
+                const float o0 = acc[nt][2 * h], o1 = acc[nt][2 * h + 1];
+                *reinterpret_cast<float2*>(out + (size_t)r * DV + c) =
+                    RND ? make_float2(round_tf32(o0), round_tf32(o1)) : make_float2(o0, o1);
+            }
+    };
+    store(acc_a, MA);
+    store(acc_b, MB);
+}
+template <bool RND, bool OPR>
+__device__ __forceinline__ void tri_mm_bal(float* __restrict__ out, const float* Tm, const float* X, int t) {
+    static_assert(4 * 32 == DV, "four warps' 32-column quarters cover the value (key) columns");
+    const int warp = t >> 5;
+    if (warp & 1) tri_mm_bal_p<RND, OPR, 1>(out, Tm, X, warp >> 1);
+    else tri_mm_bal_p<RND, OPR, 0>(out, Tm, X, warp >> 1);
+}
+
+// tri_mm, or with BAL (TC only) tri_mm_bal: the same products, the same bits.
+template <bool TC, bool RND, bool OPR, bool BAL>
+__device__ __forceinline__ void tri_mm_pick(float* __restrict__ out, const float* Tm, const float* X, int t) {
+    if constexpr (BAL) tri_mm_bal<RND, OPR>(out, Tm, X, t);
+    else tri_mm<TC, RND, OPR>(out, Tm, X, t);
+}
+
 // RX (TC with PRE only): the operands of the four Tm products rounded to TF32 once, where they
 // are stored (β V and β e^γ K̂ as they are scaled into XS, Tm_0 and Tm_1 after the solve), so
 // that tri_mm loads them without a cvt.rna (about four instructions per element on sm_90), and
 // A_h and P_h made in one pass that computes each decay factor e^{γ_h[r] − γ_h[m]} once for both
 // (the form before computed A in warps 0-3 and P in warps 4-7, each factor twice). The same
 // values reach the tensor cores and the same expressions make A and P, so the same bits.
+// BAL (TC only; session 54): the four Tm products with the warps' shares balanced (tri_mm_bal).
 // `ablate` (measurement only; 0 in every real call): bits 1, 2, 4, 8 leave out the solve, the
 // four Tm products, the A and P element loops, the Gram products (the outputs are then wrong;
 // the time they save is their cost in place).
-template <bool TC, bool PRE = true, bool RX = false>
+template <bool TC, bool PRE = true, bool RX = false, bool BAL = false>
 __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out,
                                           float* __restrict__ gam_out, float* __restrict__ conv_state,
                                           const float* __restrict__ qn, const float* __restrict__ kn,
@@ -724,39 +799,41 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
     // loads are issued before U_0's product (other rows of vb) and land during it.
     const bool mm = !(ablate & 2);
     if constexpr (TC) load_chunk(vr, vb + v1, DV, t);
-    if (mm) tri_mm<TC, false, RS>(vb + v0, A0, XS, t);
+    if (mm) tri_mm_pick<TC, false, RS, BAL>(vb + v0, A0, XS, t);
     __syncthreads();
     if constexpr (TC) store_chunk_scaled<RS>(XS, vr, BET + CH, t);
     else scale_rows(XS, vb + v1, DV, BET + CH, t);
     __syncthreads();
-    if (mm) tri_mm<TC, false, RS>(vb + v1, A1, XS, t);
+    if (mm) tri_mm_pick<TC, false, RS, BAL>(vb + v1, A1, XS, t);
     __syncthreads();
     scale_rows<RS>(XS, KS, KSP, BEG, t);
     __syncthreads();
-    if (mm) tri_mm<TC, PRE, RS>(w_out + v0, A0, XS, t);
+    if (mm) tri_mm_pick<TC, PRE, RS, BAL>(w_out + v0, A0, XS, t);
     __syncthreads();
     scale_rows<RS>(XS, KS, KSP, BEG + CH, t);
     __syncthreads();
-    if (mm) tri_mm<TC, PRE, RS>(w_out + v1, A1, XS, t);
+    if (mm) tri_mm_pick<TC, PRE, RS, BAL>(w_out + v1, A1, XS, t);
 }
 
 }  // namespace calla_gdnp
 
 // The prep entry points (grid (n_k, NC), 256 threads, PB_FLOATS floats of dynamic shared memory).
 // gdnp_prep_tf32 is session 52's lean form (RX: the Tm products' operands rounded where stored,
-// A and P in one pass), gdnp_prep_tf32lx its measured twin, the form before: the same bits.
-#define CALLA_GDNP_PREP_ENTRY(NAME, TC, PRE, RX)                                                                  \
+// A and P in one pass), gdnp_prep_tf32lx its measured twin, the form before; gdnp_prep_tf32b is
+// the lean form with the Tm products balanced over the warps (BAL, session 54). The same bits.
+#define CALLA_GDNP_PREP_ENTRY(NAME, TC, PRE, RX, BAL)                                                                \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
     NAME(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out, \
          float* __restrict__ conv_state, const float* __restrict__ qn, const float* __restrict__ kn,                \
          const float* __restrict__ g_in, const float* __restrict__ beta_in, const float* __restrict__ proj, int T,  \
          int Tpad, int NC, int ablate) {                                                                            \
-        calla_gdnp::prep_body<TC, PRE, RX>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, T,   \
-                                           Tpad, NC, ablate);                                                       \
+        calla_gdnp::prep_body<TC, PRE, RX, BAL>(vb, w_out, p_out, gam_out, conv_state, qn, kn, g_in, beta_in, proj, \
+                                                T, Tpad, NC, ablate);                                               \
     }
-CALLA_GDNP_PREP_ENTRY(gdnp_prep_f32, false, true, false)
-CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32, true, true, true)
-CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32lx, true, true, false)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_f32, false, true, false, false)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32b, true, true, true, true)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32, true, true, true, false)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32lx, true, true, false, false)
 
 // =====================================================================================
 // gdnp_state_{f32,tf32,tf32wg,tf32wgc}: grid (n_v · SPLIT), 256 (f32) or 512 (tf32*) threads,
@@ -1434,7 +1511,7 @@ gdnp_norm_acts(unsigned* __restrict__ xb, const float* __restrict__ o_in, const 
 
 // The TF32 path as before session 24, every tensor-core operand rounded on load (PRE = false):
 // the measured twin of gdnp_prep_tf32 / gdnp_state_tf32 (GdnPrefillMath::Tf32Old).
-CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32old, true, false, false)
+CALLA_GDNP_PREP_ENTRY(gdnp_prep_tf32old, true, false, false, false)
 extern "C" __global__ void __launch_bounds__(512, 1)
 gdnp_state_tf32old(float* __restrict__ out, float* __restrict__ s_state, const float* __restrict__ qn,
                 const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,

@@ -79,17 +79,16 @@ pub enum GdnPrefillMath {
 
 impl GdnPrefillMath {
     /// The prep entry point; `lean` picks, on the TF32 forms that pre-round their operands,
-    /// session 52's form ([`GdnPrefillScratch::set_prep_lean`]).
-    fn prep(self, lean: bool) -> &'static str {
+    /// session 52's form ([`GdnPrefillScratch::set_prep_lean`]), and `balanced` that form
+    /// with its `Tm` products balanced over the warps ([`GdnPrefillScratch::set_prep_balanced`]).
+    fn prep(self, lean: bool, balanced: bool) -> &'static str {
         match self {
             GdnPrefillMath::F32 => "gdnp_prep_f32",
-            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => {
-                if lean {
-                    "gdnp_prep_tf32"
-                } else {
-                    "gdnp_prep_tf32lx"
-                }
-            }
+            GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => match (lean, balanced) {
+                (true, true) => "gdnp_prep_tf32b",
+                (true, false) => "gdnp_prep_tf32",
+                (false, _) => "gdnp_prep_tf32lx",
+            },
             GdnPrefillMath::Tf32Old => "gdnp_prep_tf32old",
         }
     }
@@ -162,6 +161,18 @@ pub fn set_default_prep_lean(on: bool) {
     DEFAULT_PREP_LEAN.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether new scratches' lean TF32 prep runs its `Tm` products balanced over the warps
+/// ([`GdnPrefillScratch::set_prep_balanced`]); on unless [`set_default_prep_balanced`] turned
+/// it off.
+static DEFAULT_PREP_BALANCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// The [`GdnPrefillScratch::set_prep_balanced`] setting of every scratch created afterwards
+/// (process-wide, as [`set_default_math`]; `calla cuda-bench | cuda-check
+/// --gdn-prep-unbalanced`).
+pub fn set_default_prep_balanced(on: bool) {
+    DEFAULT_PREP_BALANCED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
 /// (`Tp` = `max_t` rounded up to a multiple of 64): `q̂, k̂` `[n_k, Tp, d_k]`, `v`/`U` and `W`
 /// `[n_v, Tp, d_v]`, `P` `[n_v, Tp/64, 64, 64]`, `g, β, γ` `[n_v, Tp]`, all f32
@@ -171,6 +182,7 @@ pub struct GdnPrefillScratch {
     max_t: usize,
     math: GdnPrefillMath,
     prep_lean: bool,
+    prep_balanced: bool,
     prep_ablate: i32,
     stages: u8,
     q: CudaSlice<f32>,
@@ -216,6 +228,23 @@ impl GdnPrefillScratch {
     /// Whether [`Self::set_prep_lean`] is on.
     pub fn prep_lean(&self) -> bool {
         self.prep_lean
+    }
+
+    /// The lean TF32 prep's four `Tm` products (`U_h = Tm_h·β_h V_h`, `W_h = Tm_h·β_h e^γ K̂`,
+    /// 64 × 64 lower-triangular times 64 × 128) with the warps' shares balanced. `on`
+    /// (`gdnp_prep_tf32b`, the default since session 54): warp `w` takes the 16-row tiles
+    /// `w & 1` and `3 − (w & 1)` (10 of the triangle's k-steps either way) and 32 columns, a
+    /// k-step's B fragments serving both tiles. `off` (`gdnp_prep_tf32`, the twin): warp `w`
+    /// takes row tile `w & 3` and 64 columns, so row tile 3's warps do four times row tile 0's
+    /// k-steps. Each output meets the same operands in the same k-step order either way, so
+    /// the same bits (self-test `gdnpre`). Only with [`Self::set_prep_lean`] on.
+    pub fn set_prep_balanced(&mut self, on: bool) {
+        self.prep_balanced = on;
+    }
+
+    /// Whether [`Self::set_prep_balanced`] is on.
+    pub fn prep_balanced(&self) -> bool {
+        self.prep_balanced
     }
 
     /// Measurement only: the prep kernel leaves out the parts whose bits are set (1 the
@@ -265,6 +294,7 @@ impl CudaContext {
         for (name, bytes) in [
             ("gdnp_prep_f32", PREP_FLOATS * 4),
             ("gdnp_prep_tf32", PREP_FLOATS * 4),
+            ("gdnp_prep_tf32b", PREP_FLOATS * 4),
             ("gdnp_prep_tf32lx", PREP_FLOATS * 4),
             ("gdnp_prep_tf32old", PREP_FLOATS * 4),
             ("gdnp_state_f32", GdnPrefillMath::F32.state_smem()),
@@ -281,6 +311,7 @@ impl CudaContext {
             max_t,
             math: DEFAULT_CHOICES[DEFAULT_MATH.load(std::sync::atomic::Ordering::Relaxed) as usize % DEFAULT_CHOICES.len()],
             prep_lean: DEFAULT_PREP_LEAN.load(std::sync::atomic::Ordering::Relaxed),
+            prep_balanced: DEFAULT_PREP_BALANCED.load(std::sync::atomic::Ordering::Relaxed),
             prep_ablate: 0,
             stages: 0b1111,
             q: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
@@ -456,7 +487,7 @@ impl CudaContext {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: (PREP_FLOATS * 4) as u32,
             };
-            let mut b = self.kernel(self.func(math.prep(sc.prep_lean))?);
+            let mut b = self.kernel(self.func(math.prep(sc.prep_lean, sc.prep_balanced))?);
             b.ptr_mut(&mut sc.vu)
                 .ptr_mut(&mut sc.w)
                 .ptr_mut(&mut sc.p)

@@ -195,6 +195,15 @@ pub fn set_default_gemm_ws(on: bool) {
     DEFAULT_GEMM_WS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// [`CudaContext::set_gemm_big_long`]: the fewest weight rows of a dense product that takes
+/// the big tile instead of the wide one (the GDN input projection's 12,352 do; attention's
+/// q|gate|k|v, 9,216, ran faster on the wide tile at 8k in session 53's self-test).
+pub const BIG_LONG_ROWS: usize = 10_240;
+
+/// [`CudaContext::set_gemm_big_long`]: the fewest tokens of a chunk whose products take it (the
+/// only length measured, a whole 8k chunk).
+pub const BIG_LONG_TOKENS: usize = 8_192;
+
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_wide`] on (the process
 /// default, [`set_default_gemm_wide`]; on unless set).
 pub fn default_gemm_wide() -> bool {
@@ -783,6 +792,25 @@ impl CudaContext {
         self.gemm_mid.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Lets the automatic choice of a dense GEMM's tile take [`GemmTile::Big`] (256 weight rows
+    /// × 128 tokens) instead of the wide tile for products of at least [`BIG_LONG_ROWS`] rows
+    /// (not SwiGLU) over at least [`BIG_LONG_TOKENS`] tokens (`true`; `false`, the default):
+    /// the GDN input projection (12,352 × 2,048) of an 8k chunk, which session 53's self-test
+    /// timed at 741.1 µs on the big tile against 762.6 µs on the wide one (an H100), while
+    /// every other dense shape there ran faster on the wide tile. The same bits unsplit, as
+    /// [`Self::set_gemm_wide`]. For measurement (`calla cuda-bench --prefill-compare`, case
+    /// `dense_big_long_ms`); a [`CudaContext::sibling`] copies the setting.
+    #[doc(hidden)]
+    pub fn set_gemm_big_long(&self, on: bool) {
+        self.gemm_big_long.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_big_long`].
+    #[doc(hidden)]
+    pub fn gemm_big_long(&self) -> bool {
+        self.gemm_big_long.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Lets the automatic choice of a grouped expert GEMM's tile ([`MoeRouting::force`] `None`)
     /// take [`GemmTile::Wide`] from 192 entries per expert on (`true`; `false`, the default,
     /// [`default_gemm_wide_grouped`]). The same bits, as [`Self::set_gemm_wide`]; a
@@ -1191,6 +1219,9 @@ impl CudaContext {
     /// (tall ≈ 0.9, small ≈ 0.76 of big at the same work).
     fn choose_dense(&self, n: usize, t: usize, swiglu: bool) -> GemmVariant {
         if self.gemm_wide() && t >= GemmTile::Wide.tokens() {
+            if self.gemm_big_long() && !swiglu && n >= BIG_LONG_ROWS && t >= BIG_LONG_TOKENS {
+                return GemmVariant { engine: self.auto_engine(), tile: GemmTile::Big };
+            }
             let tile = if self.gemm_mid() { GemmTile::Mid } else { GemmTile::Wide };
             return GemmVariant { engine: self.auto_engine(), tile };
         }

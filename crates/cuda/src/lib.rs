@@ -243,7 +243,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "gdn_prefill",
         src: include_str!("../kernels/gdn_prefill.cu"),
-        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_prep_tf32lx", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_norm_acts", "gdnp_prep_tf32old", "gdnp_state_tf32old", "gdnp_state_tf32wg", "gdnp_state_tf32wgc"],
+        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_prep_tf32b", "gdnp_prep_tf32lx", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_norm_acts", "gdnp_prep_tf32old", "gdnp_state_tf32old", "gdnp_state_tf32wg", "gdnp_state_tf32wgc"],
     },
     KernelSource {
         name: "attention",
@@ -638,6 +638,9 @@ pub struct CudaContext {
     /// Whether long prompts' dense products take the mid tile instead of the wide one
     /// ([`CudaContext::set_gemm_mid`]).
     pub(crate) gemm_mid: std::sync::atomic::AtomicBool,
+    /// Whether the longest chunks' tallest dense products take the big tile instead of the
+    /// wide one ([`CudaContext::set_gemm_big_long`]).
+    pub(crate) gemm_big_long: std::sync::atomic::AtomicBool,
     /// Whether long prompts' grouped expert products may take the wide tile
     /// ([`CudaContext::set_gemm_wide_grouped`]).
     pub(crate) gemm_wide_grouped: std::sync::atomic::AtomicBool,
@@ -811,6 +814,7 @@ impl CudaContext {
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
             gemm_mid: std::sync::atomic::AtomicBool::new(false),
+            gemm_big_long: std::sync::atomic::AtomicBool::new(false),
             gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
             attn_causal_split: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_causal_split()),
             attn_ws: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_ws()),
@@ -885,6 +889,7 @@ impl CudaContext {
             gemm_ws: copy(&self.gemm_ws),
             gemm_wide: copy(&self.gemm_wide),
             gemm_mid: copy(&self.gemm_mid),
+            gemm_big_long: copy(&self.gemm_big_long),
             gemm_wide_grouped: copy(&self.gemm_wide_grouped),
             attn_causal_split: copy(&self.attn_causal_split),
             attn_ws: copy(&self.attn_ws),

@@ -286,6 +286,19 @@ impl Prefiller {
         self.gdn.set_prep_lean(on);
     }
 
+    /// Whether the lean prep's `Tm` products are balanced over the warps
+    /// ([`GdnPrefillScratch::set_prep_balanced`]).
+    pub fn gdn_prep_balanced(&self) -> bool {
+        self.gdn.prep_balanced()
+    }
+
+    /// Sets [`GdnPrefillScratch::set_prep_balanced`] for later chunks (measurement;
+    /// `calla cuda-bench --prefill-compare`).
+    #[doc(hidden)]
+    pub fn set_gdn_prep_balanced(&mut self, on: bool) {
+        self.gdn.set_prep_balanced(on);
+    }
+
     /// Applies a context setting `f` to `cx` (the context this prefiller runs on) and to the
     /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
     /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of

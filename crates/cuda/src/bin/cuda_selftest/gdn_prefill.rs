@@ -262,6 +262,19 @@ fn run_case(
                 let (o_ld, s_ld) = (cx.download_f32(&outd2).unwrap(), cx.download_f32(&sd2).unwrap());
                 let c = same_words(&o_rs, &s_rs, &o_ld, &s_ld);
                 s.record(SEC, &format!("T={t:<4} {label} tf32 prep rounding at store = at load, bit for bit"), &c, "");
+                // the lean prep's Tm products one row tile per warp (gdnp_prep_tf32) instead of
+                // balanced over the warps (the default): each output meets the same operands in
+                // the same k-step order, so the same words again
+                let bal = scratch.prep_balanced();
+                scratch.set_prep_balanced(!bal);
+                let mut convd = upload_guarded(cx, conv0);
+                let mut sd3 = upload_guarded(cx, s0);
+                let mut outd3 = guarded(cx, t * GDN_OUT);
+                gpu_call(cx, wd, scratch, &x, t, &mut convd, &mut sd3, &mut outd3, 0);
+                scratch.set_prep_balanced(bal);
+                let (o_ub, s_ub) = (cx.download_f32(&outd3).unwrap(), cx.download_f32(&sd3).unwrap());
+                let c = same_words(&o_rs, &s_rs, &o_ub, &s_ub);
+                s.record(SEC, &format!("T={t:<4} {label} tf32 prep products balanced = one row tile per warp, bit for bit"), &c, "");
                 tf32_mma = Some((o_rs, s_rs));
             }
             GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC => {
@@ -593,8 +606,9 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                 // pass: the default; rounded at each load: the twin), each also with each of
                 // its parts left out (ablate bits; the outputs are then wrong)
                 scratch.set_stage_mask(0b0010);
-                for rx in [true, false] {
+                for (rx, bal) in [(true, true), (true, false), (false, false)] {
                     scratch.set_prep_lean(rx);
+                    scratch.set_prep_balanced(bal);
                     let whole = s.time_graph(reps, || call(t, &mut scratch, &mut outd, &mut convd, &mut sd)) * 1e6;
                     let mut parts = Vec::new();
                     for (bit, what) in [(1, "solve"), (2, "Tm products"), (4, "A, P loops"), (8, "Gram products")] {
@@ -603,16 +617,25 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                         parts.push((what, bit, us));
                     }
                     scratch.set_prep_ablate(0);
-                    let form = if rx { "rounded where stored, A and P in one pass" } else { "rounded at each load (twin)" };
+                    let form = match (rx, bal) {
+                        (true, true) => "rounded where stored, A and P in one pass, products balanced",
+                        (true, false) => "rounded where stored, A and P in one pass, one row tile per warp (twin)",
+                        _ => "rounded at each load (twin)",
+                    };
                     let list: Vec<String> = parts.iter().map(|(w, _, us)| format!("without {w} {us:.0} ({:+.0})", us - whole)).collect();
                     println!("gdn_prefill prep T={t:<5} {form}: {whole:.0} us; {}", list.join(", "));
-                    let key = if rx { "rx" } else { "lx" };
+                    let key = match (rx, bal) {
+                        (true, true) => "rxb",
+                        (true, false) => "rx",
+                        _ => "lx",
+                    };
                     st_json.push_str(&format!(",\"us_prep_{key}\":{whole:.1}"));
                     for (_, bit, us) in &parts {
                         st_json.push_str(&format!(",\"us_prep_{key}_ablate_{bit}\":{us:.1}"));
                     }
                 }
                 scratch.set_prep_lean(true);
+                scratch.set_prep_balanced(true);
                 scratch.set_stage_mask(0b1111);
                 convd = cx.upload_f32(&rand_f32s(GDN_CONV_STATE_LEN, 0xA0, 1.0)).unwrap();
                 sd = cx.upload_f32(&rand_f32s(GDN_STATE_LEN, 0xB0, 0.3)).unwrap();
