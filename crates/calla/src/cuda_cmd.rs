@@ -173,11 +173,12 @@ pub struct PrefillFlags {
     /// `GdnPrefillScratch::set_prep_lean`).
     #[arg(long)]
     gdn_prep_old: bool,
-    /// The GDN prefill's lean TF32 prep with its four `Tm` products unbalanced over the warps,
-    /// as before session 54 (`gdnp_prep_tf32`: warp w one 16-row tile, 2 to 8 k-steps; the
-    /// same bits; `GdnPrefillScratch::set_prep_balanced`).
+    /// The GDN prefill's lean TF32 prep with its four `Tm` products balanced over the warps
+    /// (`gdnp_prep_tf32b`, session 54: warp w the 16-row tiles w & 1 and 3 − (w & 1), 10
+    /// k-steps either way, where the default gives warp w one tile of 2 to 8; the same bits
+    /// expected; not yet run on a GPU; `GdnPrefillScratch::set_prep_balanced`).
     #[arg(long)]
-    gdn_prep_unbalanced: bool,
+    gdn_prep_balanced: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -922,7 +923,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
         });
     }
     cuda::gdn_prefill::set_default_prep_lean(!f.gdn_prep_old);
-    cuda::gdn_prefill::set_default_prep_balanced(!f.gdn_prep_unbalanced);
+    cuda::gdn_prefill::set_default_prep_balanced(f.gdn_prep_balanced);
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -959,7 +960,7 @@ struct PrefillKnobs {
     gdn_wgc: bool,
     /// The GDN prep kernel in session 52's lean form (else the form before).
     gdn_prep_lean: bool,
-    /// Its `Tm` products balanced over the warps (session 54; else as before).
+    /// Its `Tm` products balanced over the warps (session 54; else one row tile per warp).
     gdn_prep_bal: bool,
     /// Long prompts' dense GEMMs on the mid tile in place of the wide one.
     mid: bool,

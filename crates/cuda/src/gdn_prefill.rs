@@ -162,13 +162,13 @@ pub fn set_default_prep_lean(on: bool) {
 }
 
 /// Whether new scratches' lean TF32 prep runs its `Tm` products balanced over the warps
-/// ([`GdnPrefillScratch::set_prep_balanced`]); on unless [`set_default_prep_balanced`] turned
-/// it off.
-static DEFAULT_PREP_BALANCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// ([`GdnPrefillScratch::set_prep_balanced`]); off unless [`set_default_prep_balanced`] turned
+/// it on (the form has not yet run on a GPU).
+static DEFAULT_PREP_BALANCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The [`GdnPrefillScratch::set_prep_balanced`] setting of every scratch created afterwards
 /// (process-wide, as [`set_default_math`]; `calla cuda-bench | cuda-check
-/// --gdn-prep-unbalanced`).
+/// --gdn-prep-balanced`).
 pub fn set_default_prep_balanced(on: bool) {
     DEFAULT_PREP_BALANCED.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -232,12 +232,13 @@ impl GdnPrefillScratch {
 
     /// The lean TF32 prep's four `Tm` products (`U_h = Tm_h·β_h V_h`, `W_h = Tm_h·β_h e^γ K̂`,
     /// 64 × 64 lower-triangular times 64 × 128) with the warps' shares balanced. `on`
-    /// (`gdnp_prep_tf32b`, the default since session 54): warp `w` takes the 16-row tiles
-    /// `w & 1` and `3 − (w & 1)` (10 of the triangle's k-steps either way) and 32 columns, a
-    /// k-step's B fragments serving both tiles. `off` (`gdnp_prep_tf32`, the twin): warp `w`
-    /// takes row tile `w & 3` and 64 columns, so row tile 3's warps do four times row tile 0's
-    /// k-steps. Each output meets the same operands in the same k-step order either way, so
-    /// the same bits (self-test `gdnpre`). Only with [`Self::set_prep_lean`] on.
+    /// (`gdnp_prep_tf32b`, session 54, opt-in: not yet run on a GPU): warp `w` takes the 16-row
+    /// tiles `w & 1` and `3 − (w & 1)` (10 of the triangle's k-steps either way) and 32
+    /// columns, a k-step's B fragments serving both tiles. `off` (`gdnp_prep_tf32`, the
+    /// default): warp `w` takes row tile `w & 3` and 64 columns, so row tile 3's warps do four
+    /// times row tile 0's k-steps. Each output meets the same operands in the same k-step order
+    /// either way, so the same bits are expected (self-test `gdnpre` checks them word for
+    /// word). Only with [`Self::set_prep_lean`] on.
     pub fn set_prep_balanced(&mut self, on: bool) {
         self.prep_balanced = on;
     }

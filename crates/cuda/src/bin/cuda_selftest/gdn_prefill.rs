@@ -262,9 +262,9 @@ fn run_case(
                 let (o_ld, s_ld) = (cx.download_f32(&outd2).unwrap(), cx.download_f32(&sd2).unwrap());
                 let c = same_words(&o_rs, &s_rs, &o_ld, &s_ld);
                 s.record(SEC, &format!("T={t:<4} {label} tf32 prep rounding at store = at load, bit for bit"), &c, "");
-                // the lean prep's Tm products one row tile per warp (gdnp_prep_tf32) instead of
-                // balanced over the warps (the default): each output meets the same operands in
-                // the same k-step order, so the same words again
+                // the lean prep's Tm products balanced over the warps (gdnp_prep_tf32b) against
+                // one row tile per warp (gdnp_prep_tf32), whichever is the default: each output
+                // meets the same operands in the same k-step order, so the same words again
                 let bal = scratch.prep_balanced();
                 scratch.set_prep_balanced(!bal);
                 let mut convd = upload_guarded(cx, conv0);
@@ -606,6 +606,7 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                 // pass: the default; rounded at each load: the twin), each also with each of
                 // its parts left out (ablate bits; the outputs are then wrong)
                 scratch.set_stage_mask(0b0010);
+                let bal0 = scratch.prep_balanced();
                 for (rx, bal) in [(true, true), (true, false), (false, false)] {
                     scratch.set_prep_lean(rx);
                     scratch.set_prep_balanced(bal);
@@ -618,8 +619,8 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                     }
                     scratch.set_prep_ablate(0);
                     let form = match (rx, bal) {
-                        (true, true) => "rounded where stored, A and P in one pass, products balanced",
-                        (true, false) => "rounded where stored, A and P in one pass, one row tile per warp (twin)",
+                        (true, true) => "rounded where stored, A and P in one pass, products balanced (session 54)",
+                        (true, false) => "rounded where stored, A and P in one pass, one row tile per warp",
                         _ => "rounded at each load (twin)",
                     };
                     let list: Vec<String> = parts.iter().map(|(w, _, us)| format!("without {w} {us:.0} ({:+.0})", us - whole)).collect();
@@ -635,7 +636,7 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                     }
                 }
                 scratch.set_prep_lean(true);
-                scratch.set_prep_balanced(true);
+                scratch.set_prep_balanced(bal0);
                 scratch.set_stage_mask(0b1111);
                 convd = cx.upload_f32(&rand_f32s(GDN_CONV_STATE_LEN, 0xA0, 1.0)).unwrap();
                 sd = cx.upload_f32(&rand_f32s(GDN_STATE_LEN, 0xB0, 0.3)).unwrap();
