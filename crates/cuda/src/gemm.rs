@@ -798,8 +798,10 @@ impl CudaContext {
     /// the GDN input projection (12,352 × 2,048) of an 8k chunk, which session 53's self-test
     /// timed at 741.1 µs on the big tile against 762.6 µs on the wide one (an H100), while
     /// every other dense shape there ran faster on the wide tile. The same bits unsplit, as
-    /// [`Self::set_gemm_wide`]. For measurement (`calla cuda-bench --prefill-compare`, case
-    /// `dense_big_long_ms`); a [`CudaContext::sibling`] copies the setting.
+    /// [`Self::set_gemm_wide`]. Where [`Self::set_gemm_mid`] is on too, these products take the
+    /// big tile and the others the mid one. For measurement (`calla cuda-bench
+    /// --prefill-compare`, case `dense_big_long_ms`); a [`CudaContext::sibling`] copies the
+    /// setting.
     #[doc(hidden)]
     pub fn set_gemm_big_long(&self, on: bool) {
         self.gemm_big_long.store(on, std::sync::atomic::Ordering::Relaxed);
