@@ -1710,6 +1710,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
     out["gemm_staged_epilogue"] = serde_json::json!(!f.gemm_epilogue_direct);
+    out["gdn_prep_balanced"] = serde_json::json!(f.gdn_prep_balanced);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;
