@@ -455,6 +455,23 @@ __device__ __forceinline__ void scale_rows(float* dst, const float* src, int sst
     store_chunk_scaled<RND>(dst, r, scale, t);
 }
 
+// A warp's 16 x 8·NT block of mma accumulators (warp_mma's C layout: acc[nt] is the n-tile of
+// columns col0 + 8·nt ..) stored at rows row0 .. of out (global, row stride DV), a float2 per lane
+// and row; RND: TF32-rounded.
+template <int NT, bool RND>
+__device__ __forceinline__ void store_acc_tile(float* __restrict__ out, const float (&acc)[NT][4], int row0, int col0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + g + 8 * h, c = col0 + 8 * nt + 2 * q;
+            const float o0 = acc[nt][2 * h], o1 = acc[nt][2 * h + 1];
+            *reinterpret_cast<float2*>(out + (size_t)r * DV + c) =
+                RND ? make_float2(round_tf32(o0), round_tf32(o1)) : make_float2(o0, o1);
+        }
+}
+
 // out (global, 64 rows of stride DV) = Tm (stride AP, lower triangular) · X (64 x 128, stride
 // XSP); 256 threads. Warps skip the k range above their rows.
 // RND (TC only): store the products TF32-rounded (W, an mma operand of gdnp_state_tf32 only).
@@ -470,16 +487,7 @@ __device__ __forceinline__ void tri_mm(float* __restrict__ out, const float* Tm,
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
         warp_mma<8, AP, 1, XSP, 1, OPR, OPR, true, false>(acc, Tm + 16 * mt * AP, X + 64 * nh, 2 * mt + 2);
-        const int lane = t & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = 16 * mt + g + 8 * h, c = 64 * nh + 8 * nt + 2 * q;
-                const float o0 = acc[nt][2 * h], o1 = acc[nt][2 * h + 1];
-                *reinterpret_cast<float2*>(out + (size_t)r * DV + c) =
-                    RND ? make_float2(round_tf32(o0), round_tf32(o1)) : make_float2(o0, o1);
-            }
+        store_acc_tile<8, RND>(out, acc, 16 * mt, 64 * nh);
     } else {
         const int rt = t >> 4, ct = t & 15, mend = 8 * warp + 8;
         float acc[4][8];
@@ -566,19 +574,8 @@ __device__ __forceinline__ void tri_mm_bal_p(float* __restrict__ out, const floa
             for (int nt = 0; nt < 4; ++nt) mma_tf32(acc_a[nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
         }
     }
-    const auto store = [&](const float (&acc)[4][4], int mt) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = 16 * mt + g + 8 * h, c = 32 * cq + 8 * nt + 2 * q;
-                const float o0 = acc[nt][2 * h], o1 = acc[nt][2 * h + 1];
-                *reinterpret_cast<float2*>(out + (size_t)r * DV + c) =
-                    RND ? make_float2(round_tf32(o0), round_tf32(o1)) : make_float2(o0, o1);
-            }
-    };
-    store(acc_a, MA);
-    store(acc_b, MB);
+    store_acc_tile<4, RND>(out, acc_a, 16 * MA, 32 * cq);
+    store_acc_tile<4, RND>(out, acc_b, 16 * MB, 32 * cq);
 }
 template <bool RND, bool OPR>
 __device__ __forceinline__ void tri_mm_bal(float* __restrict__ out, const float* Tm, const float* X, int t) {
