@@ -179,6 +179,12 @@ pub struct PrefillFlags {
     /// expected; not yet run on a GPU; `GdnPrefillScratch::set_prep_balanced`).
     #[arg(long)]
     gdn_prep_balanced: bool,
+    /// The GDN prefill's gated norm inside its state kernel (`gdnp_state_tf32wgcn`, session 55:
+    /// the four blocks of a V head as a cluster exchange their rows' partial sums of squares and
+    /// write out_proj's bf16 activations themselves; no `gdnp_norm_acts` launch; the same bits
+    /// expected; not yet run on a GPU; `GdnPrefillScratch::set_fused_norm`).
+    #[arg(long)]
+    gdn_fused_norm: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -924,6 +930,17 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     }
     cuda::gdn_prefill::set_default_prep_lean(!f.gdn_prep_old);
     cuda::gdn_prefill::set_default_prep_balanced(f.gdn_prep_balanced);
+    cuda::gdn_prefill::set_default_fused_norm(f.gdn_fused_norm);
+    if f.gdn_fused_norm {
+        match cx.gdn_fused_norm_clusters() {
+            Ok(n) if n as usize >= p::N_V_HEADS => {}
+            Ok(n) => eprintln!(
+                "warning: --gdn-fused-norm: this GPU holds {n} of the state kernel's {} clusters at once; the rest run in a second wave",
+                p::N_V_HEADS
+            ),
+            Err(e) => eprintln!("warning: --gdn-fused-norm: cannot count the state kernel's clusters: {e}"),
+        }
+    }
     cuda::gemm::set_default_moe_slot_bf16(!f.moe_slot_f32);
     cx.set_moe_slot_bf16(!f.moe_slot_f32);
 }
@@ -962,6 +979,8 @@ struct PrefillKnobs {
     gdn_prep_lean: bool,
     /// Its `Tm` products balanced over the warps (session 54; else one row tile per warp).
     gdn_prep_bal: bool,
+    /// The GDN gated norm inside the state kernel (session 55; else `gdnp_norm_acts`).
+    gdn_fnorm: bool,
     /// Long prompts' dense GEMMs on the mid tile in place of the wide one.
     mid: bool,
     /// The 8k chunks' GDN input projections on the big tile in place of the wide one.
@@ -997,6 +1016,7 @@ impl PrefillKnobs {
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
             gdn_prep_lean: pf.gdn_prep_lean(),
             gdn_prep_bal: pf.gdn_prep_balanced(),
+            gdn_fnorm: pf.gdn_fused_norm(),
             mid: cx.gemm_mid(),
             big_long: cx.gemm_big_long(),
         }
@@ -1019,6 +1039,7 @@ impl PrefillKnobs {
         }
         pf.set_gdn_prep_lean(self.gdn_prep_lean);
         pf.set_gdn_prep_balanced(self.gdn_prep_bal);
+        pf.set_gdn_fused_norm(self.gdn_fnorm);
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
             c.set_gemm_group_major(self.group_major);
@@ -1068,7 +1089,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 27] = [
+const PREFILL_CASES: [PrefillCase; 28] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1093,6 +1114,7 @@ const PREFILL_CASES: [PrefillCase; 27] = [
     PrefillCase { knob: |k| &mut k.gdn_wgc, off_name: "GDN state kernel's chunk update on mma.sync", off_key: "gdn_state_update_mma_ms", on_name: "GDN state kernel's chunk update on wgmma too", on_key: "gdn_state_update_wgmma_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_bal, off_name: "GDN prep's Tm products one row tile per warp", off_key: "gdn_prep_unbalanced_ms", on_name: "GDN prep's Tm products balanced over the warps (session 54)", on_key: "gdn_prep_balanced_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_fnorm, off_name: "GDN gated norm as its own kernel", off_key: "gdn_norm_kernel_ms", on_name: "GDN gated norm inside the state kernel (session 55)", on_key: "gdn_fused_norm_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
     PrefillCase { knob: |k| &mut k.big_long, off_name: "8k chunks' tallest dense GEMMs on the wide tile", off_key: "dense_wide_long_ms", on_name: "8k chunks' tallest dense GEMMs on the big tile", on_key: "dense_big_long_ms" },
     PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile as before (Wg128)", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (--attn-ws-form)", on_key: "attn_wg128ws_ms" },
@@ -1711,6 +1733,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
     out["gemm_staged_epilogue"] = serde_json::json!(!f.gemm_epilogue_direct);
     out["gdn_prep_balanced"] = serde_json::json!(f.gdn_prep_balanced);
+    out["gdn_fused_norm"] = serde_json::json!(f.gdn_fused_norm);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;

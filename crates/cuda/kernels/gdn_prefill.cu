@@ -21,7 +21,10 @@
 //                    S ← e^{γ_C} S + K̂ᵀ (diag(e^{γ_C−γ}) V').
 //                  Writes O (before the norm) into out. Chunk inputs are prefetched with
 //                  cp.async one phase ahead.
-//   gdnp_norm      gated RMSNorm of out in place: norm_w ⊙ o/rms(o) ⊙ SiLU(z), per V head.
+//   gdnp_norm      gated RMSNorm of out in place: norm_w ⊙ o/rms(o) ⊙ SiLU(z), per V head
+//                  (gdnp_norm_acts: into out_proj's bf16 activations). gdnp_state_tf32wgcn
+//                  does that norm itself, its four blocks of a V head as a cluster ("the
+//                  gated norm inside the state kernel" below): three launches then.
 //
 // _f32 variants: every product on the CUDA cores in fp32. _tf32 variants: the matrix products
 // on the tensor cores (mma.sync m16n8k8, operands rounded to TF32 with cvt.rna, fp32
@@ -172,6 +175,11 @@ __device__ __forceinline__ void warp_mma_k(float (&acc)[NT][4], const float* A, 
 __device__ __forceinline__ void cp16(float* smem, const float* gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+// 8 bytes (both addresses 8-byte aligned; through L1, as .cg takes only 16)
+__device__ __forceinline__ void cp8(float* smem, const float* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -901,6 +909,22 @@ __device__ __forceinline__ void s_pos(int e, int t, int& r, int& c) {
     }
 }
 
+// ---- the gated RMSNorm's arithmetic in one fixed order (MODEL.md §3.5 step 8: out = norm_w ⊙
+// o / sqrt(mean(o²) + eps) ⊙ SiLU(z), per V head of DV = 128 columns), shared by gdnp_norm,
+// gdnp_norm_acts and the state kernel that normalizes its own output (gdnp_state_tf32wgcn),
+// so that they give the same bits. Σo²: the column pairs (2p, 2p + 1) as fma(o₁, o₁, o₀·o₀),
+// then a binary tree over p = 0..63 whose level i (0..5) adds partner p ^ 2^i (commutative
+// adds, so every holder of a partial gets the same bits); the value (o · r) · (norm_w ·
+// SiLU(z)). The intrinsics keep the compiler from contracting or reordering any of it.
+__device__ __forceinline__ float gn_pair_sq(float a, float b) { return __fmaf_rn(b, b, __fmul_rn(a, a)); }
+// 1 / sqrt(Σo² / DV + eps) (DV a power of two: the division is exact)
+__device__ __forceinline__ float gn_rinv(float ss) {
+    return __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.0f / (float)DV), CALLA_RMS_EPS)));
+}
+__device__ __forceinline__ float gn_gate(float z, float nw) { return __fmul_rn(nw, silu_acc(z)); }
+__device__ __forceinline__ float gn_val(float o, float r, float gate) { return __fmul_rn(__fmul_rn(o, r), gate); }
+static_assert(DV == 128, "the norm's tree has 6 levels over 64 column pairs");
+
 struct StateArgs {
     const float* qn;
     const float* kn;
@@ -994,6 +1018,105 @@ __device__ __forceinline__ void half_product_wg(float (&acc)[16], const float* s
     fence_acc8(acc);
 }
 
+// ---- the gated norm inside the state kernel (NRM, gdnp_state_tf32wgcn; docs/CUDA.md "GDN
+// prefill"): the four blocks of a V head (one per column quarter) form a thread-block
+// cluster. Per chunk, the odd warpgroups (which hold O) reduce Σo² over their 16 columns in
+// the order of "the gated RMSNorm's arithmetic" (q lanes, then n-tiles, then warpgroup 3's
+// partial added by warpgroup 1 through shared memory), warpgroup 1 sends the block's 64 row
+// partials to slot [its rank] of every block of the cluster (st.async, counted on that
+// block's mbarrier of the chunk's parity, NRM_TX bytes per phase), and one chunk later each
+// odd thread takes the four partials of its rows, normalizes the O it kept in registers and
+// writes out_proj's bf16 activations as gdnp_norm_acts does. z comes in by cp.async (each
+// odd thread copies exactly the elements it reads back), the even warpgroups turn it into
+// the gates norm_w ⊙ SiLU(z) while their chunk-update MMAs run.
+constexpr int NRM_TX = SPLIT * CH * 4;   // bytes of partials a block receives per chunk
+constexpr int NRM_EXTRA = CH + 4;        // floats past SC_FLOATS: warpgroup 3's partials, 2 mbarriers
+static_assert(CH * CW + 2 * SPLIT * CH <= CH * CWP, "z and the partial-sum slots fit the SC_OB region");
+static_assert((SC_FLOATS + WG_SHIFT + NRM_EXTRA) * 4 + 1024 <= 232448, "shared memory of the fused-norm form");
+static_assert(CW == 32 && CH * CW % 256 == 0, "the gate loop's mapping");
+// float offset of (row r, column c) of the chunk's z / gates, [CH][CW] with the 4-float groups
+// XOR-swizzled by the row (8-byte pairs (c, c + 1), c even, stay together)
+__device__ __forceinline__ int nz_off(int r, int c) { return r * CW + (c ^ ((r & 7) << 2)); }
+// an even-warpgroup thread's first element in the gate loop (warpgroups 0 and 2: 0..255)
+__device__ __forceinline__ int nrm_even_index(int t) { return (t & 127) + ((t >> 8) << 7); }
+// the column of that thread's elements (all of them share it)
+__device__ __forceinline__ int nrm_gate_col(int t) {
+    const int e = nrm_even_index(t);
+    return (e & 31) ^ (((e >> 5) & 7) << 2);
+}
+// An odd-warpgroup thread's z of chunk m (rows 16·(mt − 4) + g + 8h, columns cn + 8nt + 2q,
+// +1) into nz; rows past T are not copied.
+__device__ __forceinline__ void nrm_copy_z(float* nz, const float* proj, int j, int c0, int m, int T, int t) {
+    const int warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+    const int om = (warp & 7) - 4, cn = 16 * (warp >> 3);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * om + g + 8 * h, tok = m * CH + r;
+        if (tok < T) {
+            const float* src = proj + (size_t)tok * PROJ + Z_OFF + j * DV + c0 + cn + 2 * q;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) cp8(nz + nz_off(r, cn + 8 * nt + 2 * q), src + 8 * nt);
+        }
+    }
+}
+// An odd-warpgroup thread's Σo² partials of its two rows (g, g + 8 of its 16-row block) over
+// its warpgroup's 16 columns: pairs, then q lanes (XOR 1, 2), then the two n-tiles. Every lane
+// of a row gets the same bits.
+__device__ __forceinline__ void nrm_partials(float (&s3)[2], const float (&xo)[16]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float s2[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            float a = gn_pair_sq(xo[nt * 4 + 2 * h], xo[nt * 4 + 2 * h + 1]);
+            a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 1));
+            a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 2));
+            s2[nt] = a;
+        }
+        s3[h] = __fadd_rn(s2[0], s2[1]);
+    }
+}
+// An odd-warpgroup thread: waits for the four blocks' partials of chunk m, re-arms that
+// mbarrier for chunk m + 2 (thread 128, after its own wait: no partial of chunk m + 2 can
+// arrive before every odd thread here has passed this wait, since the blocks send chunk m + 2
+// only after they have chunk m + 1's partials from this block, which it sends after the
+// chunk's last barrier), normalizes its O of chunk m (xo, rows 16·(mt − 4) + g + 8h, columns
+// cn + 8nt + 2q, +1) with the gates in nz and writes the bf16 activations word for word as
+// gdnp_norm_acts does: word 8s + 4h + c of a 64-column tile holds columns (16c + 8h + s, +4),
+// so the thread with q < 2 pairs its first value with lane q + 2's first, the other its
+// second with lane q − 2's second (one shuffle per pair of values).
+__device__ __forceinline__ void nrm_emit(const float (&xo)[16], const float* nz, const float* nsl, unsigned long long* nmb,
+                                         unsigned* xb, int j, int rank, int m, int T, int t) {
+    const int warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+    const int om = (warp & 7) - 4, cn = 16 * (warp >> 3);
+    const int par = m & 1;
+    calla_mbar_wait_parity_cluster(&nmb[par], (unsigned)(m >> 1) & 1u);
+    if (t == 128) calla_mbar_arrive_expect_tx(&nmb[par], NRM_TX);
+    const float* sl = nsl + par * (SPLIT * CH) + 16 * om + 2 * g;
+    float2 gb[SPLIT];
+#pragma unroll
+    for (int b = 0; b < SPLIT; ++b) gb[b] = *reinterpret_cast<const float2*>(sl + b * CH);
+    static_assert(SPLIT == 4, "the last two levels of the tree: ranks (0 + 1) + (2 + 3)");
+    const float rr[2] = {gn_rinv(__fadd_rn(__fadd_rn(gb[0].x, gb[1].x), __fadd_rn(gb[2].x, gb[3].x))),
+                         gn_rinv(__fadd_rn(__fadd_rn(gb[0].y, gb[1].y), __fadd_rn(gb[2].y, gb[3].y)))};
+    const int tile = 2 * j + (rank >> 1), cc = 2 * (rank & 1) + (cn >> 4);
+    const bool lo = q < 2;
+    const int s = lo ? 2 * q : 2 * (q - 2) + 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * om + g + 8 * h, tok = m * CH + r;
+        unsigned* wr = xb + (size_t)tok * (NV * DV / 2) + 32 * tile + 8 * s + cc;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const float2 gz = *reinterpret_cast<const float2*>(nz + nz_off(r, cn + 8 * nt + 2 * q));
+            const float v0 = gn_val(xo[nt * 4 + 2 * h], rr[h], gz.x), v1 = gn_val(xo[nt * 4 + 2 * h + 1], rr[h], gz.y);
+            const float other = __shfl_xor_sync(0xffffffffu, lo ? v1 : v0, 2);
+            const float wlo = lo ? v0 : other, whi = lo ? other : v1;
+            if (tok < T) wr[4 * nt] = (unsigned)calla_f32_to_bf16(wlo) | ((unsigned)calla_f32_to_bf16(whi) << 16);
+        }
+    }
+}
+
 // D(64 x 16) += A(64 x 8, registers: each warp's 16 rows as the mma.sync m16n8k8 A fragment,
 // TF32 bits) · B(8 x 16, smem)
 __device__ __forceinline__ void wgmma_tf32_rs_n16(float (&d)[16], const unsigned (&a)[4], unsigned long long db) {
@@ -1011,8 +1134,12 @@ __device__ __forceinline__ void wgmma_tf32_rs_n16(float (&d)[16], const unsigned
 // warpgroups also xo ← xo + P·V' (chunk rows, the same columns), P's zeros above the diagonal
 // multiplied too (exact zeros: the same sums). sr / xo: the accumulators (S already scaled by
 // e^{γ_C}). Waits for its MMAs before returning.
+// NRM (the fused norm, gdnp_state_tf32wgcn): while their MMAs run, the even warpgroups also
+// turn the chunk's z in nz (copied by the odd warpgroups, nz_off layout) into the gates
+// norm_w ⊙ SiLU(z) in place; nwv: this thread's norm_w value (nrm_gate_col).
+template <bool NRM = false>
 __device__ __forceinline__ void chunk_update_wg(float (&sr)[16], float (&xo)[16], const float* kc, const float* P, const float* vp,
-                                                const float* vd, int t) {
+                                                const float* vd, int t, float* nz = nullptr, float nwv = 0.f) {
     const int wg = t >> 7, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
     const int n0 = 16 * (wg >> 1);
     // K̂ᵀ fragment of k-step s: a(r, k) = K̂[8s + k][16·(warp & 7) + r]
@@ -1032,7 +1159,8 @@ __device__ __forceinline__ void chunk_update_wg(float (&sr)[16], float (&xo)[16]
     calla_wgmma_fence();  // before the branch: it orders every register the MMAs below read (sr, xo, a)
     // the warpgroup index broadcast from lane 0, so that the compiler sees a warp-uniform
     // branch (on `t >> 7` itself ptxas serializes every wgmma of the kernel, C7520)
-    if (__shfl_sync(0xffffffffu, wg, 0) & 1) {
+    const int wgu = __shfl_sync(0xffffffffu, wg, 0);
+    if (wgu & 1) {
         const unsigned pa = (unsigned)__cvta_generic_to_shared(P), bv = (unsigned)__cvta_generic_to_shared(vp + n0 * 32);
 #pragma unroll
         for (int s = 0; s < CH / 8; ++s)
@@ -1041,6 +1169,15 @@ __device__ __forceinline__ void chunk_update_wg(float (&sr)[16], float (&xo)[16]
 #pragma unroll
     for (int s = 0; s < CH / 8; ++s) wgmma_tf32_rs_n16(sr, a[s], wg_desc(bd + (s >> 2) * (CW * 128) + (s & 3) * 32u));
     calla_wgmma_commit();
+    if constexpr (NRM) {
+        if (!(wgu & 1)) {
+            // element e + 256·i of the [CH][CW] chunk: row e/32 + 8i, so one column (and one
+            // norm_w value) for all of this thread's elements
+            float* zp = nz + nrm_even_index(t);
+#pragma unroll
+            for (int i = 0; i < CH * CW / 256; ++i) zp[256 * i] = gn_gate(zp[256 * i], nwv);
+        }
+    }
     calla_wgmma_wait<0>();
     fence_acc8(sr);
     fence_acc8(xo);
@@ -1144,15 +1281,20 @@ __device__ __forceinline__ void half_product(float (&acc)[16], const float* slot
 // WG (TC only): X = [W; Q̂]·S by warpgroup MMAs (half_product_wg) on the swizzled ring and S;
 // WGC (with WG): also S ← S + K̂ᵀV'd and O += P·V' by warpgroup MMAs (chunk_update_wg) on
 // swizzled P, V', V'd, the regions moved up by WG_SHIFT. The rest as the mma.sync form.
-template <bool TC, bool PRE = true, bool WG = false, bool WGC = false>
+// NRM (with WGC; a cluster of the SPLIT blocks of a V head): the gated norm too ("the gated
+// norm inside the state kernel" above): no `out`, the bf16 activations into xb instead, from
+// z in proj and norm_w.
+template <bool TC, bool PRE = true, bool WG = false, bool WGC = false, bool NRM = false>
 __device__ __forceinline__ void state_body(float* __restrict__ out, float* __restrict__ s_state,
                                            const float* __restrict__ qn, const float* __restrict__ kn,
                                            const float* __restrict__ vu, const float* __restrict__ w,
                                            const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad,
-                                           int NC) {
+                                           int NC, unsigned* __restrict__ xb = nullptr, const float* __restrict__ proj = nullptr,
+                                           const float* __restrict__ norm_w = nullptr) {
     constexpr int NTH = sc_threads<TC>(), NS = sc_ns<TC>();
     static_assert(!WG || (TC && PRE), "the wgmma form reads TF32-rounded operands");
     static_assert(!WGC || WG, "the wgmma chunk update needs the wgmma layout");
+    static_assert(!NRM || WGC, "the fused norm runs in the wgmma chunk-update form");
     extern __shared__ __align__(1024) float4 smem4[];
     // WG: the swizzled operands need 1024-byte alignment (the host adds 1 KiB of slack)
     // (an offset added to the shared pointer, not a pointer rebuilt from an integer: the compiler
@@ -1166,8 +1308,9 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     float* const SO = S + SC_S + WG_SHIFT;      // WG: the swizzled S, 1024-byte aligned either way
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
     const int mt = warp & 7, cn = 16 * (warp >> 3);  // TC: m-tile and first column of the warp
-    const int j = blockIdx.x / SPLIT, c0 = (blockIdx.x % SPLIT) * CW;
-    if (t == 0 && dynamic_smem_bytes() < (SC_FLOATS + (WGC ? WG_SHIFT : 0)) * 4u + (WG ? 1024u : 0u)) __trap();
+    const int j = blockIdx.x / SPLIT, rank = blockIdx.x % SPLIT, c0 = rank * CW;
+    if (t == 0 && dynamic_smem_bytes() < (SC_FLOATS + (WGC ? WG_SHIFT : 0) + (NRM ? NRM_EXTRA : 0)) * 4u + (WG ? 1024u : 0u))
+        __trap();
     if constexpr (WG) {
         // the swizzled operands' real shared address (asm: not folded from the declaration)
         unsigned long long sa;
@@ -1175,6 +1318,24 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         if (t == 0 && (sa & 1023u) != 0) __trap();
     }
     const StateArgs a{qn, kn, vu, w, P, gam, j, c0, Tpad, NC};
+    // NRM: the chunk's z, then its gates [CH][CW] (nz_off), and the partial-sum slots
+    // [2 (chunk parity)][SPLIT (sender)][CH] in the SC_OB region (unused by the TF32 forms);
+    // warpgroup 3's partials [CH] and the two mbarriers past SC_FLOATS
+    float* const NZ = R + SC_OB;
+    float* const NSL = NZ + CH * CW;
+    float* const NLX = R + SC_FLOATS;
+    unsigned long long* const NMB = reinterpret_cast<unsigned long long*>(R + SC_FLOATS + CH);
+    const bool odd = (warp >> 2) & 1;  // NRM: a warp of warpgroup 1 or 3, which hold O
+    float nwv = 0.f;                   // NRM, even warpgroups: norm_w of their gate column
+    if constexpr (NRM) {
+        if (t == 0) {
+            if (calla_cluster_ctarank() != (unsigned)rank) __trap();  // the partials' slots are by rank
+            calla_mbar_init_expect(&NMB[0], NRM_TX);
+            calla_mbar_init_expect(&NMB[1], NRM_TX);
+        }
+        calla_cluster_arrive_relaxed();  // waited before the first st.async
+        if (!odd) nwv = norm_w[c0 + nrm_gate_col(t)];
+    }
 
     calla_pdl_wait();
 
@@ -1186,6 +1347,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     issue_half<NTH, WG, WGC>(S, a, 0, t);
     issue_half<NTH, WG, WGC>(S, a, 1, t);
     issue_half<NTH, WG, WGC>(S, a, 2, t);
+    if constexpr (NRM)
+        if (odd) nrm_copy_z(NZ, proj, j, c0, 0, T, t);  // with KP(0)
     issue_kp<NTH, WGC>(S, a, 0, t);
     cp_wait<3>();  // H(0)
     if constexpr (WG) calla_fence_proxy_async();
@@ -1211,6 +1374,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         __syncthreads();
     }
     float xo[16];  // TC, m-tiles 4-7: O rows 16(mt-4).. as mma accumulators (xo[0..8))
+    float s3[2];   // NRM, odd warpgroups: Σo² partials of the thread's two rows (nrm_partials)
+    if constexpr (NRM) calla_cluster_wait();  // every block of the cluster started, its mbarriers set
 
     for (int n = 0; n < NC; ++n) {
         // ---- X = [W; Q̂] · S: rows 0..63 give V' = U − W S, rows 64..127 give e^γ Q̂ S.
@@ -1219,9 +1384,19 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         for (int e = 0; e < 16; ++e) acc[e] = 0.f;  // TC uses acc[0..8)
         if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n) % 3) * WG_SLOT, SO, 0, t);
         else half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, 0, t);
+        if constexpr (NRM)  // the odd warpgroups: chunk n − 1's activations (its partials came
+            if (n > 0 && odd) nrm_emit(xo, NZ, NSL, NMB, xb, j, rank, n - 1, T, t);  // during its last phase)
         cp_wait<2>();  // H(2n+1)
         if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
+        // NRM: the odd warpgroups' z of chunk n into the elements whose gates they read above
+        // (the barrier orders those reads before these copies), as a commit group of its own
+        // before H(2n+3): the wait before the chunk update, which leaves H(2n+3) pending, covers it
+        if constexpr (NRM)
+            if (n > 0 && odd) {
+                nrm_copy_z(NZ, proj, j, c0, n, T, t);
+                cp_commit();
+            }
         issue_half<NTH, WG, WGC>(S, a, 2 * n + 3, t);  // into the slot just read
         if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n + 1) % 3) * WG_SLOT, SO, 1, t);
         else half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n + 1) % 3) * SC_SLOT, S + SC_S, 1, t);
@@ -1303,7 +1478,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
             float(&o2)[2][4] = *reinterpret_cast<float(*)[2][4]>(xo);
             const int om = mt - 4;
             if constexpr (WGC) {
-                chunk_update_wg(sr, xo, R + SC_KC, R + SC_P, R + SC_VP, R + SC_VD, t);
+                chunk_update_wg<NRM>(sr, xo, R + SC_KC, R + SC_P, R + SC_VP, R + SC_VD, t, NZ, nwv);
             } else {
                 float(&s2)[2][4] = *reinterpret_cast<float(*)[2][4]>(sr);
                 if constexpr (PRE)
@@ -1322,7 +1497,13 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
                     }
                 }
             }
-            if (mt >= 4) {
+            if constexpr (NRM) {
+                if (odd) {
+                    nrm_partials(s3, xo);
+                    // warpgroup 3's partials for warpgroup 1 (read after the barrier below)
+                    if ((warp >> 3) && q == 0) *reinterpret_cast<float2*>(NLX + 16 * om + 2 * g) = make_float2(s3[0], s3[1]);
+                }
+            } else if (mt >= 4) {
                 static_assert(CH / 16 == 4, "four 16-row blocks of O");
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -1399,8 +1580,22 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         }
         if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
+        if constexpr (NRM) {
+            // warpgroup 1: the block's partials (its 16 columns + warpgroup 3's) to slot [rank]
+            // of every block of the cluster (index 16·om + 2g + h holds row 16·om + g + 8h)
+            if (odd && !(warp >> 3) && q == 0) {
+                const int r0 = 16 * (mt - 4) + 2 * g;
+                const float2 lx = *reinterpret_cast<const float2*>(NLX + r0);
+                const uint2 v = make_uint2(__float_as_uint(__fadd_rn(s3[0], lx.x)), __float_as_uint(__fadd_rn(s3[1], lx.y)));
+                float* dst = NSL + (n & 1) * (SPLIT * CH) + rank * CH + r0;
+#pragma unroll
+                for (int b = 0; b < SPLIT; ++b) calla_st_async_u2(dst, &NMB[n & 1], (unsigned)b, v);
+            }
+        }
         issue_kp<NTH, WGC>(S, a, n + 1, t);  // K̂ / P buffers are free now
     }
+    if constexpr (NRM)
+        if (odd) nrm_emit(xo, NZ, NSL, NMB, xb, j, rank, NC - 1, T, t);  // the last chunk's activations
     cp_wait<0>();
 #pragma unroll
     for (int e = 0; e < NS; ++e) {
@@ -1441,6 +1636,17 @@ gdnp_state_tf32wgc(float* __restrict__ out, float* __restrict__ s_state, const f
                   const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad, int NC) {
     calla_gdnp::state_body<true, true, true, true>(out, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC);
 }
+// gdnp_state_tf32wgc with the gated norm inside (clusters of the SPLIT blocks of a V head):
+// writes out_proj's bf16 activations xb [T, n_v·d_v / 2] words as gdnp_norm_acts does, bit for
+// bit, and no O (GdnPrefillScratch::set_fused_norm; dynamic shared memory (SC_FLOATS +
+// WG_SHIFT + NRM_EXTRA) floats + 1 KiB).
+extern "C" __global__ void __cluster_dims__(calla_gdnp::SPLIT, 1, 1) __launch_bounds__(512, 1)
+gdnp_state_tf32wgcn(unsigned* __restrict__ xb, float* __restrict__ s_state, const float* __restrict__ qn,
+                    const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+                    const float* __restrict__ P, const float* __restrict__ gam, const float* __restrict__ proj,
+                    const float* __restrict__ norm_w, int T, int Tpad, int NC) {
+    calla_gdnp::state_body<true, true, true, true, true>(nullptr, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC, xb, proj, norm_w);
+}
 
 // =====================================================================================
 // gdnp_norm: gated RMSNorm in place, one warp per (token, V head), 256 threads per block:
@@ -1448,13 +1654,17 @@ gdnp_state_tf32wgc(float* __restrict__ out, float* __restrict__ s_state, const f
 // =====================================================================================
 namespace calla_gdnp {
 // The gated norm of one (token, V head) row: lane holds its 4 columns o, z and weights nw.
+// (column pairs 2·lane and 2·lane + 1: level 0 of the tree in the lane, levels 1-5 across the
+// lanes by XOR 1, 2, 4, 8, 16, in that order; "the gated RMSNorm's arithmetic" above)
 __device__ __forceinline__ float4 gated_norm4(float4 o, float4 z, float4 nw) {
-    const float ss = calla_warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w);
-    const float r = 1.0f / sqrtf(ss / (float)DV + CALLA_RMS_EPS);
-    o.x = nw.x * (o.x * r) * silu_acc(z.x);
-    o.y = nw.y * (o.y * r) * silu_acc(z.y);
-    o.z = nw.z * (o.z * r) * silu_acc(z.z);
-    o.w = nw.w * (o.w * r) * silu_acc(z.w);
+    float ss = __fadd_rn(gn_pair_sq(o.x, o.y), gn_pair_sq(o.z, o.w));
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, m));
+    const float r = gn_rinv(ss);
+    o.x = gn_val(o.x, r, gn_gate(z.x, nw.x));
+    o.y = gn_val(o.y, r, gn_gate(z.y, nw.y));
+    o.z = gn_val(o.z, r, gn_gate(z.z, nw.z));
+    o.w = gn_val(o.w, r, gn_gate(z.w, nw.w));
     return o;
 }
 }  // namespace calla_gdnp

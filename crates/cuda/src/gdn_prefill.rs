@@ -16,7 +16,10 @@
 //!    `γ`, `Tm = (I + A)⁻¹`, `U`, `W`, `P = (Q̂K̂ᵀ) ⊙ D`; shifts the conv state.
 //! 3. `gdnp_state_*`: per (V head, quarter of the value columns), the chunks in order:
 //!    `V' = U − W S`, `O = e^γ Q̂ S + P V'`, `S ← e^{γ_C} S + K̂ᵀ e^{γ_C−γ} V'`.
-//! 4. `gdnp_norm`: gated RMSNorm of `O` in place.
+//! 4. `gdnp_norm`: gated RMSNorm of `O` in place (`gdnp_norm_acts` for
+//!    [`CudaContext::gdn_prefill_acts`]: into `out_proj`'s bf16 activations). With
+//!    [`GdnPrefillScratch::set_fused_norm`] the state kernel does that itself
+//!    (`gdnp_state_tf32wgcn`, a cluster per V head) and there are three launches.
 //!
 //! [`GdnPrefillMath`] selects fp32 CUDA-core products or TF32 tensor-core products (fp32
 //! accumulation) for steps 2 and 3; the state, the triangular solve and all elementwise math
@@ -49,6 +52,12 @@ const STATE_FLOATS: usize = {
     let cwp = p::D_V / SPLIT + 8;
     3 * 2 * CH * (p::D_K / 2 + 4) + 2 * CH * cwp + 2 * CH + CH * (p::D_K + 8) + CH * (CH + 4) + p::D_K * cwp + 3 * CH * cwp
 };
+
+/// Dynamic shared memory of `gdnp_state_tf32wgcn` ([`GdnPrefillScratch::set_fused_norm`]) in
+/// bytes: [`GdnPrefillMath::Tf32WgC`]'s, plus `NRM_EXTRA` = 68 floats (warpgroup 3's 64 partial
+/// sums and two mbarriers; the chunk's z and the partial-sum slots use the `e^γQ̂S` region that
+/// the TF32 forms leave empty).
+const FUSED_NORM_SMEM: usize = (STATE_FLOATS + 128 + CH + 4) * 4 + 1024;
 
 /// How the chunk products (`K̂K̂ᵀ`, `Q̂K̂ᵀ`, `Tm·V`, `Tm·K̂`, `W·S`, `Q̂·S`, `P·V'`, `K̂ᵀV'`) are
 /// computed.
@@ -173,6 +182,16 @@ pub fn set_default_prep_balanced(on: bool) {
     DEFAULT_PREP_BALANCED.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether new scratches normalize inside the state kernel ([`GdnPrefillScratch::set_fused_norm`]);
+/// off unless [`set_default_fused_norm`] turned it on (the form has not yet run on a GPU).
+static DEFAULT_FUSED_NORM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The [`GdnPrefillScratch::set_fused_norm`] setting of every scratch created afterwards
+/// (process-wide, as [`set_default_math`]; `calla cuda-bench | cuda-check --gdn-fused-norm`).
+pub fn set_default_fused_norm(on: bool) {
+    DEFAULT_FUSED_NORM.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
 /// (`Tp` = `max_t` rounded up to a multiple of 64): `q̂, k̂` `[n_k, Tp, d_k]`, `v`/`U` and `W`
 /// `[n_v, Tp, d_v]`, `P` `[n_v, Tp/64, 64, 64]`, `g, β, γ` `[n_v, Tp]`, all f32
@@ -183,6 +202,8 @@ pub struct GdnPrefillScratch {
     math: GdnPrefillMath,
     prep_lean: bool,
     prep_balanced: bool,
+    fused_norm: bool,
+    fused_norm_clusters: i32,
     prep_ablate: i32,
     stages: u8,
     q: CudaSlice<f32>,
@@ -248,6 +269,40 @@ impl GdnPrefillScratch {
         self.prep_balanced
     }
 
+    /// The gated RMSNorm inside the state kernel, for [`CudaContext::gdn_prefill_acts`] with
+    /// [`GdnPrefillMath::Tf32WgC`] (other arithmetics and [`CudaContext::gdn_prefill`] ignore
+    /// it). `on` (`gdnp_state_tf32wgcn`, session 55, opt-in: not yet run on a GPU): the four
+    /// blocks of a V head run as a thread-block cluster; per chunk each block's odd warpgroups,
+    /// which hold `O`, send the block's partial `Σo²` of every row to the other three (`st.async`
+    /// into their shared memory, counted on an mbarrier), and one chunk later normalize the `O`
+    /// they kept in registers and write `out_proj`'s bf16 activations; the even warpgroups turn
+    /// the chunk's `z` into the gates `norm_w ⊙ SiLU(z)` while their chunk-update MMAs run. No
+    /// `gdnp_norm_acts` launch, and no `O` written to and read back from `out` (2 × 4 bytes per
+    /// output; `out` is left as it was). `off` (the default): the state kernel writes `O` and
+    /// `gdnp_norm_acts` normalizes it. Both sum `Σo²` in one fixed order (a binary tree over the
+    /// head's column pairs, `kernels/gdn_prefill.cu`), so the same bits (self-test `gdnpre`
+    /// checks them word for word).
+    ///
+    /// The launch is 32 clusters of four blocks, one block per SM (230 KB of shared memory
+    /// each); where fewer fit on the GPU at once ([`Self::fused_norm_clusters`]; its GPCs
+    /// decide: the H200 of docs/CUDA.md holds 14 clusters of 8 such blocks, so likely 30 of 4),
+    /// the last clusters run in a second wave and the kernel takes about twice as long (the
+    /// results are the same); a default that turns the form on must check that first.
+    pub fn set_fused_norm(&mut self, on: bool) {
+        self.fused_norm = on;
+    }
+
+    /// [`CudaContext::gdn_fused_norm_clusters`] of the GPU this scratch was made on (0 when the
+    /// query failed).
+    pub fn fused_norm_clusters(&self) -> i32 {
+        self.fused_norm_clusters
+    }
+
+    /// Whether [`Self::set_fused_norm`] is on.
+    pub fn fused_norm(&self) -> bool {
+        self.fused_norm
+    }
+
     /// Measurement only: the prep kernel leaves out the parts whose bits are set (1 the
     /// triangular solve, 2 the four `Tm` products, 4 the `A` and `P` element loops, 8 the Gram
     /// products), so that the time it saves is their cost in place. Any mask but 0 leaves the
@@ -303,16 +358,21 @@ impl CudaContext {
             ("gdnp_state_tf32old", GdnPrefillMath::Tf32Old.state_smem()),
             ("gdnp_state_tf32wg", GdnPrefillMath::Tf32Wg.state_smem()),
             ("gdnp_state_tf32wgc", GdnPrefillMath::Tf32WgC.state_smem()),
+            ("gdnp_state_tf32wgcn", FUSED_NORM_SMEM),
         ] {
             self.func(name)?.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         let tp = max_t.div_ceil(CH) * CH;
+        // measurement only: a failed occupancy query is reported as 0 clusters
+        let fused_norm_clusters = self.gdn_fused_norm_clusters().unwrap_or(0);
         let s = self.stream();
         Ok(GdnPrefillScratch {
             max_t,
             math: DEFAULT_CHOICES[DEFAULT_MATH.load(std::sync::atomic::Ordering::Relaxed) as usize % DEFAULT_CHOICES.len()],
             prep_lean: DEFAULT_PREP_LEAN.load(std::sync::atomic::Ordering::Relaxed),
             prep_balanced: DEFAULT_PREP_BALANCED.load(std::sync::atomic::Ordering::Relaxed),
+            fused_norm: DEFAULT_FUSED_NORM.load(std::sync::atomic::Ordering::Relaxed),
+            fused_norm_clusters,
             prep_ablate: 0,
             stages: 0b1111,
             q: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
@@ -324,6 +384,19 @@ impl CudaContext {
             beta: s.alloc_zeros(p::N_V_HEADS * tp)?,
             gam: s.alloc_zeros(p::N_V_HEADS * tp)?,
         })
+    }
+
+    /// How many clusters of `gdnp_state_tf32wgcn` ([`GdnPrefillScratch::set_fused_norm`]: four
+    /// blocks of 512 threads and ~225 KiB of shared memory, one per SM) this GPU holds at once
+    /// (`cuOccupancyMaxActiveClusters`; its GPCs decide). A prefill chunk launches `n_v` = 32
+    /// of them; with fewer, the rest run in a second wave.
+    ///
+    /// # Errors
+    /// Driver errors of the query or of raising the kernel's shared-memory limit.
+    pub fn gdn_fused_norm_clusters(&self) -> Result<i32, CudaError> {
+        self.func("gdnp_state_tf32wgcn")?
+            .set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, FUSED_NORM_SMEM as i32)?;
+        self.max_active_clusters("gdnp_state_tf32wgcn", (p::N_V_HEADS * SPLIT) as u32, 512, FUSED_NORM_SMEM as u32)
     }
 
     /// The Gated DeltaNet core of one layer for a block of `t` prompt tokens, chunked
@@ -372,7 +445,9 @@ impl CudaContext {
     /// [`Self::convert_acts`]; then [`Self::qgemm_converted`]). `out` receives the state
     /// kernel's un-normalised `o` (`[t, n_v·d_v]`, scratch for the caller): the norm reads it
     /// once and writes half the bytes, where `gdn_prefill` + `convert_acts` write it, read it
-    /// and write it again.
+    /// and write it again. With [`GdnPrefillScratch::set_fused_norm`] (and the default
+    /// arithmetic) the state kernel normalizes itself: three launches, the same activations,
+    /// and `out` left as it was.
     ///
     /// # Errors
     /// As [`Self::gdn_prefill`]; [`CudaError::Unsupported`] when `t` exceeds `acts.max_t()`.
@@ -456,6 +531,8 @@ impl CudaContext {
         // tensor-core loads need no cvt (prep's β e^γ k̂ then scales the rounded k̂)
         let round_qk = i32::from(matches!(math, GdnPrefillMath::Tf32 | GdnPrefillMath::Tf32Wg | GdnPrefillMath::Tf32WgC));
         let stages = scratch.stages;
+        // the gated norm inside the state kernel (set_fused_norm): the activations only
+        let fused = acts.is_some() && scratch.fused_norm && math == GdnPrefillMath::Tf32WgC;
         let sc = scratch;
 
         if stages & 1 != 0 {
@@ -506,7 +583,37 @@ impl CudaContext {
             // SAFETY: as above; the shared-memory size matches PB_FLOATS (the kernel checks).
             unsafe { b.launch(cfg) }?;
         }
-        if stages & 4 != 0 {
+        let fused_acts = if fused { acts.as_deref_mut() } else { None };
+        if let (true, Some(a)) = (stages & 4 != 0, fused_acts) {
+            // a cluster of the SPLIT blocks of each V head (the kernel's __cluster_dims__)
+            let cfg = LaunchConfig {
+                grid_dim: ((p::N_V_HEADS * SPLIT) as u32, 1, 1),
+                block_dim: (math.state_threads(), 1, 1),
+                shared_mem_bytes: FUSED_NORM_SMEM as u32,
+            };
+            {
+                let xb = a.fill("gdn_prefill_acts", t, GDN_OUT)?;
+                let mut b = self.kernel(self.func("gdnp_state_tf32wgcn")?);
+                b.ptr_mut(xb)
+                    .ptr_mut(&mut *s)
+                    .ptr(&sc.q)
+                    .ptr(&sc.k)
+                    .ptr(&sc.vu)
+                    .ptr(&sc.w)
+                    .ptr(&sc.p)
+                    .ptr(&sc.gam)
+                    .ptr(proj)
+                    .ptr(norm_w)
+                    .arg(&t_i)
+                    .arg(&tpad_i)
+                    .arg(&nc_i);
+                // SAFETY: argument order and types match `gdnp_state_tf32wgcn`; the activations
+                // scratch has room for t·GDN_OUT bf16 (checked by `fill`), the shared-memory
+                // size matches the kernel's (it checks), the grid is whole clusters.
+                unsafe { b.launch(cfg) }?;
+            }
+            a.filled(t, GDN_OUT);
+        } else if stages & 4 != 0 {
             let cfg = LaunchConfig {
                 grid_dim: ((p::N_V_HEADS * SPLIT) as u32, 1, 1),
                 block_dim: (math.state_threads(), 1, 1),
@@ -527,7 +634,7 @@ impl CudaContext {
             // SAFETY: as above; the shared-memory size matches SC_FLOATS (the kernel checks).
             unsafe { b.launch(cfg) }?;
         }
-        if stages & 8 != 0 {
+        if stages & 8 != 0 && !fused {
             let warps = t * p::N_V_HEADS;
             let cfg = LaunchConfig {
                 grid_dim: (warps.div_ceil(8) as u32, 1, 1),

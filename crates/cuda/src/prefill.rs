@@ -299,6 +299,19 @@ impl Prefiller {
         self.gdn.set_prep_balanced(on);
     }
 
+    /// Whether the GDN layers' gated norm runs inside the state kernel
+    /// ([`GdnPrefillScratch::set_fused_norm`]).
+    pub fn gdn_fused_norm(&self) -> bool {
+        self.gdn.fused_norm()
+    }
+
+    /// Sets [`GdnPrefillScratch::set_fused_norm`] for later chunks (measurement;
+    /// `calla cuda-bench --prefill-compare`).
+    #[doc(hidden)]
+    pub fn set_gdn_fused_norm(&mut self, on: bool) {
+        self.gdn.set_fused_norm(on);
+    }
+
     /// Applies a context setting `f` to `cx` (the context this prefiller runs on) and to the
     /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
     /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of
@@ -401,6 +414,7 @@ impl Prefiller {
                         let (mut conv, mut s) = (conv.slice_mut(..), s.slice_mut(..));
                         if fused {
                             // the gated norm writes out_proj's bf16 activations; mix holds the raw o
+                            // (unless the state kernel normalizes itself: GdnPrefillScratch::set_fused_norm)
                             cx.gdn_prefill_acts(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix, &mut self.gemm)?;
                         } else {
                             cx.gdn_prefill(&proj, t, &conv_w, &a_neg_exp, &dt_bias, &norm, &mut conv, &mut s, &mut self.gdn, &mut mix)?;

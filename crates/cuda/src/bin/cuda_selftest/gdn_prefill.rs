@@ -465,21 +465,37 @@ fn run_split(s: &mut Suite, scratch: &mut GdnPrefillScratch, w: &Weights, wd: &D
 }
 
 /// `gdn_prefill_acts` against `gdn_prefill` + `convert_acts` from the same state (TF32, the
-/// default arithmetic): the activations, the conv state and `S` bit for bit, and an unwritten
-/// activation row (the scratch is first filled with a NaN pattern by `convert_acts`) fails.
+/// default arithmetic), with the norm as its own kernel and inside the state kernel
+/// (`GdnPrefillScratch::set_fused_norm`): the activations, the conv state and `S` bit for bit,
+/// and an unwritten activation row (the scratch is first filled with a NaN pattern by
+/// `convert_acts`) fails. T = 1, 65, 129 and 300: one chunk, and two to five chunks with the
+/// last one partial (the fused form's partial sums alternate between two slots by chunk).
 pub fn acts_check(s: &mut Suite) {
     let cx = s.cx;
     let w = weights(0x9D2);
     let wd = upload_weights(cx, &w);
     let mut scratch = cx.gdn_prefill_scratch(300).expect("scratch");
+    let fused_norm0 = scratch.fused_norm();
+    // the fused norm exists for this arithmetic only (the others would run the norm kernel)
+    let math0 = scratch.math();
+    scratch.set_math(GdnPrefillMath::Tf32WgC);
+    println!(
+        "gdn_prefill_acts: {} clusters of gdnp_state_tf32wgcn fit at once ({} needed for one wave)",
+        scratch.fused_norm_clusters(),
+        p::N_V_HEADS
+    );
     let mut gemm = cx.gemm_scratch(300).expect("gemm scratch");
     let rnd_conv = rand_f32s(GDN_CONV_STATE_LEN, 0xC1, 3f32.sqrt());
     let rnd_s = rand_f32s(GDN_STATE_LEN, 0x6, 0.5);
-    for (ti, &t) in [1usize, 65, 300].iter().enumerate() {
+    let ts = [1usize, 65, 129, 300];
+    for (ti, &t) in ts.iter().enumerate() {
+        // the proj rows of the first three sizes as before (seeds by position)
         let x = proj(t, 0x7300 + ti as u64);
         let projd = cx.upload_f32(&x).unwrap();
         let mut runs = Vec::new();
-        for fused in [false, true] {
+        // gdn_prefill + convert_acts; gdn_prefill_acts with the norm kernel; with the norm inside
+        for (fused, fnorm) in [(false, false), (true, false), (true, true)] {
+            scratch.set_fused_norm(fnorm);
             let mut convd = upload_guarded(cx, &rnd_conv);
             let mut sd = upload_guarded(cx, &rnd_s);
             let mut outd = guarded(cx, t * GDN_OUT);
@@ -505,27 +521,31 @@ pub fn acts_check(s: &mut Suite) {
             runs.push((acts, cx.download_f32(&convd).unwrap(), cx.download_f32(&sd).unwrap()));
         }
         let (a0, c0, s0) = &runs[0];
-        let (a1, c1, s1) = &runs[1];
-        let nan_acts = a1.iter().filter(|&&b| (b & 0x7fff) > 0x7f80).count();
-        let differ = a0.iter().zip(a1).filter(|(x, y)| x != y).count();
-        // whole guarded buffers bit for bit (guards included), and the state finite
-        let bits = |a: &[f32], b: &[f32]| a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits());
-        let (s_differ, c_differ) = (bits(s1, s0), bits(c1, c0));
-        let finite = s1[GUARD..s1.len() - GUARD].iter().all(|v| v.is_finite());
-        let ok = a1.len() == t * GDN_OUT && differ == 0 && nan_acts == 0 && !s_differ && !c_differ && finite;
-        let c = crate::common::Cmp {
-            rel: if ok { 0.0 } else { f64::NAN },
-            max_over_rms: if ok { 0.0 } else { f64::NAN },
-            ok,
-            msg: format!(
-                "acts: {differ} of {} differ, {nan_acts} NaN; S {}; conv state {}",
-                a1.len(),
-                if s_differ { "DIFFERS" } else { "equal" },
-                if c_differ { "DIFFERS" } else { "equal" }
-            ),
-        };
-        s.record(SEC, &format!("T={t:<4} gdn_prefill_acts = gdn_prefill + convert_acts, bit for bit"), &c, "");
+        for (i, what) in [(1, "gdn_prefill_acts"), (2, "gdn_prefill_acts, norm in the state kernel,")] {
+            let (a1, c1, s1) = &runs[i];
+            let nan_acts = a1.iter().filter(|&&b| (b & 0x7fff) > 0x7f80).count();
+            let differ = a0.iter().zip(a1).filter(|(x, y)| x != y).count();
+            // whole guarded buffers bit for bit (guards included), and the state finite
+            let bits = |a: &[f32], b: &[f32]| a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits());
+            let (s_differ, c_differ) = (bits(s1, s0), bits(c1, c0));
+            let finite = s1[GUARD..s1.len() - GUARD].iter().all(|v| v.is_finite());
+            let ok = a1.len() == t * GDN_OUT && differ == 0 && nan_acts == 0 && !s_differ && !c_differ && finite;
+            let c = crate::common::Cmp {
+                rel: if ok { 0.0 } else { f64::NAN },
+                max_over_rms: if ok { 0.0 } else { f64::NAN },
+                ok,
+                msg: format!(
+                    "acts: {differ} of {} differ, {nan_acts} NaN; S {}; conv state {}",
+                    a1.len(),
+                    if s_differ { "DIFFERS" } else { "equal" },
+                    if c_differ { "DIFFERS" } else { "equal" }
+                ),
+            };
+            s.record(SEC, &format!("T={t:<4} {what} = gdn_prefill + convert_acts, bit for bit"), &c, "");
+        }
     }
+    scratch.set_fused_norm(fused_norm0);
+    scratch.set_math(math0);
 }
 
 /// Runs the GDN prefill checks and timings.
@@ -576,6 +596,29 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
             &mut outd.slice_mut(..t * GDN_OUT),
         )
         .expect("gdn_prefill");
+    };
+    // the layer as the prefill runs it: the norm writes out_proj's activations
+    let mut gemm = cx.gemm_scratch(tmax).expect("gemm scratch");
+    let call_acts = |t: usize,
+                     scratch: &mut GdnPrefillScratch,
+                     gemm: &mut cuda::gemm::GemmScratch,
+                     outd: &mut CudaSlice<f32>,
+                     convd: &mut CudaSlice<f32>,
+                     sd: &mut CudaSlice<f32>| {
+        cx.gdn_prefill_acts(
+            &projd.slice(..t * GDN_PROJ),
+            t,
+            &wd.conv_w.slice(..),
+            &wd.a_neg_exp.slice(..),
+            &wd.dt_bias.slice(..),
+            &wd.norm_w.slice(..),
+            &mut convd.slice_mut(..),
+            &mut sd.slice_mut(..),
+            scratch,
+            &mut outd.slice_mut(..t * GDN_OUT),
+            gemm,
+        )
+        .expect("gdn_prefill_acts");
     };
     for m in ALL_MATHS {
         scratch.set_math(m);
@@ -638,6 +681,24 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                 scratch.set_prep_lean(true);
                 scratch.set_prep_balanced(bal0);
                 scratch.set_stage_mask(0b1111);
+                // the layer writing out_proj's activations, the gated norm as its own kernel
+                // (gdnp_norm_acts) and inside the state kernel (gdnp_state_tf32wgcn, session 55)
+                let fn0 = scratch.fused_norm();
+                let mut acts_us = [0f64; 2];
+                for (i, on) in [false, true].into_iter().enumerate() {
+                    scratch.set_fused_norm(on);
+                    acts_us[i] = s.time_graph(reps, || call_acts(t, &mut scratch, &mut gemm, &mut outd, &mut convd, &mut sd)) * 1e6;
+                }
+                scratch.set_fused_norm(fn0);
+                println!(
+                    "gdn_prefill acts T={t:<5}: norm kernel {:.1} us, norm in the state kernel {:.1} us ({:+.1}%; {} of {} clusters fit at once)",
+                    acts_us[0],
+                    acts_us[1],
+                    100.0 * (acts_us[1] / acts_us[0] - 1.0),
+                    scratch.fused_norm_clusters(),
+                    p::N_V_HEADS
+                );
+                st_json.push_str(&format!(",\"us_acts_norm_kernel\":{:.1},\"us_acts_fused_norm\":{:.1}", acts_us[0], acts_us[1]));
                 convd = cx.upload_f32(&rand_f32s(GDN_CONV_STATE_LEN, 0xA0, 1.0)).unwrap();
                 sd = cx.upload_f32(&rand_f32s(GDN_STATE_LEN, 0xB0, 0.3)).unwrap();
             }
