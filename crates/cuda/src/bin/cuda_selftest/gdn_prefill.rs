@@ -489,7 +489,6 @@ pub fn acts_check(s: &mut Suite) {
     let rnd_s = rand_f32s(GDN_STATE_LEN, 0x6, 0.5);
     let ts = [1usize, 65, 129, 300];
     for (ti, &t) in ts.iter().enumerate() {
-        // the proj rows of the first three sizes as before (seeds by position)
         let x = proj(t, 0x7300 + ti as u64);
         let projd = cx.upload_f32(&x).unwrap();
         let mut runs = Vec::new();
