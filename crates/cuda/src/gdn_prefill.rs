@@ -273,15 +273,15 @@ impl GdnPrefillScratch {
     /// [`GdnPrefillMath::Tf32WgC`] (other arithmetics and [`CudaContext::gdn_prefill`] ignore
     /// it). `on` (`gdnp_state_tf32wgcn`, session 55, opt-in: not yet run on a GPU): the four
     /// blocks of a V head run as a thread-block cluster; per chunk each block's odd warpgroups,
-    /// which hold `O`, send the block's partial `Σo²` of every row to the other three (`st.async`
-    /// into their shared memory, counted on an mbarrier), and one chunk later normalize the `O`
+    /// which hold `O`, send the block's partial `Σo²` of every row to every block of the cluster
+    /// (`st.async` into their shared memory, counted on an mbarrier), and one chunk later normalize the `O`
     /// they kept in registers and write `out_proj`'s bf16 activations; the even warpgroups turn
     /// the chunk's `z` into the gates `norm_w ⊙ SiLU(z)` while their chunk-update MMAs run. No
     /// `gdnp_norm_acts` launch, and no `O` written to and read back from `out` (2 × 4 bytes per
     /// output; `out` is left as it was). `off` (the default): the state kernel writes `O` and
     /// `gdnp_norm_acts` normalizes it. Both sum `Σo²` in one fixed order (a binary tree over the
-    /// head's column pairs, `kernels/gdn_prefill.cu`), so the same bits (self-test `gdnpre`
-    /// checks them word for word).
+    /// head's column pairs, `kernels/gdn_prefill.cu`), so the same bits (the self-test section
+    /// `acts` checks them word for word; `gdnpre` times both).
     ///
     /// The launch is 32 clusters of four blocks, one block per SM (230 KB of shared memory
     /// each); where fewer fit on the GPU at once ([`Self::fused_norm_clusters`]; its GPCs
