@@ -185,6 +185,12 @@ pub struct PrefillFlags {
     /// expected; not yet run on a GPU; `GdnPrefillScratch::set_fused_norm`).
     #[arg(long)]
     gdn_fused_norm: bool,
+    /// That fused norm without clusters: the partial sums through global memory in tagged
+    /// 8-byte words (`gdnp_state_tf32wgcg`, session 55; for GPUs that hold fewer than 32 of the
+    /// cluster form's clusters at once; implies --gdn-fused-norm; not yet run on a GPU;
+    /// `GdnPrefillScratch::set_fused_norm_global`).
+    #[arg(long)]
+    gdn_fused_norm_global: bool,
     /// Launch the prefill's kernels without programmatic dependent launch (a full stream
     /// boundary between every two; the same bits; `Prefiller::eager_pdl`).
     #[arg(long)]
@@ -930,8 +936,9 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     }
     cuda::gdn_prefill::set_default_prep_lean(!f.gdn_prep_old);
     cuda::gdn_prefill::set_default_prep_balanced(f.gdn_prep_balanced);
-    cuda::gdn_prefill::set_default_fused_norm(f.gdn_fused_norm);
-    if f.gdn_fused_norm {
+    cuda::gdn_prefill::set_default_fused_norm(f.gdn_fused_norm || f.gdn_fused_norm_global);
+    cuda::gdn_prefill::set_default_fused_norm_global(f.gdn_fused_norm_global);
+    if f.gdn_fused_norm && !f.gdn_fused_norm_global {
         match cx.gdn_fused_norm_clusters() {
             Ok(n) if n as usize >= p::N_V_HEADS => {}
             Ok(n) => eprintln!(
@@ -979,8 +986,11 @@ struct PrefillKnobs {
     gdn_prep_lean: bool,
     /// Its `Tm` products balanced over the warps (session 54; else one row tile per warp).
     gdn_prep_bal: bool,
-    /// The GDN gated norm inside the state kernel (session 55; else `gdnp_norm_acts`).
+    /// The GDN gated norm inside the state kernel, its blocks as clusters (session 55; else
+    /// `gdnp_norm_acts`).
     gdn_fnorm: bool,
+    /// The same exchanging through global memory (takes precedence over `gdn_fnorm`).
+    gdn_fnorm_g: bool,
     /// Long prompts' dense GEMMs on the mid tile in place of the wide one.
     mid: bool,
     /// The 8k chunks' GDN input projections on the big tile in place of the wide one.
@@ -1016,7 +1026,8 @@ impl PrefillKnobs {
             gdn_wgc: pf.gdn_math() == cuda::gdn_prefill::GdnPrefillMath::Tf32WgC,
             gdn_prep_lean: pf.gdn_prep_lean(),
             gdn_prep_bal: pf.gdn_prep_balanced(),
-            gdn_fnorm: pf.gdn_fused_norm(),
+            gdn_fnorm: pf.gdn_fused_norm() && !pf.gdn_fused_norm_global(),
+            gdn_fnorm_g: pf.gdn_fused_norm() && pf.gdn_fused_norm_global(),
             mid: cx.gemm_mid(),
             big_long: cx.gemm_big_long(),
         }
@@ -1039,7 +1050,8 @@ impl PrefillKnobs {
         }
         pf.set_gdn_prep_lean(self.gdn_prep_lean);
         pf.set_gdn_prep_balanced(self.gdn_prep_bal);
-        pf.set_gdn_fused_norm(self.gdn_fnorm);
+        pf.set_gdn_fused_norm(self.gdn_fnorm || self.gdn_fnorm_g);
+        pf.set_gdn_fused_norm_global(self.gdn_fnorm_g);
         cx.set_moe_route_fused(self.route_fused);
         pf.on_contexts(cx, |c| {
             c.set_gemm_group_major(self.group_major);
@@ -1089,7 +1101,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 28] = [
+const PREFILL_CASES: [PrefillCase; 29] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1115,6 +1127,7 @@ const PREFILL_CASES: [PrefillCase; 28] = [
     PrefillCase { knob: |k| &mut k.gdn_prep_lean, off_name: "GDN prep as before session 52", off_key: "gdn_prep_old_ms", on_name: "GDN prep's lean form (session 52)", on_key: "gdn_prep_lean_ms" },
     PrefillCase { knob: |k| &mut k.gdn_prep_bal, off_name: "GDN prep's Tm products one row tile per warp", off_key: "gdn_prep_unbalanced_ms", on_name: "GDN prep's Tm products balanced over the warps (session 54)", on_key: "gdn_prep_balanced_ms" },
     PrefillCase { knob: |k| &mut k.gdn_fnorm, off_name: "GDN gated norm as its own kernel", off_key: "gdn_norm_kernel_ms", on_name: "GDN gated norm inside the state kernel (session 55)", on_key: "gdn_fused_norm_ms" },
+    PrefillCase { knob: |k| &mut k.gdn_fnorm_g, off_name: "GDN gated norm as its own kernel (by clusters with --gdn-fused-norm)", off_key: "gdn_norm_not_global_ms", on_name: "GDN gated norm inside the state kernel, partials through global memory (session 55)", on_key: "gdn_fused_norm_global_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
     PrefillCase { knob: |k| &mut k.big_long, off_name: "8k chunks' tallest dense GEMMs on the wide tile", off_key: "dense_wide_long_ms", on_name: "8k chunks' tallest dense GEMMs on the big tile", on_key: "dense_big_long_ms" },
     PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile as before (Wg128)", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (--attn-ws-form)", on_key: "attn_wg128ws_ms" },
@@ -1733,7 +1746,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
     out["gemm_staged_epilogue"] = serde_json::json!(!f.gemm_epilogue_direct);
     out["gdn_prep_balanced"] = serde_json::json!(f.gdn_prep_balanced);
-    out["gdn_fused_norm"] = serde_json::json!(f.gdn_fused_norm);
+    out["gdn_fused_norm"] = serde_json::json!(f.gdn_fused_norm || f.gdn_fused_norm_global);
+    out["gdn_fused_norm_global"] = serde_json::json!(f.gdn_fused_norm_global);
     println!("JSON {}", serde_json::to_string(&out)?);
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?).with_context(|| format!("cannot write {}", path.display()))?;

@@ -1085,17 +1085,46 @@ __device__ __forceinline__ void nrm_partials(float (&s3)[2], const float (&xo)[1
 // gdnp_norm_acts does: word 8s + 4h + c of a 64-column tile holds columns (16c + 8h + s, +4),
 // so the thread with q < 2 pairs its first value with lane q + 2's first, the other its
 // second with lane q − 2's second (one shuffle per pair of values).
+// G (gdnp_state_tf32wgcg, no cluster): the partials come from gx instead, each in one 8-byte
+// word with its tag (nrm_tag) in the high half, polled until all eight words of the thread's
+// rows carry chunk m's tag (no fence on either side: a word's value and tag arrive together).
+template <bool G = false>
 __device__ __forceinline__ void nrm_emit(const float (&xo)[16], const float* nz, const float* nsl, unsigned long long* nmb,
-                                         unsigned* xb, int j, int rank, int m, int T, int t) {
+                                         unsigned* xb, int j, int rank, int m, int T, int t,
+                                         const unsigned long long* gx = nullptr, unsigned tag = 0) {
     const int warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
     const int om = (warp & 7) - 4, cn = 16 * (warp >> 3);
     const int par = m & 1;
-    calla_mbar_wait_parity_cluster(&nmb[par], (unsigned)(m >> 1) & 1u);
-    if (t == 128) calla_mbar_arrive_expect_tx(&nmb[par], NRM_TX);
-    const float* sl = nsl + par * (SPLIT * CH) + 16 * om + 2 * g;
     float2 gb[SPLIT];
+    if constexpr (G) {
+        const unsigned long long* src = gx + (size_t)(j * 2 + par) * (SPLIT * CH) + 16 * om + 2 * g;
+        bool all;
+        unsigned spins = 0;
+        unsigned long long since = 0;
+        do {
+            // a protocol fault traps (the launch fails) instead of spinning until the device's
+            // watchdog: 2 s without the partials
+            if ((++spins & 1023u) == 0) {
+                const unsigned long long now = calla_globaltimer();
+                if (since == 0) since = now;
+                else if (now - since > 2000000000ull) __trap();
+            }
+            all = true;
 #pragma unroll
-    for (int b = 0; b < SPLIT; ++b) gb[b] = *reinterpret_cast<const float2*>(sl + b * CH);
+            for (int b = 0; b < SPLIT; ++b) {
+                unsigned long long w0, w1;
+                asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(src + b * CH) : "memory");
+                all = all && (unsigned)(w0 >> 32) == tag && (unsigned)(w1 >> 32) == tag;
+                gb[b] = make_float2(__uint_as_float((unsigned)w0), __uint_as_float((unsigned)w1));
+            }
+        } while (!all);
+    } else {
+        calla_mbar_wait_parity_cluster(&nmb[par], (unsigned)(m >> 1) & 1u);
+        if (t == 128) calla_mbar_arrive_expect_tx(&nmb[par], NRM_TX);
+        const float* sl = nsl + par * (SPLIT * CH) + 16 * om + 2 * g;
+#pragma unroll
+        for (int b = 0; b < SPLIT; ++b) gb[b] = *reinterpret_cast<const float2*>(sl + b * CH);
+    }
     static_assert(SPLIT == 4, "the last two levels of the tree: ranks (0 + 1) + (2 + 3)");
     const float rr[2] = {gn_rinv(__fadd_rn(__fadd_rn(gb[0].x, gb[1].x), __fadd_rn(gb[2].x, gb[3].x))),
                          gn_rinv(__fadd_rn(__fadd_rn(gb[0].y, gb[1].y), __fadd_rn(gb[2].y, gb[3].y)))};
@@ -1114,6 +1143,35 @@ __device__ __forceinline__ void nrm_emit(const float (&xo)[16], const float* nz,
             const float wlo = lo ? v0 : other, whi = lo ? other : v1;
             if (tok < T) wr[4 * nt] = (unsigned)calla_f32_to_bf16(wlo) | ((unsigned)calla_f32_to_bf16(whi) << 16);
         }
+    }
+}
+
+// The tag of chunk m's partials in launch `epoch` (gdnp_state_tf32wgcg): a slot of gx holds
+// chunk m − 2 or m of its parity when a reader of chunk m looks, and every launch has its own
+// epoch (from 1: the scratch starts zeroed; the 32-bit ticket counter repeats an epoch after
+// 2^25 launches), so m's two low bits are enough.
+__device__ __forceinline__ unsigned nrm_tag(unsigned epoch, int m) { return (epoch << 2) | ((unsigned)m & 3u); }
+
+// The block's place in the grid: blockIdx.x, or with NRG its ticket (gdnp_state_tf32wgcg),
+// taken after the PDL wait from the scratch's counter: ticket / grid + 1 is the launch's epoch
+// (the same for all its blocks: the next launch's blocks pass their wait only after this one
+// has completed; graph replays count too) and ticket % grid the block's place, so that the
+// four blocks of a V head are the four that took consecutive tickets, all of them running:
+// heads complete in ticket order whatever order the blocks start in, given four SMs. Epoch in
+// words[0], place in words[1] (shared memory; a barrier inside).
+template <bool NRG>
+__device__ __forceinline__ unsigned state_place(unsigned* gctr, unsigned* words, int t) {
+    if constexpr (NRG) {
+        calla_pdl_wait();
+        if (t == 0) {
+            const unsigned tk = atomicAdd(gctr, 1u);
+            words[0] = tk / gridDim.x + 1u;
+            words[1] = tk % gridDim.x;
+        }
+        __syncthreads();
+        return words[1];
+    } else {
+        return blockIdx.x;
     }
 }
 
@@ -1284,17 +1342,23 @@ __device__ __forceinline__ void half_product(float (&acc)[16], const float* slot
 // NRM (with WGC; a cluster of the SPLIT blocks of a V head): the gated norm too ("the gated
 // norm inside the state kernel" above): no `out`, the bf16 activations into xb instead, from
 // z in proj and norm_w.
-template <bool TC, bool PRE = true, bool WG = false, bool WGC = false, bool NRM = false>
+// NRG (with NRM; gdnp_state_tf32wgcg): no cluster; the partials go through gx (global memory,
+// [n_v][2 (chunk parity)][SPLIT][CH] 8-byte words, value and tag), and a block's V head and
+// column quarter come from a ticket (state_place), so that the four blocks that wait on each
+// other are running together.
+template <bool TC, bool PRE = true, bool WG = false, bool WGC = false, bool NRM = false, bool NRG = false>
 __device__ __forceinline__ void state_body(float* __restrict__ out, float* __restrict__ s_state,
                                            const float* __restrict__ qn, const float* __restrict__ kn,
                                            const float* __restrict__ vu, const float* __restrict__ w,
                                            const float* __restrict__ P, const float* __restrict__ gam, int T, int Tpad,
                                            int NC, unsigned* __restrict__ xb = nullptr, const float* __restrict__ proj = nullptr,
-                                           const float* __restrict__ norm_w = nullptr) {
+                                           const float* __restrict__ norm_w = nullptr, unsigned long long* __restrict__ gx = nullptr,
+                                           unsigned* __restrict__ gctr = nullptr) {
     constexpr int NTH = sc_threads<TC>(), NS = sc_ns<TC>();
     static_assert(!WG || (TC && PRE), "the wgmma form reads TF32-rounded operands");
     static_assert(!WGC || WG, "the wgmma chunk update needs the wgmma layout");
     static_assert(!NRM || WGC, "the fused norm runs in the wgmma chunk-update form");
+    static_assert(!NRG || NRM, "the global exchange is a form of the fused norm");
     extern __shared__ __align__(1024) float4 smem4[];
     // WG: the swizzled operands need 1024-byte alignment (the host adds 1 KiB of slack)
     // (an offset added to the shared pointer, not a pointer rebuilt from an integer: the compiler
@@ -1308,7 +1372,16 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     float* const SO = S + SC_S + WG_SHIFT;      // WG: the swizzled S, 1024-byte aligned either way
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
     const int mt = warp & 7, cn = 16 * (warp >> 3);  // TC: m-tile and first column of the warp
-    const int j = blockIdx.x / SPLIT, rank = blockIdx.x % SPLIT, c0 = rank * CW;
+    // NRM: the chunk's z, then its gates [CH][CW] (nz_off), and the partial-sum slots
+    // [2 (chunk parity)][SPLIT (sender)][CH] in the SC_OB region (unused by the TF32 forms);
+    // warpgroup 3's partials [CH] and the two mbarriers (NRG: the epoch and the place) past
+    // SC_FLOATS
+    float* const NZ = R + SC_OB;
+    float* const NSL = NZ + CH * CW;
+    float* const NLX = R + SC_FLOATS;
+    unsigned long long* const NMB = reinterpret_cast<unsigned long long*>(R + SC_FLOATS + CH);
+    const unsigned place = state_place<NRG>(gctr, reinterpret_cast<unsigned*>(NMB), t);  // (unsigned: the divisions as before)
+    const int j = place / SPLIT, rank = place % SPLIT, c0 = rank * CW;
     if (t == 0 && dynamic_smem_bytes() < (SC_FLOATS + (WGC ? WG_SHIFT : 0) + (NRM ? NRM_EXTRA : 0)) * 4u + (WG ? 1024u : 0u))
         __trap();
     if constexpr (WG) {
@@ -1318,26 +1391,20 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         if (t == 0 && (sa & 1023u) != 0) __trap();
     }
     const StateArgs a{qn, kn, vu, w, P, gam, j, c0, Tpad, NC};
-    // NRM: the chunk's z, then its gates [CH][CW] (nz_off), and the partial-sum slots
-    // [2 (chunk parity)][SPLIT (sender)][CH] in the SC_OB region (unused by the TF32 forms);
-    // warpgroup 3's partials [CH] and the two mbarriers past SC_FLOATS
-    float* const NZ = R + SC_OB;
-    float* const NSL = NZ + CH * CW;
-    float* const NLX = R + SC_FLOATS;
-    unsigned long long* const NMB = reinterpret_cast<unsigned long long*>(R + SC_FLOATS + CH);
     const bool odd = (warp >> 2) & 1;  // NRM: a warp of warpgroup 1 or 3, which hold O
     float nwv = 0.f;                   // NRM, even warpgroups: norm_w of their gate column
-    if constexpr (NRM) {
+    if constexpr (NRM && !NRG) {
         if (t == 0) {
             if (calla_cluster_ctarank() != (unsigned)rank) __trap();  // the partials' slots are by rank
             calla_mbar_init_expect(&NMB[0], NRM_TX);
             calla_mbar_init_expect(&NMB[1], NRM_TX);
         }
         calla_cluster_arrive_relaxed();  // waited before the first st.async
-        if (!odd) nwv = norm_w[c0 + nrm_gate_col(t)];
     }
+    if constexpr (NRM)
+        if (!odd) nwv = norm_w[c0 + nrm_gate_col(t)];
 
-    calla_pdl_wait();
+    if constexpr (!NRG) calla_pdl_wait();  // (NRG: waited in state_place)
 
     float* sg = s_state + (size_t)j * DK * DV + c0;
     for (int e = t; e < DK * CW / 4; e += NTH) {
@@ -1375,7 +1442,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
     }
     float xo[16];  // TC, m-tiles 4-7: O rows 16(mt-4).. as mma accumulators (xo[0..8))
     float s3[2];   // NRM, odd warpgroups: Σo² partials of the thread's two rows (nrm_partials)
-    if constexpr (NRM) calla_cluster_wait();  // every block of the cluster started, its mbarriers set
+    if constexpr (NRM && !NRG) calla_cluster_wait();  // every block of the cluster started, its mbarriers set
 
     for (int n = 0; n < NC; ++n) {
         // ---- X = [W; Q̂] · S: rows 0..63 give V' = U − W S, rows 64..127 give e^γ Q̂ S.
@@ -1385,7 +1452,9 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
         if constexpr (WG) half_product_wg(acc, S + SC_WQ + ((2 * n) % 3) * WG_SLOT, SO, 0, t);
         else half_product<TC, PRE>(acc, S + SC_WQ + ((2 * n) % 3) * SC_SLOT, S + SC_S, 0, t);
         if constexpr (NRM)  // the odd warpgroups: chunk n − 1's activations (its partials came
-            if (n > 0 && odd) nrm_emit(xo, NZ, NSL, NMB, xb, j, rank, n - 1, T, t);  // during its last phase)
+            if (n > 0 && odd)  // during its last phase)
+                nrm_emit<NRG>(xo, NZ, NSL, NMB, xb, j, rank, n - 1, T, t, gx,
+                              NRG ? nrm_tag(*reinterpret_cast<const unsigned*>(NMB), n - 1) : 0u);
         cp_wait<2>();  // H(2n+1)
         if constexpr (WG) calla_fence_proxy_async();
         __syncthreads();
@@ -1587,15 +1656,23 @@ __device__ __forceinline__ void state_body(float* __restrict__ out, float* __res
                 const int r0 = 16 * (mt - 4) + 2 * g;
                 const float2 lx = *reinterpret_cast<const float2*>(NLX + r0);
                 const uint2 v = make_uint2(__float_as_uint(__fadd_rn(s3[0], lx.x)), __float_as_uint(__fadd_rn(s3[1], lx.y)));
-                float* dst = NSL + (n & 1) * (SPLIT * CH) + rank * CH + r0;
+                if constexpr (NRG) {
+                    const unsigned long long tg = (unsigned long long)nrm_tag(*reinterpret_cast<const unsigned*>(NMB), n) << 32;
+                    unsigned long long* dst = gx + (size_t)(j * 2 + (n & 1)) * (SPLIT * CH) + rank * CH + r0;
+                    asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};" ::"l"(dst), "l"(tg | v.x), "l"(tg | v.y) : "memory");
+                } else {
+                    float* dst = NSL + (n & 1) * (SPLIT * CH) + rank * CH + r0;
 #pragma unroll
-                for (int b = 0; b < SPLIT; ++b) calla_st_async_u2(dst, &NMB[n & 1], (unsigned)b, v);
+                    for (int b = 0; b < SPLIT; ++b) calla_st_async_u2(dst, &NMB[n & 1], (unsigned)b, v);
+                }
             }
         }
         issue_kp<NTH, WGC>(S, a, n + 1, t);  // K̂ / P buffers are free now
     }
     if constexpr (NRM)
-        if (odd) nrm_emit(xo, NZ, NSL, NMB, xb, j, rank, NC - 1, T, t);  // the last chunk's activations
+        if (odd)  // the last chunk's activations
+            nrm_emit<NRG>(xo, NZ, NSL, NMB, xb, j, rank, NC - 1, T, t, gx,
+                          NRG ? nrm_tag(*reinterpret_cast<const unsigned*>(NMB), NC - 1) : 0u);
     cp_wait<0>();
 #pragma unroll
     for (int e = 0; e < NS; ++e) {
@@ -1646,6 +1723,18 @@ gdnp_state_tf32wgcn(unsigned* __restrict__ xb, float* __restrict__ s_state, cons
                     const float* __restrict__ P, const float* __restrict__ gam, const float* __restrict__ proj,
                     const float* __restrict__ norm_w, int T, int Tpad, int NC) {
     calla_gdnp::state_body<true, true, true, true, true>(nullptr, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC, xb, proj, norm_w);
+}
+// The same without a cluster: the partials through global memory (gx, tagged words; gctr the
+// launch counter; GdnPrefillScratch::set_fused_norm_global), for GPUs that hold fewer than n_v
+// of gdnp_state_tf32wgcn's clusters at once.
+extern "C" __global__ void __launch_bounds__(512, 1)
+gdnp_state_tf32wgcg(unsigned* __restrict__ xb, float* __restrict__ s_state, const float* __restrict__ qn,
+                    const float* __restrict__ kn, const float* __restrict__ vu, const float* __restrict__ w,
+                    const float* __restrict__ P, const float* __restrict__ gam, const float* __restrict__ proj,
+                    const float* __restrict__ norm_w, unsigned long long* __restrict__ gx, unsigned* __restrict__ gctr, int T,
+                    int Tpad, int NC) {
+    calla_gdnp::state_body<true, true, true, true, true, true>(nullptr, s_state, qn, kn, vu, w, P, gam, T, Tpad, NC, xb, proj, norm_w,
+                                                               gx, gctr);
 }
 
 // =====================================================================================

@@ -5,12 +5,14 @@
 # target/gpu-bundle, then on one warm machine: A, B, 3.
 # A: self-test sections gdnpre and acts (the GDN prep's balanced Tm products against the other
 #    form word for word; the gated norm inside the state kernel against gdn_prefill +
-#    convert_acts word for word; the prep's forms and the layer with and without the fused
-#    norm timed), then the whole prefill with each new switch flipped in one process
-#    (gdn_prep_balanced_ms, dense_big_long_ms, gdn_fused_norm_ms) at 1k and 8k;
-# B: cuda-check on 4 layers with both GDN switches on (4,100-token prompts in chunks of 2,048:
-#    also the attention tile at pos0 > 0), self-test attnpre (session 53's TMA tile after the
-#    mbarrier-init fence, its new cases), cuda-check at pos0 % 16 = 4;
+#    convert_acts word for word, in both exchange forms; the prep's forms and the layer with
+#    and without the fused norm timed), then the whole prefill with each new switch flipped in
+#    one process (gdn_prep_balanced_ms, dense_big_long_ms, gdn_fused_norm_ms,
+#    gdn_fused_norm_global_ms) at 1k and 8k;
+# B: cuda-check on 4 layers with the balanced prep and the fused norm through global memory
+#    (4,100-token prompts in chunks of 2,048: also the attention tile at pos0 > 0), self-test
+#    attnpre (session 53's TMA tile after the mbarrier-init fence, its new cases), cuda-check
+#    at pos0 % 16 = 4;
 # M: the least (little device time left): self-test gdnpre,acts, then the first cuda-check;
 # 3: the benchmark of the defaults.
 set -uo pipefail
@@ -27,13 +29,13 @@ full() { [ -d $W/full-q4 ] || timeout 200 $b/calla synth --out $W/full-q4 --bits
 l4() { [ -d $W/L4 ] || timeout 60 $b/calla synth --out $W/L4 --layers 4 --bits 4 > /dev/null 2>&1; }
 selftest_gdnpre() {
   echo "== selftest gdnpre,acts ($(date +%T))"
-  timeout 200 $b/cuda_selftest --quick --only gdnpre,acts > $R/selftest-gdnpre.txt 2>&1; echo rc $?; pk
+  timeout 170 $b/cuda_selftest --quick --only gdnpre,acts > $R/selftest-gdnpre.txt 2>&1; echo rc $?; pk
   grep -E "SELFTEST|FAIL| failed|panicked" $R/selftest-gdnpre.txt | head -8
   local k="products balanced = one row tile per warp, bit for bit"
   echo "balanced = one row tile per warp: $(grep "$k" $R/selftest-gdnpre.txt | grep -c " ok") ok of $(grep -c "$k" $R/selftest-gdnpre.txt)"
-  k="norm in the state kernel, = gdn_prefill + convert_acts, bit for bit"
-  echo "fused norm = gdn_prefill + convert_acts: $(grep "$k" $R/selftest-gdnpre.txt | grep -c " ok") ok of $(grep -c "$k" $R/selftest-gdnpre.txt)"
-  grep "$k" $R/selftest-gdnpre.txt | cut -c1-200
+  k="norm in the state kernel"
+  echo "fused norm (both forms) = gdn_prefill + convert_acts: $(grep "$k" $R/selftest-gdnpre.txt | grep -c " ok") ok of $(grep -c "$k" $R/selftest-gdnpre.txt)"
+  grep -E "$k|clusters of gdnp_state" $R/selftest-gdnpre.txt | cut -c1-200
   grep -E "gdn_prefill prep|gdn_prefill acts|gdn_prefill tf32wgc" $R/selftest-gdnpre.txt | cut -c1-230
 }
 selftest_attnpre() {
@@ -52,20 +54,20 @@ check() {
 if [ $P = A ]; then
   full & selftest_gdnpre; wait; tail -1 $R/synth.txt 2>/dev/null
   echo "== prefill compare ($(date +%T))"
-  timeout 280 $b/calla cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,8192 --decode-contexts 128 --gen-tokens 4 --prefill-compare --prefill-compare-only gdn_prep_balanced_ms,dense_big_long_ms,gdn_fused_norm_ms --prefill-compare-rounds 7 > $R/compare.txt 2>&1; echo rc $?; pk
+  timeout 300 $b/calla cuda-bench --model $W/full-q4 --pdl --prompt-tokens 1024,8192 --decode-contexts 128 --gen-tokens 4 --prefill-compare --prefill-compare-only gdn_prep_balanced_ms,dense_big_long_ms,gdn_fused_norm_ms,gdn_fused_norm_global_ms --prefill-compare-rounds 7 > $R/compare.txt 2>&1; echo rc $?; pk
   grep -E "prefill compare" $R/compare.txt | cut -c1-300
 fi
 if [ $P = B ]; then
   l4
   # 4,100 tokens in chunks of 2,048: the attention tile at pos0 2,048; chunks of 2,052 put one
   # at pos0 % 16 = 4
-  check 4100 120 --gdn-prep-balanced --gdn-fused-norm --prompt-tokens 300,4100 --prefill-chunk 2048
+  check 4100 120 --gdn-prep-balanced --gdn-fused-norm-global --prompt-tokens 300,4100 --prefill-chunk 2048
   [ $SECONDS -lt 400 ] && selftest_attnpre
   [ $SECONDS -lt 500 ] && check 4100-c2052 80 --prompt-tokens 4100 --prefill-chunk 2052
 fi
 if [ $P = M ]; then
   selftest_gdnpre; l4
-  check 4100 120 --gdn-prep-balanced --gdn-fused-norm --prompt-tokens 300,4100 --prefill-chunk 2048
+  check 4100 120 --gdn-prep-balanced --gdn-fused-norm-global --prompt-tokens 300,4100 --prefill-chunk 2048
 fi
 if [ $P = 3 ]; then
   echo "== bench ($(date +%T))"

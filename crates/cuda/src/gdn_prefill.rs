@@ -192,6 +192,17 @@ pub fn set_default_fused_norm(on: bool) {
     DEFAULT_FUSED_NORM.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether new scratches' fused norm exchanges its partial sums through global memory
+/// ([`GdnPrefillScratch::set_fused_norm_global`]); off unless [`set_default_fused_norm_global`]
+/// turned it on.
+static DEFAULT_FUSED_NORM_GLOBAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The [`GdnPrefillScratch::set_fused_norm_global`] setting of every scratch created afterwards
+/// (process-wide; `calla cuda-bench | cuda-check --gdn-fused-norm-global`).
+pub fn set_default_fused_norm_global(on: bool) {
+    DEFAULT_FUSED_NORM_GLOBAL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Device scratch of [`CudaContext::gdn_prefill`], sized for blocks of up to `max_t` tokens
 /// (`Tp` = `max_t` rounded up to a multiple of 64): `q̂, k̂` `[n_k, Tp, d_k]`, `v`/`U` and `W`
 /// `[n_v, Tp, d_v]`, `P` `[n_v, Tp/64, 64, 64]`, `g, β, γ` `[n_v, Tp]`, all f32
@@ -203,6 +214,7 @@ pub struct GdnPrefillScratch {
     prep_lean: bool,
     prep_balanced: bool,
     fused_norm: bool,
+    fused_norm_global: bool,
     fused_norm_clusters: i32,
     prep_ablate: i32,
     stages: u8,
@@ -214,6 +226,10 @@ pub struct GdnPrefillScratch {
     g: CudaSlice<f32>,
     beta: CudaSlice<f32>,
     gam: CudaSlice<f32>,
+    /// [`Self::set_fused_norm_global`]: the partial sums `[n_v][2][4][64]` (value | tag << 32)
+    /// and the launch counter.
+    nrm_gx: CudaSlice<u64>,
+    nrm_ctr: CudaSlice<u32>,
 }
 
 impl GdnPrefillScratch {
@@ -292,6 +308,37 @@ impl GdnPrefillScratch {
         self.fused_norm = on;
     }
 
+    /// With [`Self::set_fused_norm`]: the four blocks of a V head exchange their partial sums
+    /// through global memory instead of a cluster (`gdnp_state_tf32wgcg`, session 55, opt-in,
+    /// not yet run on a GPU), for GPUs that hold fewer than `n_v` = 32 of the cluster form's
+    /// clusters at once ([`Self::fused_norm_clusters`]). Each partial travels in one 8-byte
+    /// word with a tag of the launch and the chunk (no fence on either side; every block takes
+    /// a ticket from a counter in this scratch to number the launch), and the readers poll L2
+    /// until all eight words of their rows carry the chunk's tag: a round trip through L2 about
+    /// one chunk ahead of its use, where the cluster's `st.async` goes between neighbouring
+    /// SMs. A block's V head and column quarter come from its ticket too, so the four blocks
+    /// that wait on each other are four that are running (four SMs suffice). The same bits as
+    /// the cluster form and the norm kernel (self-test `acts`).
+    pub fn set_fused_norm_global(&mut self, on: bool) {
+        self.fused_norm_global = on;
+    }
+
+    /// Whether [`Self::set_fused_norm_global`] is on.
+    pub fn fused_norm_global(&self) -> bool {
+        self.fused_norm_global
+    }
+
+    /// Tests only: the tickets [`Self::set_fused_norm_global`]'s launches have taken from this
+    /// scratch's counter (`n_v · 4` = 128 per launch; any other multiple means a block took
+    /// none or two, and the epochs of later launches would disagree). Waits for `cx`'s stream.
+    ///
+    /// # Errors
+    /// Driver errors of the copy.
+    #[doc(hidden)]
+    pub fn fused_norm_tickets(&self, cx: &CudaContext) -> Result<u32, CudaError> {
+        Ok(cx.stream().clone_dtoh(&self.nrm_ctr)?[0])
+    }
+
     /// [`CudaContext::gdn_fused_norm_clusters`] of the GPU this scratch was made on (0 when the
     /// query failed).
     pub fn fused_norm_clusters(&self) -> i32 {
@@ -359,6 +406,7 @@ impl CudaContext {
             ("gdnp_state_tf32wg", GdnPrefillMath::Tf32Wg.state_smem()),
             ("gdnp_state_tf32wgc", GdnPrefillMath::Tf32WgC.state_smem()),
             ("gdnp_state_tf32wgcn", FUSED_NORM_SMEM),
+            ("gdnp_state_tf32wgcg", FUSED_NORM_SMEM),
         ] {
             self.func(name)?.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
@@ -372,6 +420,7 @@ impl CudaContext {
             prep_lean: DEFAULT_PREP_LEAN.load(std::sync::atomic::Ordering::Relaxed),
             prep_balanced: DEFAULT_PREP_BALANCED.load(std::sync::atomic::Ordering::Relaxed),
             fused_norm: DEFAULT_FUSED_NORM.load(std::sync::atomic::Ordering::Relaxed),
+            fused_norm_global: DEFAULT_FUSED_NORM_GLOBAL.load(std::sync::atomic::Ordering::Relaxed),
             fused_norm_clusters,
             prep_ablate: 0,
             stages: 0b1111,
@@ -383,6 +432,8 @@ impl CudaContext {
             g: s.alloc_zeros(p::N_V_HEADS * tp)?,
             beta: s.alloc_zeros(p::N_V_HEADS * tp)?,
             gam: s.alloc_zeros(p::N_V_HEADS * tp)?,
+            nrm_gx: s.alloc_zeros(p::N_V_HEADS * 2 * SPLIT * CH)?,
+            nrm_ctr: s.alloc_zeros(1)?,
         })
     }
 
@@ -585,15 +636,17 @@ impl CudaContext {
         }
         let fused_acts = if fused { acts.as_deref_mut() } else { None };
         if let (true, Some(a)) = (stages & 4 != 0, fused_acts) {
-            // a cluster of the SPLIT blocks of each V head (the kernel's __cluster_dims__)
+            // a cluster of the SPLIT blocks of each V head (the kernel's __cluster_dims__), or
+            // the same grid without clusters exchanging through global memory
             let cfg = LaunchConfig {
                 grid_dim: ((p::N_V_HEADS * SPLIT) as u32, 1, 1),
                 block_dim: (math.state_threads(), 1, 1),
                 shared_mem_bytes: FUSED_NORM_SMEM as u32,
             };
+            let global = sc.fused_norm_global;
             {
                 let xb = a.fill("gdn_prefill_acts", t, GDN_OUT)?;
-                let mut b = self.kernel(self.func("gdnp_state_tf32wgcn")?);
+                let mut b = self.kernel(self.func(if global { "gdnp_state_tf32wgcg" } else { "gdnp_state_tf32wgcn" })?);
                 b.ptr_mut(xb)
                     .ptr_mut(&mut *s)
                     .ptr(&sc.q)
@@ -603,11 +656,13 @@ impl CudaContext {
                     .ptr(&sc.p)
                     .ptr(&sc.gam)
                     .ptr(proj)
-                    .ptr(norm_w)
-                    .arg(&t_i)
-                    .arg(&tpad_i)
-                    .arg(&nc_i);
-                // SAFETY: argument order and types match `gdnp_state_tf32wgcn`; the activations
+                    .ptr(norm_w);
+                if global {
+                    b.ptr_mut(&mut sc.nrm_gx).ptr_mut(&mut sc.nrm_ctr);
+                }
+                b.arg(&t_i).arg(&tpad_i).arg(&nc_i);
+                // SAFETY: argument order and types match `gdnp_state_tf32wgcn` (`_wgcg`: with
+                // the exchange words and the launch counter before T); the activations
                 // scratch has room for t·GDN_OUT bf16 (checked by `fill`), the shared-memory
                 // size matches the kernel's (it checks), the grid is whole clusters.
                 unsafe { b.launch(cfg) }?;

@@ -312,6 +312,19 @@ impl Prefiller {
         self.gdn.set_fused_norm(on);
     }
 
+    /// Whether that fused norm exchanges through global memory
+    /// ([`GdnPrefillScratch::set_fused_norm_global`]).
+    pub fn gdn_fused_norm_global(&self) -> bool {
+        self.gdn.fused_norm_global()
+    }
+
+    /// Sets [`GdnPrefillScratch::set_fused_norm_global`] for later chunks (measurement;
+    /// `calla cuda-bench --prefill-compare`).
+    #[doc(hidden)]
+    pub fn set_gdn_fused_norm_global(&mut self, on: bool) {
+        self.gdn.set_fused_norm_global(on);
+    }
+
     /// Applies a context setting `f` to `cx` (the context this prefiller runs on) and to the
     /// shared expert's stream's context, so both streams' GEMMs run alike: e.g.
     /// `pf.on_contexts(&cx, |c| c.set_gemm_lean(false))`. For the measurement switches of

@@ -475,7 +475,7 @@ pub fn acts_check(s: &mut Suite) {
     let w = weights(0x9D2);
     let wd = upload_weights(cx, &w);
     let mut scratch = cx.gdn_prefill_scratch(300).expect("scratch");
-    let fused_norm0 = scratch.fused_norm();
+    let (fused_norm0, global0) = (scratch.fused_norm(), scratch.fused_norm_global());
     // the fused norm exists for this arithmetic only (the others would run the norm kernel)
     let math0 = scratch.math();
     scratch.set_math(GdnPrefillMath::Tf32WgC);
@@ -492,9 +492,11 @@ pub fn acts_check(s: &mut Suite) {
         let x = proj(t, 0x7300 + ti as u64);
         let projd = cx.upload_f32(&x).unwrap();
         let mut runs = Vec::new();
-        // gdn_prefill + convert_acts; gdn_prefill_acts with the norm kernel; with the norm inside
-        for (fused, fnorm) in [(false, false), (true, false), (true, true)] {
+        // gdn_prefill + convert_acts; gdn_prefill_acts with the norm kernel; with the norm
+        // inside, its partials by cluster and through global memory
+        for (fused, fnorm, global) in [(false, false, false), (true, false, false), (true, true, false), (true, true, true)] {
             scratch.set_fused_norm(fnorm);
+            scratch.set_fused_norm_global(global);
             let mut convd = upload_guarded(cx, &rnd_conv);
             let mut sd = upload_guarded(cx, &rnd_s);
             let mut outd = guarded(cx, t * GDN_OUT);
@@ -520,7 +522,11 @@ pub fn acts_check(s: &mut Suite) {
             runs.push((acts, cx.download_f32(&convd).unwrap(), cx.download_f32(&sd).unwrap()));
         }
         let (a0, c0, s0) = &runs[0];
-        for (i, what) in [(1, "gdn_prefill_acts"), (2, "gdn_prefill_acts, norm in the state kernel,")] {
+        for (i, what) in [
+            (1, "gdn_prefill_acts"),
+            (2, "gdn_prefill_acts, norm in the state kernel,"),
+            (3, "gdn_prefill_acts, norm in the state kernel (global),"),
+        ] {
             let (a1, c1, s1) = &runs[i];
             let nan_acts = a1.iter().filter(|&&b| (b & 0x7fff) > 0x7f80).count();
             let differ = a0.iter().zip(a1).filter(|(x, y)| x != y).count();
@@ -543,7 +549,19 @@ pub fn acts_check(s: &mut Suite) {
             s.record(SEC, &format!("T={t:<4} {what} = gdn_prefill + convert_acts, bit for bit"), &c, "");
         }
     }
+    // one launch of the global form per T above: 128 tickets each, or the epochs went wrong
+    let tickets = scratch.fused_norm_tickets(cx).expect("tickets");
+    let want = (ts.len() * p::N_V_HEADS * 4) as u32;
+    let ok = tickets == want;
+    let c = crate::common::Cmp {
+        rel: if ok { 0.0 } else { f64::NAN },
+        max_over_rms: if ok { 0.0 } else { f64::NAN },
+        ok,
+        msg: format!("{tickets} tickets, {want} expected"),
+    };
+    s.record(SEC, "gdn_prefill_acts, norm in the state kernel (global): one ticket per block and launch", &c, "");
     scratch.set_fused_norm(fused_norm0);
+    scratch.set_fused_norm_global(global0);
     scratch.set_math(math0);
 }
 
@@ -682,22 +700,29 @@ fn timing(s: &mut Suite, wd: &DevWeights) {
                 scratch.set_stage_mask(0b1111);
                 // the layer writing out_proj's activations, the gated norm as its own kernel
                 // (gdnp_norm_acts) and inside the state kernel (gdnp_state_tf32wgcn, session 55)
-                let fn0 = scratch.fused_norm();
-                let mut acts_us = [0f64; 2];
-                for (i, on) in [false, true].into_iter().enumerate() {
+                let (fn0, fg0) = (scratch.fused_norm(), scratch.fused_norm_global());
+                let mut acts_us = [0f64; 3];
+                for (i, (on, global)) in [(false, false), (true, false), (true, true)].into_iter().enumerate() {
                     scratch.set_fused_norm(on);
+                    scratch.set_fused_norm_global(global);
                     acts_us[i] = s.time_graph(reps, || call_acts(t, &mut scratch, &mut gemm, &mut outd, &mut convd, &mut sd)) * 1e6;
                 }
                 scratch.set_fused_norm(fn0);
+                scratch.set_fused_norm_global(fg0);
                 println!(
-                    "gdn_prefill acts T={t:<5}: norm kernel {:.1} us, norm in the state kernel {:.1} us ({:+.1}%; {} of {} clusters fit at once)",
+                    "gdn_prefill acts T={t:<5}: norm kernel {:.1} us, norm in the state kernel {:.1} us ({:+.1}%; {} of {} clusters fit at once), partials through global memory {:.1} us ({:+.1}%)",
                     acts_us[0],
                     acts_us[1],
                     100.0 * (acts_us[1] / acts_us[0] - 1.0),
                     scratch.fused_norm_clusters(),
-                    p::N_V_HEADS
+                    p::N_V_HEADS,
+                    acts_us[2],
+                    100.0 * (acts_us[2] / acts_us[0] - 1.0)
                 );
-                st_json.push_str(&format!(",\"us_acts_norm_kernel\":{:.1},\"us_acts_fused_norm\":{:.1}", acts_us[0], acts_us[1]));
+                st_json.push_str(&format!(
+                    ",\"us_acts_norm_kernel\":{:.1},\"us_acts_fused_norm\":{:.1},\"us_acts_fused_norm_global\":{:.1}",
+                    acts_us[0], acts_us[1], acts_us[2]
+                ));
                 convd = cx.upload_f32(&rand_f32s(GDN_CONV_STATE_LEN, 0xA0, 1.0)).unwrap();
                 sd = cx.upload_f32(&rand_f32s(GDN_STATE_LEN, 0xB0, 0.3)).unwrap();
             }
