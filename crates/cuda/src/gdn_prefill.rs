@@ -215,7 +215,6 @@ pub struct GdnPrefillScratch {
     prep_balanced: bool,
     fused_norm: bool,
     fused_norm_global: bool,
-    fused_norm_clusters: i32,
     prep_ablate: i32,
     stages: u8,
     q: CudaSlice<f32>,
@@ -300,7 +299,7 @@ impl GdnPrefillScratch {
     /// `acts` checks them word for word; `gdnpre` times both).
     ///
     /// The launch is 32 clusters of four blocks, one block per SM (230 KB of shared memory
-    /// each); where fewer fit on the GPU at once ([`Self::fused_norm_clusters`]; its GPCs
+    /// each); where fewer fit on the GPU at once ([`CudaContext::gdn_fused_norm_clusters`]; its GPCs
     /// decide: the H200 of docs/CUDA.md holds 14 clusters of 8 such blocks, so likely 30 of 4),
     /// the last clusters run in a second wave and the kernel takes about twice as long (the
     /// results are the same); a default that turns the form on must check that first.
@@ -311,7 +310,7 @@ impl GdnPrefillScratch {
     /// With [`Self::set_fused_norm`]: the four blocks of a V head exchange their partial sums
     /// through global memory instead of a cluster (`gdnp_state_tf32wgcg`, session 55, opt-in,
     /// not yet run on a GPU), for GPUs that hold fewer than `n_v` = 32 of the cluster form's
-    /// clusters at once ([`Self::fused_norm_clusters`]). Each partial travels in one 8-byte
+    /// clusters at once ([`CudaContext::gdn_fused_norm_clusters`]). Each partial travels in one 8-byte
     /// word with a tag of the launch and the chunk (no fence on either side; every block takes
     /// a ticket from a counter in this scratch to number the launch), and the readers poll L2
     /// until all eight words of their rows carry the chunk's tag: a round trip through L2 about
@@ -337,12 +336,6 @@ impl GdnPrefillScratch {
     #[doc(hidden)]
     pub fn fused_norm_tickets(&self, cx: &CudaContext) -> Result<u32, CudaError> {
         Ok(cx.stream().clone_dtoh(&self.nrm_ctr)?[0])
-    }
-
-    /// [`CudaContext::gdn_fused_norm_clusters`] of the GPU this scratch was made on (0 when the
-    /// query failed).
-    pub fn fused_norm_clusters(&self) -> i32 {
-        self.fused_norm_clusters
     }
 
     /// Whether [`Self::set_fused_norm`] is on.
@@ -411,8 +404,6 @@ impl CudaContext {
             self.func(name)?.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         let tp = max_t.div_ceil(CH) * CH;
-        // measurement only: a failed occupancy query is reported as 0 clusters
-        let fused_norm_clusters = self.gdn_fused_norm_clusters().unwrap_or(0);
         let s = self.stream();
         Ok(GdnPrefillScratch {
             max_t,
@@ -421,7 +412,6 @@ impl CudaContext {
             prep_balanced: DEFAULT_PREP_BALANCED.load(std::sync::atomic::Ordering::Relaxed),
             fused_norm: DEFAULT_FUSED_NORM.load(std::sync::atomic::Ordering::Relaxed),
             fused_norm_global: DEFAULT_FUSED_NORM_GLOBAL.load(std::sync::atomic::Ordering::Relaxed),
-            fused_norm_clusters,
             prep_ablate: 0,
             stages: 0b1111,
             q: s.alloc_zeros(p::N_K_HEADS * tp * p::D_K)?,
