@@ -243,7 +243,7 @@ pub const KERNELS: &[KernelSource] = &[
     KernelSource {
         name: "gdn_prefill",
         src: include_str!("../kernels/gdn_prefill.cu"),
-        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_prep_tf32b", "gdnp_prep_tf32lx", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_norm_acts", "gdnp_prep_tf32old", "gdnp_state_tf32old", "gdnp_state_tf32wg", "gdnp_state_tf32wgc"],
+        entries: &["gdnp_conv", "gdnp_prep_f32", "gdnp_prep_tf32", "gdnp_prep_tf32b", "gdnp_prep_tf32lx", "gdnp_state_f32", "gdnp_state_tf32", "gdnp_norm", "gdnp_norm_acts", "gdnp_prep_tf32old", "gdnp_state_tf32old", "gdnp_state_tf32wg", "gdnp_state_tf32wgc", "gdnp_state_tf32wgcn", "gdnp_state_tf32wgcg"],
     },
     KernelSource {
         name: "attention",

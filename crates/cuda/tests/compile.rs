@@ -20,23 +20,34 @@ fn every_kernel_compiles_for_sm_90a() {
         let cubin =
             cuda::nvrtc::compile_cubin(k.name, &src, cuda::ARCH).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(&cubin[..4], b"\x7fELF", "{}: not an ELF cubin", k.name);
-        for entry in k.entries {
-            // the symbol's whole name, NUL-delimited in the string table (a name that is a
-            // prefix of another entry's, such as qgemm_moe_combine of qgemm_moe_combine_b16,
-            // must be there itself)
-            let sym = format!("\0{entry}\0");
-            assert!(
-                cubin.windows(sym.len()).any(|w| w == sym.as_bytes()),
-                "{}: entry point {entry} missing from the cubin",
-                k.name
-            );
-        }
+        // the cubin's kernel entry points, both ways equal to the list the runtime loads: an
+        // entry point missing from `entries` cannot be launched (CudaContext::func fails at
+        // run time), a listed name missing from the cubin fails at load
+        let mut found = entry_points(&cubin);
+        found.sort();
+        let mut listed: Vec<String> = k.entries.iter().map(|e| e.to_string()).collect();
+        listed.sort();
+        assert_eq!(found, listed, "{}: the cubin's kernel entry points (left) differ from KernelSource::entries (right)", k.name);
         eprintln!(
             "{}.cu: {} bytes of sm_90a cubin (NVRTC {ma}.{mi})",
             k.name,
             cubin.len()
         );
     }
+}
+
+/// The names of a cubin's kernel entry points: its global function symbols marked
+/// `STO_CUDA_ENTRY` (0x10 in `st_other`), which `__global__` functions carry and `__device__`
+/// functions do not.
+fn entry_points(cubin: &[u8]) -> Vec<String> {
+    use object::read::elf::{ElfFile64, Sym};
+    use object::{Object, ObjectSymbol};
+    const STO_CUDA_ENTRY: u8 = 0x10;
+    let elf = ElfFile64::<object::Endianness>::parse(cubin).unwrap_or_else(|e| panic!("cubin: not a 64-bit ELF: {e}"));
+    elf.symbols()
+        .filter(|s| s.kind() == object::SymbolKind::Text && s.is_global() && s.elf_symbol().st_other() & STO_CUDA_ENTRY != 0)
+        .map(|s| s.name().expect("symbol name").to_string())
+        .collect()
 }
 
 /// The timeline probe (`CALLA_TIMELINE`, `cuda::timeline`) compiles into every kernel file and
