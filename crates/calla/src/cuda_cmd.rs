@@ -139,6 +139,11 @@ pub struct PrefillFlags {
     /// number of splits can differ; `CudaContext::set_gemm_wide`).
     #[arg(long)]
     gemm_no_wide: bool,
+    /// 8k chunks' GDN input projection (12,352 rows) on the wide tile like every other dense
+    /// product, instead of the big tile (256 rows × 128 tokens) it takes by default since
+    /// session 56 (the same bits; `CudaContext::set_gemm_big_long`).
+    #[arg(long)]
+    gemm_no_big_long: bool,
     /// Long prompts' grouped expert GEMMs on the wide tile from 192 entries per expert (the
     /// same bits; measured slower, session 32; `CudaContext::set_gemm_wide_grouped`).
     #[arg(long)]
@@ -173,21 +178,24 @@ pub struct PrefillFlags {
     /// `GdnPrefillScratch::set_prep_lean`).
     #[arg(long)]
     gdn_prep_old: bool,
-    /// The GDN prefill's lean TF32 prep with its four `Tm` products balanced over the warps
-    /// (`gdnp_prep_tf32b`, session 54: warp w the 16-row tiles w & 1 and 3 − (w & 1), 10
-    /// k-steps either way, where the default gives warp w one tile of 2 to 8; the same bits
-    /// expected; not yet run on a GPU; `GdnPrefillScratch::set_prep_balanced`).
+    /// The GDN prefill's lean TF32 prep with its four `Tm` products one 16-row tile per warp
+    /// (`gdnp_prep_tf32`, the default before session 56: warp w does 2 to 8 k-steps, where the
+    /// default `gdnp_prep_tf32b` balances them at 10 per warp; the same bits, self-test
+    /// `gdnpre`; `GdnPrefillScratch::set_prep_balanced`).
     #[arg(long)]
-    gdn_prep_balanced: bool,
+    gdn_prep_unbalanced: bool,
     /// The GDN prefill's gated norm inside its state kernel (`gdnp_state_tf32wgcn`, session 55:
     /// the four blocks of a V head as a cluster exchange their rows' partial sums of squares and
-    /// write out_proj's bf16 activations themselves; no `gdnp_norm_acts` launch; the same bits
-    /// expected; not yet run on a GPU; `GdnPrefillScratch::set_fused_norm`).
+    /// write out_proj's bf16 activations themselves; no `gdnp_norm_acts` launch; the same
+    /// bits, self-test `acts`; measured slower on an H100 in session 56, which holds 30 of its
+    /// 32 clusters at once: +60% for the layer's state and norm at 8k;
+    /// `GdnPrefillScratch::set_fused_norm`).
     #[arg(long)]
     gdn_fused_norm: bool,
     /// That fused norm without clusters: the partial sums through global memory in tagged
     /// 8-byte words (`gdnp_state_tf32wgcg`, session 55; for GPUs that hold fewer than 32 of the
-    /// cluster form's clusters at once; implies --gdn-fused-norm; not yet run on a GPU;
+    /// cluster form's clusters at once; implies --gdn-fused-norm; the same bits; measured
+    /// slower on an H100 in session 56: +7% for the layer's state and norm at 8k;
     /// `GdnPrefillScratch::set_fused_norm_global`).
     #[arg(long)]
     gdn_fused_norm_global: bool,
@@ -908,6 +916,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_ws(f.gemm_ws);
     cuda::gemm::set_default_gemm_wide(!f.gemm_no_wide);
     cx.set_gemm_wide(!f.gemm_no_wide);
+    cx.set_gemm_big_long(!f.gemm_no_big_long);
     cuda::gemm::set_default_gemm_wide_grouped(f.gemm_wide_grouped);
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::attn_prefill::set_default_attn_causal_split(!f.attn_no_causal_split);
@@ -935,7 +944,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
         });
     }
     cuda::gdn_prefill::set_default_prep_lean(!f.gdn_prep_old);
-    cuda::gdn_prefill::set_default_prep_balanced(f.gdn_prep_balanced);
+    cuda::gdn_prefill::set_default_prep_balanced(!f.gdn_prep_unbalanced);
     cuda::gdn_prefill::set_default_fused_norm(f.gdn_fused_norm || f.gdn_fused_norm_global);
     cuda::gdn_prefill::set_default_fused_norm_global(f.gdn_fused_norm_global);
     if f.gdn_fused_norm && !f.gdn_fused_norm_global {
@@ -1738,6 +1747,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["lm_head_staged"] = serde_json::json!(lm_head_staged);
     out["gemm_ws"] = serde_json::json!(f.gemm_ws);
     out["gemm_wide"] = serde_json::json!(!f.gemm_no_wide);
+    out["gemm_big_long"] = serde_json::json!(!f.gemm_no_big_long);
     out["gemm_wide_grouped"] = serde_json::json!(f.gemm_wide_grouped);
     out["attn_ws"] = serde_json::json!(cx.attn_ws());
     out["attn_ws_form"] = serde_json::json!(format!("{:?}", cuda::attn_prefill::attn_ws_form()));
@@ -1745,7 +1755,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_splitk"] = serde_json::json!(!f.gemm_no_splitk);
     out["gemm_fit_n"] = serde_json::json!(!f.gemm_full_n);
     out["gemm_staged_epilogue"] = serde_json::json!(!f.gemm_epilogue_direct);
-    out["gdn_prep_balanced"] = serde_json::json!(f.gdn_prep_balanced);
+    out["gdn_prep_balanced"] = serde_json::json!(!f.gdn_prep_unbalanced);
     out["gdn_fused_norm"] = serde_json::json!(f.gdn_fused_norm || f.gdn_fused_norm_global);
     out["gdn_fused_norm_global"] = serde_json::json!(f.gdn_fused_norm_global);
     println!("JSON {}", serde_json::to_string(&out)?);

@@ -171,19 +171,20 @@ pub fn set_default_prep_lean(on: bool) {
 }
 
 /// Whether new scratches' lean TF32 prep runs its `Tm` products balanced over the warps
-/// ([`GdnPrefillScratch::set_prep_balanced`]); off unless [`set_default_prep_balanced`] turned
-/// it on (the form has not yet run on a GPU).
-static DEFAULT_PREP_BALANCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// ([`GdnPrefillScratch::set_prep_balanced`]); on unless [`set_default_prep_balanced`] turned
+/// it off (since session 56).
+static DEFAULT_PREP_BALANCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// The [`GdnPrefillScratch::set_prep_balanced`] setting of every scratch created afterwards
 /// (process-wide, as [`set_default_math`]; `calla cuda-bench | cuda-check
-/// --gdn-prep-balanced`).
+/// --gdn-prep-unbalanced` turns it off).
 pub fn set_default_prep_balanced(on: bool) {
     DEFAULT_PREP_BALANCED.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether new scratches normalize inside the state kernel ([`GdnPrefillScratch::set_fused_norm`]);
-/// off unless [`set_default_fused_norm`] turned it on (the form has not yet run on a GPU).
+/// off unless [`set_default_fused_norm`] turned it on (measured slower, session 56:
+/// [`GdnPrefillScratch::set_fused_norm`]).
 static DEFAULT_FUSED_NORM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The [`GdnPrefillScratch::set_fused_norm`] setting of every scratch created afterwards
@@ -268,13 +269,16 @@ impl GdnPrefillScratch {
 
     /// The lean TF32 prep's four `Tm` products (`U_h = Tm_h·β_h V_h`, `W_h = Tm_h·β_h e^γ K̂`,
     /// 64 × 64 lower-triangular times 64 × 128) with the warps' shares balanced. `on`
-    /// (`gdnp_prep_tf32b`, session 54, opt-in: not yet run on a GPU): warp `w` takes the 16-row
+    /// (`gdnp_prep_tf32b`, session 54, the default since session 56): warp `w` takes the 16-row
     /// tiles `w & 1` and `3 − (w & 1)` (10 of the triangle's k-steps either way) and 32
     /// columns, a k-step's B fragments serving both tiles. `off` (`gdnp_prep_tf32`, the
-    /// default): warp `w` takes row tile `w & 3` and 64 columns, so row tile 3's warps do four
-    /// times row tile 0's k-steps. Each output meets the same operands in the same k-step order
-    /// either way, so the same bits are expected (self-test `gdnpre` checks them word for
-    /// word). Only with [`Self::set_prep_lean`] on.
+    /// default before): warp `w` takes row tile `w & 3` and 64 columns, so row tile 3's warps
+    /// do four times row tile 0's k-steps. Each output meets the same operands in the same
+    /// k-step order either way, so the same bits (self-test `gdnpre` checks them word for
+    /// word; it found them equal on an H100 in session 56). Measured there: the prep took 349
+    /// against 384 µs per layer at 8k (−9%; 49 against 55 µs at 1k), the whole prefill
+    /// 148.60 against 149.73 ms at 8k and 23.92 against 24.10 ms at 1k (`calla cuda-bench
+    /// --prefill-compare`, `gdn_prep_balanced_ms`). Only with [`Self::set_prep_lean`] on.
     pub fn set_prep_balanced(&mut self, on: bool) {
         self.prep_balanced = on;
     }
@@ -286,7 +290,7 @@ impl GdnPrefillScratch {
 
     /// The gated RMSNorm inside the state kernel, for [`CudaContext::gdn_prefill_acts`] with
     /// [`GdnPrefillMath::Tf32WgC`] (other arithmetics and [`CudaContext::gdn_prefill`] ignore
-    /// it). `on` (`gdnp_state_tf32wgcn`, session 55, opt-in: not yet run on a GPU): the four
+    /// it). `on` (`gdnp_state_tf32wgcn`, session 55, opt-in: measured slower): the four
     /// blocks of a V head run as a thread-block cluster; per chunk each block's odd warpgroups,
     /// which hold `O`, send the block's partial `Σo²` of every row to every block of the cluster
     /// (`st.async` into their shared memory, counted on an mbarrier), and one chunk later normalize the `O`
@@ -303,13 +307,18 @@ impl GdnPrefillScratch {
     /// decide: the H200 of docs/CUDA.md holds 14 clusters of 8 such blocks, so likely 30 of 4),
     /// the last clusters run in a second wave and the kernel takes about twice as long (the
     /// results are the same); a default that turns the form on must check that first.
+    ///
+    /// Measured on an H100 (session 56, self-test `gdnpre`, one layer's state and norm): 30
+    /// of the 32 clusters fit, and the layer took 1,734 µs at 8k against 1,078 µs with the
+    /// norm kernel (+61%; +53% to +61% from 512 to 8k tokens); the whole 8k prefill took
+    /// 164.80 against 149.73 ms (`calla cuda-bench --prefill-compare`, `gdn_fused_norm_ms`).
     pub fn set_fused_norm(&mut self, on: bool) {
         self.fused_norm = on;
     }
 
     /// With [`Self::set_fused_norm`]: the four blocks of a V head exchange their partial sums
-    /// through global memory instead of a cluster (`gdnp_state_tf32wgcg`, session 55, opt-in,
-    /// not yet run on a GPU), for GPUs that hold fewer than `n_v` = 32 of the cluster form's
+    /// through global memory instead of a cluster (`gdnp_state_tf32wgcg`, session 55, opt-in:
+    /// measured slower), for GPUs that hold fewer than `n_v` = 32 of the cluster form's
     /// clusters at once ([`CudaContext::gdn_fused_norm_clusters`]). Each partial travels in one 8-byte
     /// word with a tag of the launch and the chunk (no fence on either side; every block takes
     /// a ticket from a counter in this scratch to number the launch), and the readers poll L2
@@ -317,7 +326,12 @@ impl GdnPrefillScratch {
     /// one chunk ahead of its use, where the cluster's `st.async` goes between neighbouring
     /// SMs. A block's V head and column quarter come from its ticket too, so the four blocks
     /// that wait on each other are four that are running (four SMs suffice). The same bits as
-    /// the cluster form and the norm kernel (self-test `acts`).
+    /// the cluster form and the norm kernel (self-test `acts`). Measured on an H100 (session
+    /// 56): the layer's state and norm took 1,158 µs at 8k against 1,078 µs with the norm
+    /// kernel (+7%; +7% to +9% from 512 to 8k tokens), and the whole prefill 149.75 against
+    /// 149.73 ms at 8k and 24.47 against 24.10 ms at 1k: the exchange and the normalization
+    /// inside the state kernel's chunk loop cost more than the norm kernel's launch and its
+    /// reading back of `O`.
     pub fn set_fused_norm_global(&mut self, on: bool) {
         self.fused_norm_global = on;
     }

@@ -794,21 +794,20 @@ impl CudaContext {
 
     /// Lets the automatic choice of a dense GEMM's tile take [`GemmTile::Big`] (256 weight rows
     /// × 128 tokens) instead of the wide tile for products of at least [`BIG_LONG_ROWS`] rows
-    /// (not SwiGLU) over at least [`BIG_LONG_TOKENS`] tokens (`true`; `false`, the default):
+    /// (not SwiGLU) over at least [`BIG_LONG_TOKENS`] tokens (`true`, the default since
+    /// session 56; `false`: the wide tile, `calla cuda-bench | cuda-check --gemm-no-big-long`):
     /// the GDN input projection (12,352 × 2,048) of an 8k chunk, which session 53's self-test
     /// timed at 741.1 µs on the big tile against 762.6 µs on the wide one (an H100), while
-    /// every other dense shape there ran faster on the wide tile. The same bits unsplit, as
-    /// [`Self::set_gemm_wide`]. Where [`Self::set_gemm_mid`] is on too, these products take the
-    /// big tile and the others the mid one. For measurement (`calla cuda-bench
-    /// --prefill-compare`, case `dense_big_long_ms`); a [`CudaContext::sibling`] copies the
-    /// setting.
-    #[doc(hidden)]
+    /// every other dense shape there ran faster on the wide tile. The whole 8k prefill: 149.20
+    /// against 149.73 ms (−0.4%; session 56, an H100, `calla cuda-bench --prefill-compare`,
+    /// case `dense_big_long_ms`). The same bits unsplit, as [`Self::set_gemm_wide`]. Where
+    /// [`Self::set_gemm_mid`] is on too, these products take the big tile and the others the
+    /// mid one. A [`CudaContext::sibling`] copies the setting.
     pub fn set_gemm_big_long(&self, on: bool) {
         self.gemm_big_long.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// See [`Self::set_gemm_big_long`].
-    #[doc(hidden)]
     pub fn gemm_big_long(&self) -> bool {
         self.gemm_big_long.load(std::sync::atomic::Ordering::Relaxed)
     }
