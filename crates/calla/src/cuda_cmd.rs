@@ -916,6 +916,7 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_ws(f.gemm_ws);
     cuda::gemm::set_default_gemm_wide(!f.gemm_no_wide);
     cx.set_gemm_wide(!f.gemm_no_wide);
+    cuda::gemm::set_default_gemm_big_long(!f.gemm_no_big_long);
     cx.set_gemm_big_long(!f.gemm_no_big_long);
     cuda::gemm::set_default_gemm_wide_grouped(f.gemm_wide_grouped);
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);

@@ -825,8 +825,8 @@ __device__ __forceinline__ void prep_body(float* __restrict__ vb, float* __restr
 // The prep entry points (grid (n_k, NC), 256 threads, PB_FLOATS floats of dynamic shared memory).
 // gdnp_prep_tf32 is session 52's lean form (RX: the Tm products' operands rounded where stored,
 // A and P in one pass), gdnp_prep_tf32lx its measured twin, the form before; gdnp_prep_tf32b is
-// the lean form with the Tm products balanced over the warps (BAL, session 54; opt-in until it
-// has run on a GPU). The same bits.
+// the lean form with the Tm products balanced over the warps (BAL, session 54; the default
+// since session 56). The same bits.
 #define CALLA_GDNP_PREP_ENTRY(NAME, TC, PRE, RX, BAL)                                                                \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
     NAME(float* __restrict__ vb, float* __restrict__ w_out, float* __restrict__ p_out, float* __restrict__ gam_out, \

@@ -250,7 +250,8 @@ impl GdnPrefillScratch {
     }
 
     /// The TF32 prep kernel's form (`Tf32`, `Tf32Wg`, `Tf32WgC`; `F32` and `Tf32Old` ignore
-    /// it). `on` (`gdnp_prep_tf32`, the default since session 52): the operands of its four `Tm`
+    /// it). `on` (the default since session 52: `gdnp_prep_tf32`, or with
+    /// [`Self::set_prep_balanced`], the default since session 56, `gdnp_prep_tf32b`): the operands of its four `Tm`
     /// products (`Tm_h`, `β V`, `β e^γ K̂`) are rounded to TF32 once, where they are stored in
     /// shared memory, and `A_h` and `P_h` are made in one pass that computes each decay factor
     /// `e^{γ_h[r] − γ_h[m]}` once for both. `off` (`gdnp_prep_tf32lx`, the measured twin, the

@@ -204,6 +204,20 @@ pub const BIG_LONG_ROWS: usize = 10_240;
 /// only length measured, a whole 8k chunk).
 pub const BIG_LONG_TOKENS: usize = 8_192;
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_big_long`] on (the process
+/// default, [`set_default_gemm_big_long`]; on unless set, since session 56).
+pub fn default_gemm_big_long() -> bool {
+    DEFAULT_GEMM_BIG_LONG.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_BIG_LONG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Sets [`default_gemm_big_long`] for contexts created afterwards (`calla cuda-bench |
+/// cuda-check --gemm-no-big-long` turns it off).
+pub fn set_default_gemm_big_long(on: bool) {
+    DEFAULT_GEMM_BIG_LONG.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_wide`] on (the process
 /// default, [`set_default_gemm_wide`]; on unless set).
 pub fn default_gemm_wide() -> bool {

@@ -814,7 +814,7 @@ impl CudaContext {
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
             gemm_mid: std::sync::atomic::AtomicBool::new(false),
-            gemm_big_long: std::sync::atomic::AtomicBool::new(true),
+            gemm_big_long: std::sync::atomic::AtomicBool::new(gemm::default_gemm_big_long()),
             gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
             attn_causal_split: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_causal_split()),
             attn_ws: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_ws()),

@@ -2211,7 +2211,10 @@ pub fn wide_section(s: &mut Suite) {
         for t in [1024usize, 2048, tmax] {
             cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
             let mut us = Vec::new();
-            // without the wide tile, with it, and with the mid tile in its place
+            // without the wide tile, with it, and with the mid tile in its place (never the big
+            // tile that CudaContext::set_gemm_big_long gives the tallest products at 8k: this
+            // compares the wide and mid tiles themselves)
+            cx.set_gemm_big_long(false);
             for (wide, mid) in [(false, false), (true, false), (true, true)] {
                 cx.set_gemm_wide(wide);
                 cx.set_gemm_mid(mid);
@@ -2242,4 +2245,5 @@ pub fn wide_section(s: &mut Suite) {
     }
     cx.set_gemm_wide(cuda::gemm::default_gemm_wide());
     cx.set_gemm_wide_grouped(cuda::gemm::default_gemm_wide_grouped());
+    cx.set_gemm_big_long(cuda::gemm::default_gemm_big_long());
 }
