@@ -251,10 +251,10 @@ impl GdnPrefillScratch {
 
     /// The TF32 prep kernel's form (`Tf32`, `Tf32Wg`, `Tf32WgC`; `F32` and `Tf32Old` ignore
     /// it). `on` (the default since session 52: `gdnp_prep_tf32`, or with
-    /// [`Self::set_prep_balanced`], the default since session 56, `gdnp_prep_tf32b`): the operands of its four `Tm`
-    /// products (`Tm_h`, `β V`, `β e^γ K̂`) are rounded to TF32 once, where they are stored in
-    /// shared memory, and `A_h` and `P_h` are made in one pass that computes each decay factor
-    /// `e^{γ_h[r] − γ_h[m]}` once for both. `off` (`gdnp_prep_tf32lx`, the measured twin, the
+    /// [`Self::set_prep_balanced`], the default since session 56, `gdnp_prep_tf32b`): the
+    /// operands of its four `Tm` products (`Tm_h`, `β V`, `β e^γ K̂`) are rounded to TF32 once,
+    /// where they are stored in shared memory, and `A_h` and `P_h` are made in one pass that
+    /// computes each decay factor `e^{γ_h[r] − γ_h[m]}` once for both. `off` (`gdnp_prep_tf32lx`, the measured twin, the
     /// form before): the operands are rounded at every load of an MMA fragment (a `cvt.rna` is
     /// about four instructions on sm_90) and A and P made by two groups of warps, each factor
     /// twice. The same values and expressions either way, so the same bits (self-test
