@@ -144,6 +144,13 @@ pub struct PrefillFlags {
     /// session 56 (the same bits; `CudaContext::set_gemm_big_long`).
     #[arg(long)]
     gemm_no_big_long: bool,
+    /// Give the dense projections (GDN and attention input and output projections) bf16 copies
+    /// of their weights at upload (~2.5 GB for the full model) and run their long-prompt
+    /// products (wide and big tiles) on them: the A tile copied, not dequantized, and read by
+    /// wgmma from shared memory (session 57; the same bits, `CudaContext::set_gemm_bf16_weights`;
+    /// `--prefill-compare` case `dense_bf16_weights_ms` then times both).
+    #[arg(long)]
+    gemm_bf16_weights: bool,
     /// Long prompts' grouped expert GEMMs on the wide tile from 192 entries per expert (the
     /// same bits; measured slower, session 32; `CudaContext::set_gemm_wide_grouped`).
     #[arg(long)]
@@ -918,6 +925,9 @@ fn set_prefill_options(cx: &CudaContext, f: &PrefillFlags) {
     cx.set_gemm_wide(!f.gemm_no_wide);
     cuda::gemm::set_default_gemm_big_long(!f.gemm_no_big_long);
     cx.set_gemm_big_long(!f.gemm_no_big_long);
+    // the copies were made at upload (open_with); this sets their use
+    cuda::gemm::set_default_gemm_bf16_weights(f.gemm_bf16_weights);
+    cx.set_gemm_bf16_weights(f.gemm_bf16_weights);
     cuda::gemm::set_default_gemm_wide_grouped(f.gemm_wide_grouped);
     cx.set_gemm_wide_grouped(f.gemm_wide_grouped);
     cuda::attn_prefill::set_default_attn_causal_split(!f.attn_no_causal_split);
@@ -1005,6 +1015,8 @@ struct PrefillKnobs {
     mid: bool,
     /// The 8k chunks' GDN input projections on the big tile in place of the wide one.
     big_long: bool,
+    /// Dense products on the wide and big tiles on the weights' bf16 copies (where made).
+    bf16_weights: bool,
 }
 
 impl PrefillKnobs {
@@ -1040,6 +1052,7 @@ impl PrefillKnobs {
             gdn_fnorm_g: pf.gdn_fused_norm() && pf.gdn_fused_norm_global(),
             mid: cx.gemm_mid(),
             big_long: cx.gemm_big_long(),
+            bf16_weights: cx.gemm_bf16_weights(),
         }
     }
 
@@ -1081,6 +1094,7 @@ impl PrefillKnobs {
             c.set_gemm_bulk_short(self.bulk_short);
             c.set_gemm_mid(self.mid);
             c.set_gemm_big_long(self.big_long);
+            c.set_gemm_bf16_weights(self.bf16_weights);
         });
     }
 
@@ -1111,7 +1125,7 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
-const PREFILL_CASES: [PrefillCase; 29] = [
+const PREFILL_CASES: [PrefillCase; 30] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
     PrefillCase { knob: |k| &mut k.group_major, off_name: "dense GEMMs on the MLX layout", off_key: "dense_mlx_layout_ms", on_name: "dense GEMMs group-major", on_key: "dense_group_major_ms" },
@@ -1140,6 +1154,7 @@ const PREFILL_CASES: [PrefillCase; 29] = [
     PrefillCase { knob: |k| &mut k.gdn_fnorm_g, off_name: "GDN gated norm as its own kernel (by clusters with --gdn-fused-norm)", off_key: "gdn_norm_not_global_ms", on_name: "GDN gated norm inside the state kernel, partials through global memory (session 55)", on_key: "gdn_fused_norm_global_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
     PrefillCase { knob: |k| &mut k.big_long, off_name: "8k chunks' tallest dense GEMMs on the wide tile", off_key: "dense_wide_long_ms", on_name: "8k chunks' tallest dense GEMMs on the big tile", on_key: "dense_big_long_ms" },
+    PrefillCase { knob: |k| &mut k.bf16_weights, off_name: "dense GEMMs dequantizing their weights", off_key: "dense_quantized_ms", on_name: "dense GEMMs on bf16 weight copies (--gemm-bf16-weights)", on_key: "dense_bf16_weights_ms" },
     PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile as before (Wg128)", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (--attn-ws-form)", on_key: "attn_wg128ws_ms" },
 ];
 
@@ -1160,6 +1175,8 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     if a.timeline {
         cuda::timeline::enable();
     }
+    // the dense projections' bf16 copies are made at upload
+    cuda::gemm::set_default_gemm_bf16_weights(a.prefill_flags.gemm_bf16_weights);
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split || a.gdn_out_split_compare)?;
     let lm_head_staged = (a.stage_lm_head || a.lm_head_compare) && gm.stage_lm_head(&cx, &m.weights)?;
@@ -1749,6 +1766,7 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
     out["gemm_ws"] = serde_json::json!(f.gemm_ws);
     out["gemm_wide"] = serde_json::json!(!f.gemm_no_wide);
     out["gemm_big_long"] = serde_json::json!(!f.gemm_no_big_long);
+    out["gemm_bf16_weights"] = serde_json::json!(f.gemm_bf16_weights);
     out["gemm_wide_grouped"] = serde_json::json!(f.gemm_wide_grouped);
     out["attn_ws"] = serde_json::json!(cx.attn_ws());
     out["attn_ws_form"] = serde_json::json!(format!("{:?}", cuda::attn_prefill::attn_ws_form()));
@@ -1827,6 +1845,8 @@ fn top2_margin(v: &[f32]) -> f32 {
 /// random-weight checkpoints the router's top-8 margins are tiny, so bf16 rounding flips some
 /// choices, which is inherent to bf16 inference (transformers in bf16 does the same).
 pub fn check(a: CudaCheckArgs) -> Result<()> {
+    // the dense projections' bf16 copies are made at upload
+    cuda::gemm::set_default_gemm_bf16_weights(a.prefill_flags.gemm_bf16_weights);
     let (m, cx, mut gm, upload_s) = open(&a.model, a.device)?;
     upload_variants(&m, &cx, &mut gm, a.gdn_in_step, a.gemv_staged, a.gdn_out_split)?;
     if a.stage_lm_head {

@@ -398,16 +398,115 @@ __device__ __forceinline__ void wgmma_ss_bn<64>(float* d, u64 da, u64 db) {
         : "l"(da), "l"(db), "r"(1));
 }
 
+// The wider forms, for the dense GEMMs on bf16 weight copies (BFW in qgemm_body).
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<96>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+        "%48, %49, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "l"(da), "l"(db), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<128>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<192>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+        "%96, %97, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss_bn<256>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
 template <int BITS, int MS, int BN>
 struct Cfg {
     static constexpr int BM = 128 * MS;                 // W rows per block (2 warpgroups x 64 x MS)
     static constexpr int RB = BITS * 8;                 // packed bytes per W row per K tile
     static constexpr int XB = BN * 128;                 // X tile: BN rows of 64 bf16
     static constexpr int WB = BM * RB;                  // W tile
-    static constexpr int SB = BM * 4;                   // a bf16 pair per row (scales; biases after)
+    // a bf16 pair per row (scales; biases after); none for bf16 weights (BITS 16, BFW)
+    static constexpr int SB = BITS == 16 ? 0 : BM * 4;
     static constexpr int STAGE = (XB + WB + 2 * SB + 1023) / 1024 * 1024;
-    // ring stages: 5, but 4 for the 8-bit tall tile so that two blocks fit an SM
-    static constexpr int STAGES = (BITS == 8 && MS == 2 && BN == 64) ? 4 : 5;
+    // ring stages: 5, but 4 for the 8-bit tall tile so that two blocks fit an SM, and 4 for
+    // bf16 weights (48 KB stages)
+    static constexpr int STAGES = (BITS == 16 || (BITS == 8 && MS == 2 && BN == 64)) ? 4 : 5;
     static constexpr int SMEM = STAGES * STAGE + 1024;  // + slack to align the ring to 1024
     static constexpr int NJ = BN / 8;                   // 8-token chunks
     static constexpr int XPT = BN * 8 / THREADS;        // 16-byte X copies per thread per tile
@@ -423,7 +522,7 @@ struct Cfg {
     static_assert(BN * FSP * 4 <= STAGES * STAGE, "f32 epilogue staging must fit the ring");
 };
 
-template <int BITS, int MS, int BN, bool WG, bool LEAN, bool BULK = false, bool WS = false>
+template <int BITS, int MS, int BN, bool WG, bool LEAN, bool BULK = false, bool WS = false, bool BFW = false>
 __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const u16* __restrict__ scales,
                                            const u16* __restrict__ biases, const u32* __restrict__ sbt,
                                            int sbt_rows, int pk_gm, const u16* __restrict__ xb, float* y,
@@ -440,9 +539,25 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     __shared__ alignas(8) unsigned long long s_full[WS ? 8 : C::STAGES];
     static_assert(!BULK || LEAN, "the bulk copies replace the lean loop's per-thread weight copies");
     static_assert(!WS || (LEAN && !BULK && BITS == 4 && MS == 2), "the warp-specialized loop: 4-bit, 256-row tiles");
+    static_assert(BFW == (BITS == 16) && (!BFW || (WG && LEAN && !BULK && !WS)),
+                  "bf16 weights (BITS 16): the wgmma loop with both operands in shared memory");
 
     calla_pdl_wait();
     const int tid = threadIdx.x;
+    // The block's row block (bx) and token tile or MoE tile (by): the grid's own, but for bf16
+    // weights (dense) grouped by 8 row blocks (consecutive blocks walk the token tiles of 8 row
+    // blocks), so that the blocks resident together read 8 row blocks' weights (8 MB as bf16 on
+    // the big tile) rather than all of them (50 MB for the GDN input projection: more than L2,
+    // read again by every wave).
+    int bx = blockIdx.x, by = blockIdx.y;
+    if constexpr (BFW) {
+        constexpr int G = 8;
+        const int gx = gridDim.x, gy = gridDim.y;
+        const int lin = by * gx + bx, grp = lin / (G * gy), first = grp * G;
+        const int gs = min(G, gx - first), loc = lin - grp * G * gy;
+        bx = first + loc % gs;
+        by = loc / gs;
+    }
     // the thread index the shared copy set-up uses: the WS producer threads (256..) compute a
     // consumer's assignments, which they never use, instead of reading past the row tables
     const int ctid = WS ? (tid & (THREADS - 1)) : tid;
@@ -460,7 +575,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     const bool moe = mode == MODE_MOE_GATE_UP || mode == MODE_MOE_DOWN || mode == MODE_MOE_DOWN_B16;
     int expert = 0, tok0, cnt;
     if (moe) {
-        const int tile = blockIdx.y;
+        const int tile = by;
         if (tile >= tile_offs[CALLA_N_EXPERTS]) return;  // grid is sized for the worst case
         // The block's expert is the one e with tile_offs[e] <= tile < tile_offs[e + 1] (an
         // empty expert has none). Each thread looks at one expert, loading its four words
@@ -480,7 +595,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         tok0 = s_tile[1];
         cnt = s_tile[2];
     } else {
-        tok0 = blockIdx.y * BN;
+        tok0 = by * BN;
         if (tok0 >= T) return;
         cnt = min(BN, T - tok0);
     }
@@ -489,9 +604,9 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     for (int i = tid; i < C::BM; i += THREADS) {
         int row;
         if (mode != MODE_SWIGLU && mode != MODE_MOE_GATE_UP) {
-            row = min((int)blockIdx.x * C::BM + i, n_rows - 1);  // clamped; stores are skipped
+            row = min(bx * C::BM + i, n_rows - 1);  // clamped; stores are skipped
         } else {
-            const int col = min((int)blockIdx.x * (C::BM / 2) + (i >> 4) * 8 + (i & 7), half_rows - 1);
+            const int col = min(bx * (C::BM / 2) + (i >> 4) * 8 + (i & 7), half_rows - 1);
             row = ((i & 15) >= 8 ? half_rows : 0) + col;
         }
         s_wrow[i] = row + expert * n_rows;
@@ -712,9 +827,17 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             xo[v] = (u32)max(xr, 0) * (u32)K + (u32)((ctid & 7) * 8);
             xs[v] = xr >= 0 ? 16u : 0u;  // zero-fill the rows past the end
         }
+        if constexpr (BFW) {
+            // bf16 weights, group-major ([K/64, rows, 64] bf16: tile t's row r at words
+            // (t · sbt_rows + r) · 32): thread ctid copies 16-byte chunk ctid % 8 of rows
+            // ctid / 8 + 32v, swizzled as the activations
 #pragma unroll
-        for (int v = 0; v < C::WPT; ++v)
-            wo[v] = (u32)s_wrow[ctid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((ctid % PIECES) * 4);
+            for (int v = 0; v < C::WPT; ++v) wo[v] = (u32)s_wrow[(ctid >> 3) + 32 * v] * 32u + (u32)((ctid & 7) * 4);
+        } else {
+#pragma unroll
+            for (int v = 0; v < C::WPT; ++v)
+                wo[v] = (u32)s_wrow[ctid / PIECES + v * (THREADS / PIECES)] * (u32)(pk_gm ? 2 * BITS : wpr) + (u32)((ctid % PIECES) * 4);
+        }
         so = has_s ? (u32)s_wrow[ctid] : 0u;
     }
     // BULK: a tile's codes and (scale, bias) words come as one or two runs of consecutive matrix
@@ -725,11 +848,11 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     int run_row = 0, run_n = 0;  // first matrix row and rows of run 0 (run 1: + half_rows)
     if constexpr (BULK) {
         if (swiglu_rows) {
-            const int c0 = (int)blockIdx.x * (C::BM / 2);
+            const int c0 = bx * (C::BM / 2);
             run_row = expert * n_rows + c0;
             run_n = min(C::BM / 2, half_rows - c0);
         } else {
-            const int r0 = (int)blockIdx.x * C::BM;
+            const int r0 = bx * C::BM;
             run_row = expert * n_rows + r0;
             run_n = min(C::BM, n_rows - r0);
         }
@@ -753,6 +876,15 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             }
 #pragma unroll
             for (int v = 0; v < C::XPT; ++v) cp_async16(st + xd + v * 32 * 128, xb + (xo[v] + tx), (int)xs[v]);
+        } else if constexpr (BFW) {
+            // the A tile: 128-byte rows of bf16 in the activations' permuted order, swizzled as
+            // they are (chunk j of row r at j ^ (r & 7)); rows 32 apart share the swizzle
+            const u32 st = sbase + stage * C::STAGE;
+            const u32 tx = (u32)t * KTILE, tw = (u32)t * (u32)sbt_rows * 32u;
+#pragma unroll
+            for (int v = 0; v < C::XPT; ++v) cp_async16(st + xd + v * 32 * 128, xb + (xo[v] + tx), (int)xs[v]);
+#pragma unroll
+            for (int v = 0; v < C::WPT; ++v) cp_async16(st + C::XB + xd + v * 32 * 128, packed + (wo[v] + tw), 16);
         } else if constexpr (LEAN) {
             const u32 st = sbase + stage * C::STAGE;
             const u32 tx = (u32)t * KTILE, tw = (u32)t * (u32)wstep, ts = (u32)t * (u32)sbt_rows;
@@ -921,7 +1053,28 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                 for (int s = 0; s < 4; ++s) wgmma_bn<NN>(acc[m], A[s], desc + 2 * s);
                 calla_wgmma_commit();
             };
-            if constexpr (MS == 2) {
+            if constexpr (BFW) {
+                // both operands in shared memory: warpgroup wg's slice m is A rows
+                // (wg · MS + m) · 64 .. + 63 of the stage; one commit group per tile, and
+                // wait_group 1 retires tile t - 1's MMAs before the barrier of tile t + 1 lets
+                // its stage be refilled (as the register-A loops)
+                const int wg = warp >> 2;
+                for (int t = 0; t < KT; ++t) {
+                    begin_tile(t);
+                    const u32 st = sbase + rs * C::STAGE;
+                    const u64 db = DESC_SW128 | (u64)((st >> 4) & 0x3FFFu);
+                    calla_wgmma_fence();
+#pragma unroll
+                    for (int m = 0; m < MS; ++m) {
+                        const u64 da = DESC_SW128 | (u64)(((st + C::XB + (wg * MS + m) * 64 * 128) >> 4) & 0x3FFFu);
+#pragma unroll
+                        for (int s = 0; s < 4; ++s) wgmma_ss_bn<NN>(acc[m], da + 2 * s, db + 2 * s);
+                    }
+                    calla_wgmma_commit();
+                    calla_wgmma_wait<1>();
+                    next_tile();
+                }
+            } else if constexpr (MS == 2) {
                 for (int t = 0; t < KT; ++t) {
                     begin_tile(t);
                     dequant(rs, t, 0, A0);
@@ -1023,7 +1176,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                 }
         }
         epi_sync();
-        const int col0 = blockIdx.x * OC;
+        const int col0 = bx * OC;
         for (int idx = tid; idx < BN * (OC / 8); idx += THREADS) {
             const int tok = idx / (OC / 8), ch = idx % (OC / 8);
             const int orow = s_orow[tok];
@@ -1040,7 +1193,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
         const bool split = gridDim.z > 1;
 #pragma unroll
         for (int m = 0; m < MS; ++m) {
-            const int col = blockIdx.x * (C::BM / 2) + ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;
+            const int col = bx * (C::BM / 2) + ((warp >> 2) * 4 * MS + m * 4 + (warp & 3)) * 8 + g;
 #pragma unroll
             for (int j = 0; j < C::NJ; ++j)
 #pragma unroll
@@ -1097,7 +1250,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
             // (y may alias res, so the compiler may not hoist a load above an earlier store; one
             // run at a time waited out one round trip per run: 32 per thread on the big tile)
             constexpr int U = 8;
-            const int n0 = blockIdx.x * C::BM;
+            const int n0 = bx * C::BM;
             const bool vec = (ldy & 3) == 0 &&
                              ((reinterpret_cast<size_t>(y) | reinterpret_cast<size_t>(res)) & 15) == 0;
             for (int base = tid; base < BN * CH; base += U * THREADS) {
@@ -1151,7 +1304,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int nl = rbase + m * 64 + (e >> 1) * 8, tl = 8 * j + 2 * c + (e & 1);
-                    const int n = blockIdx.x * C::BM + nl;
+                    const int n = bx * C::BM + nl;
                     const int orow = s_orow[tl];
                     if (n < n_rows && orow >= 0) acc[m][4 * j + e] += __ldcg(res + (size_t)orow * ldy + n);
                 }
@@ -1167,13 +1320,13 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
                     stg[tl * C::DSP + nl] = to_bf16(acc[m][4 * j + e]);
                     continue;
                 }
-                const int n = blockIdx.x * C::BM + nl;
+                const int n = bx * C::BM + nl;
                 const int orow = s_orow[tl];
                 if (n < n_rows && orow >= 0) y[(size_t)orow * ldy + n] = acc[m][4 * j + e];
             }
     if (!b16) return;
     epi_sync();
-    u16* yb = reinterpret_cast<u16*>(y) + (size_t)blockIdx.x * C::BM;
+    u16* yb = reinterpret_cast<u16*>(y) + (size_t)bx * C::BM;
     for (int idx = tid; idx < BN * (C::BM / 8); idx += THREADS) {
         const int tok = idx / (C::BM / 8), ch = idx % (C::BM / 8);
         const int orow = s_orow[tok];
@@ -1273,6 +1426,62 @@ CALLA_QGEMM_ENTRY_B(qgemm_q4_small_lb3, 4, 1, 64, true, true, 3, true)
     }
 CALLA_QGEMM_WS_ENTRY(qgemm_q4_tall_ws, 64)
 CALLA_QGEMM_WS_ENTRY(qgemm_q4_narrow_ws, 32)
+
+// Dense products on a bf16 copy of the weights (CudaContext::add_bf16_weights, qmat_bf16_perm
+// below; CudaContext::set_gemm_bf16_weights): the lean loop's ring and epilogues, the A tile
+// copied rather than dequantized and read by wgmma from shared memory. The copy holds the
+// values the dequantization makes, in the positions the activations use, so every product
+// meets the same operands in the same MMA slots as on the quantized tiles (wide, big).
+#define CALLA_QGEMM_BF_ENTRY(NAME, MS, BN)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                      \
+        NAME(const unsigned* packed, const unsigned short* scales, const unsigned short* biases,             \
+             const unsigned* sbt, int sbt_rows, int pk_gm, const unsigned short* xb, float* y,                \
+             const float* res, unsigned short* act, const int* sorted, const int* offsets,                   \
+             const int* tile_offs, int n_rows, int k, int t, int mode, int ldy, int topk) {                  \
+        calla_qgemm::qgemm_body<16, MS, BN, true, true, false, false, true>(packed, scales, biases, sbt, sbt_rows, pk_gm, xb, y, \
+                                                                            res, act, sorted, offsets, tile_offs, n_rows, k, t, \
+                                                                            mode, ldy, topk);                 \
+    }
+CALLA_QGEMM_BF_ENTRY(qgemm_bf_wide, 1, 256)
+CALLA_QGEMM_BF_ENTRY(qgemm_bf_big, 2, 128)
+
+// The bf16 copy of a quantized matrix for the kernels above: packed (MLX layout, BITS 4 or 8),
+// scales and biases bf16 [rows, groups] -> out [groups, rows, 32] u32 (two bf16 each), group
+// g's row r at words (g * rows + r) * 32. Word 8s + 4h + c holds the bf16 pair the lean loop's
+// dequantization gives quad lane c at k-step s in A fragment register 2h (row g) or 2h + 1
+// (row g + 8): tile positions 16s + 8h + 2c + {0, 1}, columns 16c + 8h + s and + 4 (the
+// K permutation in the header comment), computed by the same deq4 / deq8 as there, so the
+// same bits.
+extern "C" __global__ void qmat_bf16_perm(const unsigned* __restrict__ packed, const unsigned short* __restrict__ scales,
+                                          const unsigned short* __restrict__ biases, unsigned* __restrict__ out, int rows,
+                                          int groups, int bits) {
+    using namespace calla_qgemm;
+    const size_t n = (size_t)rows * groups * 32;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const int o = (int)(i & 31);
+        const size_t gr = i >> 5;
+        const int g = (int)(gr / rows), r = (int)(gr % rows);
+        const int s = o >> 3, h = (o >> 2) & 1, c = o & 3;
+        const u32 sc = scales[(size_t)r * groups + g], bi = biases[(size_t)r * groups + g];
+        u32 v;
+        if (bits == 4) {
+            const u32 w = packed[((size_t)r * groups + g) * 8 + 2 * c + h];
+            v = deq4(w >> (4 * s), sc | (sc << 16), bi | (bi << 16));
+        } else {
+            const size_t base = ((size_t)r * groups + g) * 16 + 4 * c + 2 * h;
+            const u32 w0 = packed[base], w1 = packed[base + 1];
+            const float fs = __uint_as_float(sc << 16), fb = __uint_as_float(bi << 16);
+            const float bq = fmaf(-32768.0f, fs, fb);
+            switch (s) {
+                case 0: v = pack_bf16x2(deq8<0>(w0, fs, bq), deq8<0>(w1, fs, bq)); break;
+                case 1: v = pack_bf16x2(deq8<1>(w0, fs, bq), deq8<1>(w1, fs, bq)); break;
+                case 2: v = pack_bf16x2(deq8<2>(w0, fs, bq), deq8<2>(w1, fs, bq)); break;
+                default: v = pack_bf16x2(deq8<3>(w0, fs, bq), deq8<3>(w1, fs, bq)); break;
+            }
+        }
+        out[i] = v;
+    }
+}
 
 // The group-major copy of a matrix's scales and biases (header comment): scales, biases bf16
 // [rows, groups] (MLX layout) -> out u32 [groups, rows], out[g * rows + r] = scale | bias << 16.

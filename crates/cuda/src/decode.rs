@@ -174,11 +174,17 @@ fn quantized<'a>(name: &str, l: &'a Linear) -> Result<QMatRef<'a>, CudaError> {
 /// Adds the group-major scales and codes the prefill GEMMs read
 /// ([`CudaContext::add_group_major`], [`CudaContext::add_group_major_codes`]) to a layer's input
 /// projection (every run) and output projection: ~1.1 times their 4-bit codes' bytes again
-/// (~0.7 GB for the full model); the decode GEMVs read the MLX layout.
+/// (~0.7 GB for the full model); the decode GEMVs read the MLX layout. With
+/// [`crate::gemm::default_gemm_bf16_weights`] also their bf16 copies
+/// ([`CudaContext::add_bf16_weights`]: four times the 4-bit codes' bytes, ~2.5 GB).
 fn add_group_major(cx: &CudaContext, in_proj: &mut StackedQMat, out_proj: &mut DeviceQMat) -> Result<(), CudaError> {
+    let bf16 = crate::gemm::default_gemm_bf16_weights();
     for m in in_proj.runs.iter_mut().map(|(m, _)| m).chain([out_proj]) {
         cx.add_group_major(m)?;
         cx.add_group_major_codes(m)?;
+        if bf16 {
+            cx.add_bf16_weights(m)?;
+        }
     }
     Ok(())
 }

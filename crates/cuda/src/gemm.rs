@@ -218,6 +218,22 @@ pub fn set_default_gemm_big_long(on: bool) {
     DEFAULT_GEMM_BIG_LONG.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bf16_weights`] on, and
+/// whether `CudaModel::upload` gives the dense projections their bf16 copies
+/// ([`CudaContext::add_bf16_weights`], ~2.5 GB for the full model) (the process default,
+/// [`set_default_gemm_bf16_weights`]; off unless set: session 57, not yet measured).
+pub fn default_gemm_bf16_weights() -> bool {
+    DEFAULT_GEMM_BF16_WEIGHTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static DEFAULT_GEMM_BF16_WEIGHTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`default_gemm_bf16_weights`] for contexts created and models uploaded afterwards
+/// (`calla cuda-bench | cuda-check --gemm-bf16-weights`).
+pub fn set_default_gemm_bf16_weights(on: bool) {
+    DEFAULT_GEMM_BF16_WEIGHTS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_wide`] on (the process
 /// default, [`set_default_gemm_wide`]; on unless set).
 pub fn default_gemm_wide() -> bool {
@@ -527,6 +543,23 @@ fn smem_bytes_ws(tile: GemmTile) -> usize {
     4 * (stage + bm * 128) + 1024
 }
 
+/// Dynamic shared memory of the dense GEMMs on bf16 weight copies (`qgemm_bf_wide`,
+/// `qgemm_bf_big`: `Cfg<16, ..>` in `gemm.cu`): four stages of the activations' and the bf16
+/// weights' tiles (128 bytes per row each).
+fn smem_bytes_bf(tile: GemmTile) -> usize {
+    let (bm, bn) = (tile.rows(), tile.tokens());
+    4 * ((bn + bm) * 128).div_ceil(1024) * 1024 + 1024
+}
+
+/// The entry point of a dense product on a bf16 weight copy for `tile`, if there is one.
+fn bf16_entry_name(tile: GemmTile) -> Option<&'static str> {
+    match tile {
+        GemmTile::Wide => Some("qgemm_bf_wide"),
+        GemmTile::Big => Some("qgemm_bf_big"),
+        _ => None,
+    }
+}
+
 /// Threads per block of the warp-specialized grouped GEMMs (two consumer warpgroups and a
 /// producer warpgroup).
 const THREADS_WS: u32 = 384;
@@ -826,6 +859,22 @@ impl CudaContext {
         self.gemm_big_long.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Has dense products on the wide and big tiles read the weights' bf16 copy
+    /// ([`DeviceQMat::bf16`], [`CudaContext::add_bf16_weights`]) where the matrix has one (`on`;
+    /// the process default [`default_gemm_bf16_weights`]): the A tile copied into shared memory
+    /// and multiplied from there (`wgmma` with both operands in shared memory) instead of the
+    /// codes dequantized into registers per block. The same operands in the same MMA slots, so
+    /// the same bits (self-test `gemm`); for measurement (`cuda-bench --prefill-compare`, case
+    /// `dense_bf16_weights_ms`). A [`CudaContext::sibling`] copies the setting.
+    pub fn set_gemm_bf16_weights(&self, on: bool) {
+        self.gemm_bf16_weights.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_gemm_bf16_weights`].
+    pub fn gemm_bf16_weights(&self) -> bool {
+        self.gemm_bf16_weights.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Lets the automatic choice of a grouped expert GEMM's tile ([`MoeRouting::force`] `None`)
     /// take [`GemmTile::Wide`] from 192 entries per expert on (`true`; `false`, the default,
     /// [`default_gemm_wide_grouped`]). The same bits, as [`Self::set_gemm_wide`]; a
@@ -877,6 +926,14 @@ impl CudaContext {
                         )?;
                     }
                 }
+            }
+        }
+        for tile in [GemmTile::Wide, GemmTile::Big] {
+            if let Some(name) = bf16_entry_name(tile) {
+                self.func(name)?.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_bytes_bf(tile) as i32,
+                )?;
             }
         }
         for (name, tile) in [("qgemm_q4_tall_ws", GemmTile::Tall), ("qgemm_q4_narrow_ws", GemmTile::Narrow)] {
@@ -1307,11 +1364,22 @@ impl CudaContext {
             && pk_gm == 1
             && w.bits == Bits::B4
             && matches!(v.tile, GemmTile::Tall | GemmTile::Narrow);
-        let bulk = !ws && on && lean && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
+        // a dense product on the wide or big tile with the weights' bf16 copy (wgmma engines)
+        let bf16 = match (&w.bf16, bf16_entry_name(v.tile)) {
+            (Some(c), Some(name)) if !grouped && self.gemm_bf16_weights() && v.engine != GemmEngine::MmaSync => Some((c, name)),
+            _ => None,
+        };
+        let bulk = bf16.is_none() && !ws && on && lean && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
         if bulk || ws {
             self.gemm_bulk_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        let name = if ws {
+        let (codes, pk_gm) = match bf16 {
+            Some((c, _)) => (c, 0i32),
+            None => (codes, pk_gm),
+        };
+        let name = if let Some((_, name)) = bf16 {
+            name.to_string()
+        } else if ws {
             format!("qgemm_q4_{}_ws", if v.tile == GemmTile::Tall { "tall" } else { "narrow" })
         } else if bulk {
             bulk_entry_name(w.bits, v)
@@ -1351,11 +1419,18 @@ impl CudaContext {
         let cfg = LaunchConfig {
             grid_dim: (a.grid.0.max(1), a.grid.1.max(1), a.ksplit.max(1)),
             block_dim: (if ws { THREADS_WS } else { THREADS }, 1, 1),
-            shared_mem_bytes: if ws { smem_bytes_ws(v.tile) } else { smem_bytes(w.bits, v.tile) } as u32,
+            shared_mem_bytes: if bf16.is_some() {
+                smem_bytes_bf(v.tile)
+            } else if ws {
+                smem_bytes_ws(v.tile)
+            } else {
+                smem_bytes(w.bits, v.tile)
+            } as u32,
         };
         // SAFETY: the callers checked every buffer against the shapes the kernel reads/writes; a
         // group-major copy holds w.rows * w.cols/64 words (add_group_major), all the kernel reads;
-        // the codes' group-major copy as many words as `packed` (add_group_major_codes).
+        // the codes' group-major copy as many words as `packed` (add_group_major_codes); a bf16
+        // copy rows · cols/2 words, group-major (add_bf16_weights), all the bf16 kernels read.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -207,7 +207,10 @@ pub const KERNELS: &[KernelSource] = &[
             "qgemm_q8_mid_ln",
             "qgemm_q4_mid_lb",
             "qgemm_q8_mid_lb",
+            "qgemm_bf_wide",
+            "qgemm_bf_big",
             "qgemm_x_to_bf16",
+            "qmat_bf16_perm",
             "qmat_group_major",
             "qmat_pack_group_major",
             "qgemm_moe_route",
@@ -430,6 +433,13 @@ pub struct DeviceQMat {
     /// gathers refuse it ([`Self::mlx_codes`]). For the prefill's own copies of the experts, so
     /// that the faster layout costs no memory.
     pub codes_group_major: bool,
+    /// The weights dequantized to bf16 for the prefill's dense products on the wide and big
+    /// tiles ([`CudaContext::add_bf16_weights`], read when
+    /// [`CudaContext::set_gemm_bf16_weights`] is on): `[cols/64, rows, 32]` u32, two bf16 each,
+    /// group `g`'s row `r` at words `(g · rows + r) · 32`, within a row the 64 values in the
+    /// GEMM kernels' permuted column order (`kernels/gemm.cu`, `qmat_bf16_perm`). Four times the
+    /// 4-bit codes' bytes (`rows · cols · 2`). `None` unless added.
+    pub bf16: Option<CudaSlice<u32>>,
 }
 
 impl DeviceQMat {
@@ -641,6 +651,9 @@ pub struct CudaContext {
     /// Whether the longest chunks' tallest dense products take the big tile instead of the
     /// wide one ([`CudaContext::set_gemm_big_long`]).
     pub(crate) gemm_big_long: std::sync::atomic::AtomicBool,
+    /// Whether dense products on the wide and big tiles read a matrix's bf16 copy where it has
+    /// one ([`CudaContext::set_gemm_bf16_weights`]).
+    pub(crate) gemm_bf16_weights: std::sync::atomic::AtomicBool,
     /// Whether long prompts' grouped expert products may take the wide tile
     /// ([`CudaContext::set_gemm_wide_grouped`]).
     pub(crate) gemm_wide_grouped: std::sync::atomic::AtomicBool,
@@ -815,6 +828,7 @@ impl CudaContext {
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
             gemm_mid: std::sync::atomic::AtomicBool::new(false),
             gemm_big_long: std::sync::atomic::AtomicBool::new(gemm::default_gemm_big_long()),
+            gemm_bf16_weights: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bf16_weights()),
             gemm_wide_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide_grouped()),
             attn_causal_split: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_causal_split()),
             attn_ws: std::sync::atomic::AtomicBool::new(attn_prefill::default_attn_ws()),
@@ -890,6 +904,7 @@ impl CudaContext {
             gemm_wide: copy(&self.gemm_wide),
             gemm_mid: copy(&self.gemm_mid),
             gemm_big_long: copy(&self.gemm_big_long),
+            gemm_bf16_weights: copy(&self.gemm_bf16_weights),
             gemm_wide_grouped: copy(&self.gemm_wide_grouped),
             attn_causal_split: copy(&self.attn_causal_split),
             attn_ws: copy(&self.attn_ws),
@@ -1011,6 +1026,7 @@ impl CudaContext {
             group_major: None,
             group_major_codes: None,
             codes_group_major: false,
+            bf16: None,
         })
     }
 
@@ -1712,6 +1728,46 @@ impl CudaContext {
         // as many; the kernel's grid-stride loop stays below that.
         unsafe { b.launch(cfg) }?;
         w.group_major_codes = Some(out);
+        Ok(())
+    }
+
+    /// Adds the bf16 copy of `w` ([`DeviceQMat::bf16`]) that the prefill's dense products on the
+    /// wide and big tiles read instead of dequantizing the codes when
+    /// [`Self::set_gemm_bf16_weights`] is on: `rows · cols · 2` bytes (the dense projections of
+    /// the full model: ~2.5 GB). Each value is computed as the GEMMs' dequantization computes it
+    /// (`scale·q + bias`, one bf16 rounding), so the products keep their bits. One launch on
+    /// [`Self::stream`], asynchronous.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `w` has a bf16 copy already, its codes are group-major in
+    /// place (the kernel reads the MLX layout), or it is too large for the kernel's i32
+    /// arguments; [`CudaError::Driver`] on allocation (out of memory) or launch.
+    pub fn add_bf16_weights(&self, w: &mut DeviceQMat) -> Result<(), CudaError> {
+        if w.bf16.is_some() {
+            return Err(CudaError::Unsupported("add_bf16_weights: the matrix has a bf16 copy already".into()));
+        }
+        let packed = w.mlx_codes()?;
+        let groups = w.cols / QUANT_GROUP;
+        let n = w.rows * groups * 32;
+        let (rows, gi, bits) = match (i32::try_from(w.rows), i32::try_from(groups), i32::try_from(n)) {
+            (Ok(r), Ok(g), Ok(_)) => (r, g, w.bits.bits() as i32),
+            _ => return Err(CudaError::Unsupported(format!("add_bf16_weights: a [{}, {}] matrix is too large for i32 sizes", w.rows, w.cols))),
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let mut out = self.stream.alloc_zeros::<u32>(n)?;
+        {
+            let blocks = n.div_ceil(256).min(65_535) as u32;
+            let mut b = self.stream.launch_builder(self.func("qmat_bf16_perm")?);
+            b.arg(packed).arg(&w.scales).arg(&w.biases).arg(&mut out).arg(&rows).arg(&gi).arg(&bits);
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: packed holds rows · groups · 2·bits words in the MLX layout, scales and
+            // biases rows · groups bf16 (upload_qmat validated the shapes), `out` rows · groups ·
+            // 32 u32; the kernel's grid-stride loop stays below those.
+            unsafe { b.launch(cfg) }?;
+        }
+        w.bf16 = Some(out);
         Ok(())
     }
 

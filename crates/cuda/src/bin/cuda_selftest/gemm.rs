@@ -2247,3 +2247,112 @@ pub fn wide_section(s: &mut Suite) {
     cx.set_gemm_wide_grouped(cuda::gemm::default_gemm_wide_grouped());
     cx.set_gemm_big_long(cuda::gemm::default_gemm_big_long());
 }
+
+/// Section `bf16w`: the dense products on the weights' bf16 copies (`CudaContext::add_bf16_weights`,
+/// `set_gemm_bf16_weights`: the `qgemm_bf_wide` / `qgemm_bf_big` entry points, the A tile copied
+/// and read by wgmma from shared memory) against the same tile on the quantized weights (lean
+/// loop): the copy holds the dequantization's own bf16 values in the activations' positions, so
+/// the outputs must be equal bit for bit and finite between their guard words: in_proj (a
+/// partial last row tile), o_proj with the residual (the staged epilogue), the shared expert's
+/// SwiGLU, a SwiGLU whose 520 gate rows end inside a tile, 8-bit in_proj; T = 7, 300 and 2,048 on
+/// the wide and the big tile, o_proj at T = 300 also split over K. Then times the prefill's dense
+/// products with the automatic tile (the defaults), quantized and on the copies, at T = 1,024,
+/// 2,048 and 8,192.
+pub fn bf16w_section(s: &mut Suite) {
+    let cx = s.cx;
+    let cases: [(&str, usize, usize, u32, Epi); 5] = [
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, 4, Epi::Store),
+        ("o_proj +resid", p::D_MODEL, ATTN_OUT, 4, Epi::Residual),
+        ("shared gate|up swiglu", 2 * p::D_SHARED_EXPERT, p::D_MODEL, 4, Epi::SwiGlu),
+        ("swiglu 2x520", 2 * 520, p::D_MODEL, 4, Epi::SwiGlu),
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL, 8, Epi::Store),
+    ];
+    let mut scratch = cx.gemm_scratch(2048).unwrap();
+    for (ci, &(label, n, k, bits, epi)) in cases.iter().enumerate() {
+        let hq = random_qmat(n, k, bits, 0x57B0 + ci as u64);
+        let mut dmc = cx.upload_qmat(hq.r()).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
+        cx.add_bf16_weights(&mut dmc).unwrap();
+        let out_cols = if epi == Epi::SwiGlu { n / 2 } else { n };
+        for t in [7usize, 300, 2048] {
+            let x = rand_x(t * k, 0x57C0 ^ (t as u64) << 20);
+            let res = rand_f32s(t * n, 0x57C1 ^ (t as u64) << 24, 1.0);
+            let xd = cx.upload_f32(&x).unwrap();
+            let rd = cx.upload_f32(&res).unwrap();
+            let splits: &[bool] = if epi == Epi::Residual && t == 300 { &[false, true] } else { &[false] };
+            for tile in [GemmTile::Wide, GemmTile::Big] {
+                for &split in splits {
+                    cx.set_gemm_splitk(split);
+                    let mut run = |on: bool| {
+                        cx.set_gemm_bf16_weights(on);
+                        scratch.force = Some(GemmVariant { engine: GemmEngine::WgmmaLean, tile });
+                        let mut yd = guarded(cx, t * out_cols);
+                        run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dmc, &xd.slice(..), Some(&rd.slice(..)), epi, t);
+                        cx.download_f32(&yd).unwrap()
+                    };
+                    let q = run(false);
+                    let b = run(true);
+                    let len = t * out_cols;
+                    let c = match guards_and_finite(&q, len).and(guards_and_finite(&b, len)) {
+                        Err(e) => failed(e),
+                        Ok(()) => check_bits(&b[GUARD..GUARD + len], &q[GUARD..GUARD + len], "outputs"),
+                    };
+                    let how = if split { ", split over K" } else { "" };
+                    let tname = if tile == GemmTile::Wide { "wide" } else { "big" };
+                    s.record(SEC, &format!("q{bits} {label} [{n}x{k}] T={t} {tname} tile{how}: bf16 copy = quantized, bit for bit"), &c, "");
+                }
+            }
+        }
+    }
+    cx.set_gemm_splitk(cuda::gemm::default_splitk());
+    cx.set_gemm_bf16_weights(cuda::gemm::default_gemm_bf16_weights());
+    scratch.force = None;
+    drop(scratch);
+
+    // timing: the automatic choice (defaults), quantized / bf16 copies
+    let reps = if s.quick { 3 } else { 7 };
+    let tmax = 8192;
+    let mut scratch = cx.gemm_scratch(tmax).unwrap();
+    let stream = cx.stream().clone();
+    println!("\n{SEC} bf16w timing: automatic tile, quantized / bf16 weight copies (graph replay, median of {reps}, 8 calls per graph)");
+    let shapes = [
+        ("gdn in_proj", GDN_PROJ, p::D_MODEL),
+        ("gdn out_proj", p::D_MODEL, p::N_V_HEADS * p::D_V),
+        ("attn q|gate|k|v", ATTN_PROJ, p::D_MODEL),
+        ("attn o_proj", p::D_MODEL, ATTN_OUT),
+    ];
+    for (si, (name, n, kk)) in shapes.into_iter().enumerate() {
+        let hq = random_qmat(n, kk, 4, 0x5800 + si as u64);
+        let mut dmc = cx.upload_qmat(hq.r()).unwrap();
+        cx.add_group_major(&mut dmc).unwrap();
+        cx.add_group_major_codes(&mut dmc).unwrap();
+        cx.add_bf16_weights(&mut dmc).unwrap();
+        let x = cx.upload_f32(&rand_x(tmax * kk, 0x5900 + si as u64)).unwrap();
+        let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
+        for t in [1024usize, 2048, tmax] {
+            cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
+            let mut us = Vec::new();
+            for on in [false, true] {
+                cx.set_gemm_bf16_weights(on);
+                us.push(s.time_graph(reps, || {
+                    for _ in 0..8 {
+                        let mut yv = yd.slice_mut(..t * n);
+                        cx.qgemm_converted(&mut yv, &dmc, &scratch, t, Epilogue::Store).unwrap();
+                    }
+                }) / 8.0);
+            }
+            let fl = gemm_flops(t, n, kk);
+            println!(
+                "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%; {:.0} / {:.0} TFLOP/s)",
+                us[0] * 1e6,
+                us[1] * 1e6,
+                100.0 * (us[1] / us[0] - 1.0),
+                fl / us[0] / 1e12,
+                fl / us[1] / 1e12
+            );
+            s.json.push((SEC.into(), format!("{{\"bf16w_dense\":\"{name}\",\"t\":{t},\"us\":[{:.1},{:.1}]}}", us[0] * 1e6, us[1] * 1e6)));
+        }
+    }
+    cx.set_gemm_bf16_weights(cuda::gemm::default_gemm_bf16_weights());
+}

@@ -32,7 +32,7 @@ use common::Suite;
 type Section = (&'static str, fn(&mut Suite));
 
 /// Every section.
-const SECTIONS: &[Section] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_checks), ("route", gemm::route_section), ("bulk", gemm::bulk_section), ("ws", gemm::ws_section), ("wide", gemm::wide_section), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run), ("acts", run_acts)];
+const SECTIONS: &[Section] = &[("gemv", gemv::run), ("gemm", gemm::run), ("router", gemm::router_checks), ("route", gemm::route_section), ("bulk", gemm::bulk_section), ("ws", gemm::ws_section), ("wide", gemm::wide_section), ("bf16w", gemm::bf16w_section), ("step", step::run), ("gdn", gdn::run), ("gdnin", gdn_in::run), ("attn", attention::run), ("attnpre", attn_prefill::run), ("moe", moe::run), ("sync", moe::run_sync), ("chain", chain::run), ("gdnpre", gdn_prefill::run), ("sample", sample::run), ("acts", run_acts)];
 /// The norms that write the prefill GEMMs' activations, and the GDN state kernel that
 /// normalizes its own output (`gdn_prefill::acts_check`).
 fn run_acts(s: &mut Suite) {
