@@ -144,8 +144,8 @@ pub struct PrefillFlags {
     /// session 56 (the same bits; `CudaContext::set_gemm_big_long`).
     #[arg(long)]
     gemm_no_big_long: bool,
-    /// Give the dense projections (GDN and attention input and output projections) bf16 copies
-    /// of their weights at upload (~2.5 GB for the full model) and run their long-prompt
+    /// Give the dense projections (GDN and attention input and output projections, the shared
+    /// experts) bf16 copies of their weights at upload (~2.7 GB for the full model) and run their long-prompt
     /// products (wide and big tiles) on them: the A tile copied, not dequantized, and read by
     /// wgmma from shared memory (session 57; the same bits, `CudaContext::set_gemm_bf16_weights`;
     /// `--prefill-compare` case `dense_bf16_weights_ms` then times both).
@@ -1125,6 +1125,10 @@ struct PrefillCase {
     on_key: &'static str,
 }
 
+/// The `--prefill-compare` case of the dense products on bf16 weight copies (run only when the
+/// model was uploaded with them, `--gemm-bf16-weights`).
+const BF16_WEIGHTS_KEY: &str = "dense_bf16_weights_ms";
+
 const PREFILL_CASES: [PrefillCase; 30] = [
     PrefillCase { knob: |k| &mut k.overlap_shared_expert, off_name: "shared expert on the main stream", off_key: "serial_ms", on_name: "shared expert on its own stream", on_key: "overlap_on_ms" },
     PrefillCase { knob: |k| &mut k.router_f32, off_name: "integer-product router", off_key: "router_digits_ms", on_name: "f32-chain router", on_key: "router_f32_ms" },
@@ -1154,7 +1158,7 @@ const PREFILL_CASES: [PrefillCase; 30] = [
     PrefillCase { knob: |k| &mut k.gdn_fnorm_g, off_name: "GDN gated norm as its own kernel (by clusters with --gdn-fused-norm)", off_key: "gdn_norm_not_global_ms", on_name: "GDN gated norm inside the state kernel, partials through global memory (session 55)", on_key: "gdn_fused_norm_global_ms" },
     PrefillCase { knob: |k| &mut k.mid, off_name: "dense GEMMs on the wide tile", off_key: "dense_wide_not_mid_ms", on_name: "dense GEMMs on the mid tile in place of the wide one", on_key: "dense_mid_ms" },
     PrefillCase { knob: |k| &mut k.big_long, off_name: "8k chunks' tallest dense GEMMs on the wide tile", off_key: "dense_wide_long_ms", on_name: "8k chunks' tallest dense GEMMs on the big tile", on_key: "dense_big_long_ms" },
-    PrefillCase { knob: |k| &mut k.bf16_weights, off_name: "dense GEMMs dequantizing their weights", off_key: "dense_quantized_ms", on_name: "dense GEMMs on bf16 weight copies (--gemm-bf16-weights)", on_key: "dense_bf16_weights_ms" },
+    PrefillCase { knob: |k| &mut k.bf16_weights, off_name: "dense GEMMs dequantizing their weights", off_key: "dense_quantized_ms", on_name: "dense GEMMs on bf16 weight copies (--gemm-bf16-weights)", on_key: BF16_WEIGHTS_KEY },
     PrefillCase { knob: |k| &mut k.attn_ws, off_name: "attention's 128-row tile as before (Wg128)", off_key: "attn_wg128_ms", on_name: "attention's 128-row tile warp-specialized (--attn-ws-form)", on_key: "attn_wg128ws_ms" },
 ];
 
@@ -1247,6 +1251,15 @@ pub fn bench(a: CudaBenchArgs) -> Result<()> {
         let cases: Vec<&PrefillCase> = PREFILL_CASES
             .iter()
             .filter(|c| a.prefill_compare_only.is_empty() || a.prefill_compare_only.iter().any(|k| k == c.on_key || k == c.off_key))
+            // the bf16 weight copies exist only with --gemm-bf16-weights: without them the
+            // flipped run would time the quantized products again under the copies' name
+            .filter(|c| {
+                let skip = c.on_key == BF16_WEIGHTS_KEY && !a.prefill_flags.gemm_bf16_weights;
+                if skip && !a.prefill_compare_only.is_empty() {
+                    eprintln!("note: --prefill-compare skips {BF16_WEIGHTS_KEY}: the model was uploaded without --gemm-bf16-weights (no bf16 copies)");
+                }
+                !skip
+            })
             .collect();
         for (i, &n) in a.prompt_tokens.iter().enumerate() {
             let prompt = random_prompt(n.max(1), vocab, 1 + i as u64);

@@ -18,7 +18,10 @@
 // accumulator holds Y^T tiles and the packed weights never go through a bf16 copy in shared
 // memory: each warp owns 16 rows of W per 64-row slice, reads its packed words from shared
 // memory (cp.async, 5-stage ring; 4 for the 8-bit tall tile) and dequantizes them straight into
-// the A fragment registers.
+// the A fragment registers. (Two exceptions: the warp-specialized loop, whose producer
+// dequantizes into a bf16 A tile in shared memory, and the dense products on bf16 weight
+// copies, qgemm_bf_*, which copy such a tile from global memory; both then run wgmma with both
+// operands in shared memory.)
 //
 // K permutation. A dot product does not care in which order the 64 columns of a tile meet, so
 // the MMA's k slots are mapped to columns to suit the dequantization: thread c (= lane % 4) of
@@ -545,7 +548,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ packed, const
     calla_pdl_wait();
     const int tid = threadIdx.x;
     // The block's row block (bx) and token tile or MoE tile (by): the grid's own, but for bf16
-    // weights (dense) grouped by 8 row blocks (consecutive blocks walk the token tiles of 8 row
+    // weights (dense products only) grouped by 8 row blocks (consecutive blocks walk the token tiles of 8 row
     // blocks), so that the blocks resident together read 8 row blocks' weights (8 MB as bf16 on
     // the big tile) rather than all of them (50 MB for the GDN input projection: more than L2,
     // read again by every wave).

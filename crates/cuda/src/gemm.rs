@@ -219,9 +219,10 @@ pub fn set_default_gemm_big_long(on: bool) {
 }
 
 /// Whether a new [`CudaContext`] starts with [`CudaContext::set_gemm_bf16_weights`] on, and
-/// whether `CudaModel::upload` gives the dense projections their bf16 copies
-/// ([`CudaContext::add_bf16_weights`], ~2.5 GB for the full model) (the process default,
-/// [`set_default_gemm_bf16_weights`]; off unless set: session 57, not yet measured).
+/// whether `CudaModel::upload` gives the mixers' dense projections their bf16 copies and
+/// [`crate::prefill::Prefiller::new`] the shared experts' ([`CudaContext::add_bf16_weights`],
+/// ~2.7 GB for the full model) (the process default, [`set_default_gemm_bf16_weights`]; off
+/// unless set: session 57, not yet run on a GPU).
 pub fn default_gemm_bf16_weights() -> bool {
     DEFAULT_GEMM_BF16_WEIGHTS.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -864,8 +865,9 @@ impl CudaContext {
     /// the process default [`default_gemm_bf16_weights`]): the A tile copied into shared memory
     /// and multiplied from there (`wgmma` with both operands in shared memory) instead of the
     /// codes dequantized into registers per block. The same operands in the same MMA slots, so
-    /// the same bits (self-test `gemm`); for measurement (`cuda-bench --prefill-compare`, case
-    /// `dense_bf16_weights_ms`). A [`CudaContext::sibling`] copies the setting.
+    /// the same bits (self-test section `bf16w`); for measurement (`cuda-bench --prefill-compare`,
+    /// case `dense_bf16_weights_ms`). Chunks of fewer than 256 tokens keep the quantized weights.
+    /// A [`CudaContext::sibling`] copies the setting.
     pub fn set_gemm_bf16_weights(&self, on: bool) {
         self.gemm_bf16_weights.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -897,6 +899,14 @@ impl CudaContext {
     #[doc(hidden)]
     pub fn gemm_bulk_launches(&self) -> u64 {
         self.gemm_bulk_launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// GEMM launches on the bf16-weight entry points since this context was made
+    /// ([`Self::set_gemm_bf16_weights`]; its own launches, not a sibling's): lets a test tell
+    /// that the copies were read rather than the quantized weights.
+    #[doc(hidden)]
+    pub fn gemm_bf16_launches(&self) -> u64 {
+        self.gemm_bf16_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The engine of an automatically chosen variant ([`Self::set_gemm_lean`]).
@@ -1365,10 +1375,19 @@ impl CudaContext {
             && w.bits == Bits::B4
             && matches!(v.tile, GemmTile::Tall | GemmTile::Narrow);
         // a dense product on the wide or big tile with the weights' bf16 copy (wgmma engines)
+        // (long prompts only: below the wide tile's 256 tokens the automatic choice may still
+        // take the big tile, where reading four times the bytes cannot pay)
         let bf16 = match (&w.bf16, bf16_entry_name(v.tile)) {
-            (Some(c), Some(name)) if !grouped && self.gemm_bf16_weights() && v.engine != GemmEngine::MmaSync => Some((c, name)),
+            (Some(c), Some(name))
+                if !grouped && self.gemm_bf16_weights() && v.engine != GemmEngine::MmaSync && a.t >= GemmTile::Wide.tokens() =>
+            {
+                Some((c, name))
+            }
             _ => None,
         };
+        if bf16.is_some() {
+            self.gemm_bf16_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let bulk = bf16.is_none() && !ws && on && lean && pk_gm == 1 && bulk_rows_ok(w.rows, a.n_rows);
         if bulk || ws {
             self.gemm_bulk_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -437,8 +437,8 @@ pub struct DeviceQMat {
     /// tiles ([`CudaContext::add_bf16_weights`], read when
     /// [`CudaContext::set_gemm_bf16_weights`] is on): `[cols/64, rows, 32]` u32, two bf16 each,
     /// group `g`'s row `r` at words `(g · rows + r) · 32`, within a row the 64 values in the
-    /// GEMM kernels' permuted column order (`kernels/gemm.cu`, `qmat_bf16_perm`). Four times the
-    /// 4-bit codes' bytes (`rows · cols · 2`). `None` unless added.
+    /// GEMM kernels' permuted column order (`kernels/gemm.cu`, `qmat_bf16_perm`): `rows · cols · 2`
+    /// bytes, four times 4-bit codes', twice 8-bit ones'. `None` unless added.
     pub bf16: Option<CudaSlice<u32>>,
 }
 
@@ -641,6 +641,8 @@ pub struct CudaContext {
     pub(crate) gemm_bulk_short: std::sync::atomic::AtomicBool,
     /// GEMM launches on the bulk-copy entry points ([`CudaContext::gemm_bulk_launches`]).
     pub(crate) gemm_bulk_launches: std::sync::atomic::AtomicU64,
+    /// GEMM launches on the bf16-weight entry points ([`CudaContext::gemm_bf16_launches`]).
+    pub(crate) gemm_bf16_launches: std::sync::atomic::AtomicU64,
     /// Whether the 4-bit grouped products run the warp-specialized loop ([`CudaContext::set_gemm_ws`]).
     pub(crate) gemm_ws: std::sync::atomic::AtomicBool,
     /// Whether long prompts' dense products may take the wide tile ([`CudaContext::set_gemm_wide`]).
@@ -824,6 +826,7 @@ impl CudaContext {
             gemm_bulk_grouped: std::sync::atomic::AtomicBool::new(gemm::default_gemm_bulk_grouped()),
             gemm_bulk_short: std::sync::atomic::AtomicBool::new(false),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
+            gemm_bf16_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: std::sync::atomic::AtomicBool::new(gemm::default_gemm_ws()),
             gemm_wide: std::sync::atomic::AtomicBool::new(gemm::default_gemm_wide()),
             gemm_mid: std::sync::atomic::AtomicBool::new(false),
@@ -900,6 +903,7 @@ impl CudaContext {
             gemm_bulk_grouped: copy(&self.gemm_bulk_grouped),
             gemm_bulk_short: copy(&self.gemm_bulk_short),
             gemm_bulk_launches: std::sync::atomic::AtomicU64::new(0),
+            gemm_bf16_launches: std::sync::atomic::AtomicU64::new(0),
             gemm_ws: copy(&self.gemm_ws),
             gemm_wide: copy(&self.gemm_wide),
             gemm_mid: copy(&self.gemm_mid),

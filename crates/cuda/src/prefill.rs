@@ -95,6 +95,12 @@ impl PrefillMoe {
             ])?,
             shared_down: cx.upload_qmat(qref(name("shared_expert.down_proj"), &m.shared.down)?)?,
         };
+        // the shared expert's dense products on bf16 copies too, where asked for
+        // (crate::gemm::default_gemm_bf16_weights; ~6 MB per layer), made from the MLX layout
+        if crate::gemm::default_gemm_bf16_weights() {
+            cx.add_bf16_weights(&mut pm.shared_gate_up)?;
+            cx.add_bf16_weights(&mut pm.shared_down)?;
+        }
         // the GEMMs' coalesced scale/bias copies and their codes group-major in place (these
         // copies serve the prefill GEMMs only); not the router's: its kernels read the MLX layout
         for w in [&mut pm.gate_up, &mut pm.down, &mut pm.shared_gate_up, &mut pm.shared_down] {

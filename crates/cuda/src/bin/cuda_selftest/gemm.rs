@@ -2254,8 +2254,10 @@ pub fn wide_section(s: &mut Suite) {
 /// loop): the copy holds the dequantization's own bf16 values in the activations' positions, so
 /// the outputs must be equal bit for bit and finite between their guard words: in_proj (a
 /// partial last row tile), o_proj with the residual (the staged epilogue), the shared expert's
-/// SwiGLU, a SwiGLU whose 520 gate rows end inside a tile, 8-bit in_proj; T = 7, 300 and 2,048 on
-/// the wide and the big tile, o_proj at T = 300 also split over K. Then times the prefill's dense
+/// SwiGLU, a SwiGLU whose 520 gate rows end inside a tile, 8-bit in_proj; T = 300, 346, 420 and
+/// 2,048 on the wide and the big tile (every MMA width of both), o_proj at T = 300 also split
+/// over K, each run counted on the bf16 entry points (T = 7 must stay quantized); and each copy against the
+/// dequantization emulated on the host, value by value. Then times the prefill's dense
 /// products with the automatic tile (the defaults), quantized and on the copies, at T = 1,024,
 /// 2,048 and 8,192.
 pub fn bf16w_section(s: &mut Suite) {
@@ -2274,8 +2276,35 @@ pub fn bf16w_section(s: &mut Suite) {
         cx.add_group_major(&mut dmc).unwrap();
         cx.add_group_major_codes(&mut dmc).unwrap();
         cx.add_bf16_weights(&mut dmc).unwrap();
+        // the copy itself against the dequantization emulated on the host (bit for bit: 4 bits
+        // one rounding of s·q + b, 8 bits the kernels' f32 FFMA then bf16), each value at its
+        // permuted position of its group's row
+        {
+            let words = cx.stream().clone_dtoh(dmc.bf16.as_ref().expect("a bf16 copy")).unwrap();
+            let emw = emul_weights(hq.r());
+            let groups = k / 64;
+            let mut got = vec![0f32; n * k];
+            let mut want = vec![0f32; n * k];
+            for g in 0..groups {
+                for r in 0..n {
+                    for col in 0..64 {
+                        let pos = cuda::gemm::permuted_pos(col);
+                        let w = words[(g * n + r) * 32 + pos / 2];
+                        let half = if pos % 2 == 0 { w & 0xFFFF } else { w >> 16 };
+                        let i = (g * n + r) * 64 + col;
+                        got[i] = f32::from_bits(half << 16);
+                        want[i] = emw[r * k + g * 64 + col];
+                    }
+                }
+            }
+            let c = if words.len() == n * k / 2 { check_bits(&got, &want, "values") } else { failed(format!("{} words, expected {}", words.len(), n * k / 2)) };
+            s.record(SEC, &format!("q{bits} {label} [{n}x{k}]: bf16 copy = emulated dequantization, permuted, bit for bit"), &c, "");
+        }
         let out_cols = if epi == Epi::SwiGlu { n / 2 } else { n };
-        for t in [7usize, 300, 2048] {
+        // T = 7 stays on the quantized weights (below 256 tokens); the last token tiles of 300,
+        // 346, 420 and 2,048 take every MMA width of both tiles (wide: 64 at 300, 128 at 346,
+        // 192 at 420, 256; big: 64 at 300 and 420, 96 at 346, 128)
+        for t in [7usize, 300, 346, 420, 2048] {
             let x = rand_x(t * k, 0x57C0 ^ (t as u64) << 20);
             let res = rand_f32s(t * n, 0x57C1 ^ (t as u64) << 24, 1.0);
             let xd = cx.upload_f32(&x).unwrap();
@@ -2284,18 +2313,23 @@ pub fn bf16w_section(s: &mut Suite) {
             for tile in [GemmTile::Wide, GemmTile::Big] {
                 for &split in splits {
                     cx.set_gemm_splitk(split);
+                    // (output, launches on the bf16 entry points)
                     let mut run = |on: bool| {
                         cx.set_gemm_bf16_weights(on);
                         scratch.force = Some(GemmVariant { engine: GemmEngine::WgmmaLean, tile });
                         let mut yd = guarded(cx, t * out_cols);
+                        let before = cx.gemm_bf16_launches();
                         run_dense(cx, &mut scratch, &mut yd, t * out_cols, &dmc, &xd.slice(..), Some(&rd.slice(..)), epi, t);
-                        cx.download_f32(&yd).unwrap()
+                        (cx.download_f32(&yd).unwrap(), cx.gemm_bf16_launches() - before)
                     };
-                    let q = run(false);
-                    let b = run(true);
+                    let (q, lq) = run(false);
+                    let (b, lb) = run(true);
                     let len = t * out_cols;
+                    // one launch on the copy from 256 tokens on, none below and none when off
+                    let want_lb = u64::from(t >= GemmTile::Wide.tokens());
                     let c = match guards_and_finite(&q, len).and(guards_and_finite(&b, len)) {
                         Err(e) => failed(e),
+                        Ok(()) if lq != 0 || lb != want_lb => failed(format!("{lb} launches on the bf16 copy (expected {want_lb}), {lq} with the switch off")),
                         Ok(()) => check_bits(&b[GUARD..GUARD + len], &q[GUARD..GUARD + len], "outputs"),
                     };
                     let how = if split { ", split over K" } else { "" };
