@@ -1851,16 +1851,7 @@ pub fn bulk_section(s: &mut Suite) {
         let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
         for t in [1024usize, tmax] {
             cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
-            let mut us = Vec::new();
-            for bulk in [false, true] {
-                cx.set_gemm_bulk(bulk);
-                us.push(s.time_graph(reps, || {
-                    for _ in 0..8 {
-                        let mut yv = yd.slice_mut(..t * n);
-                        cx.qgemm_converted(&mut yv, &dmc, &scratch, t, Epilogue::Store).unwrap();
-                    }
-                }) / 8.0);
-            }
+            let us = time_dense(s, &dmc, &scratch, &mut yd, t, false, reps, 2, |i| cx.set_gemm_bulk(i == 1));
             println!(
                 "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%, {:.0} TFLOP/s)",
                 us[0] * 1e6,
@@ -1972,6 +1963,36 @@ fn switch_equal(
         failed("act differs".into())
     };
     s.record(SEC, &format!("moe q{bits} T={t} gm codes {}: {}, act and out bit for bit", vname(Some(v)), pair.equal), &c, "");
+}
+
+/// Times one dense product on the activations in `scratch` (`t` tokens, `w`'s columns) once per
+/// setting: `apply(i)` sets the context for setting `i < settings`, then 8 calls are captured as
+/// one graph and replayed (median of `reps`). Returns seconds per call, one per setting.
+#[allow(clippy::too_many_arguments)]
+fn time_dense(
+    s: &Suite,
+    w: &DeviceQMat,
+    scratch: &GemmScratch,
+    y: &mut CudaSlice<f32>,
+    t: usize,
+    epi_swiglu: bool,
+    reps: usize,
+    settings: usize,
+    apply: impl Fn(usize),
+) -> Vec<f64> {
+    let cols = if epi_swiglu { w.rows / 2 } else { w.rows };
+    (0..settings)
+        .map(|i| {
+            apply(i);
+            s.time_graph(reps, || {
+                for _ in 0..8 {
+                    let mut yv = y.slice_mut(..t * cols);
+                    let epi = if epi_swiglu { Epilogue::SwiGlu } else { Epilogue::Store };
+                    s.cx.qgemm_converted(&mut yv, w, scratch, t, epi).unwrap();
+                }
+            }) / 8.0
+        })
+        .collect()
 }
 
 /// Times the grouped expert products (automatic variant, uniform routing) at T = 512, 1,024 and
@@ -2210,22 +2231,14 @@ pub fn wide_section(s: &mut Suite) {
         let mut yd = stream.alloc_zeros::<f32>(tmax * cols).unwrap();
         for t in [1024usize, 2048, tmax] {
             cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
-            let mut us = Vec::new();
             // without the wide tile, with it, and with the mid tile in its place (never the big
             // tile that CudaContext::set_gemm_big_long gives the tallest products at 8k: this
             // compares the wide and mid tiles themselves)
             cx.set_gemm_big_long(false);
-            for (wide, mid) in [(false, false), (true, false), (true, true)] {
-                cx.set_gemm_wide(wide);
-                cx.set_gemm_mid(mid);
-                us.push(s.time_graph(reps, || {
-                    for _ in 0..8 {
-                        let mut yv = yd.slice_mut(..t * cols);
-                        let epi = if swiglu { Epilogue::SwiGlu } else { Epilogue::Store };
-                        cx.qgemm_converted(&mut yv, &dmc, &scratch, t, epi).unwrap();
-                    }
-                }) / 8.0);
-            }
+            let us = time_dense(s, &dmc, &scratch, &mut yd, t, swiglu, reps, 3, |i| {
+                cx.set_gemm_wide(i >= 1);
+                cx.set_gemm_mid(i == 2);
+            });
             cx.set_gemm_wide(false);
             cx.set_gemm_mid(false);
             let fl = gemm_flops(t, n, kk);
@@ -2366,16 +2379,7 @@ pub fn bf16w_section(s: &mut Suite) {
         let mut yd = stream.alloc_zeros::<f32>(tmax * n).unwrap();
         for t in [1024usize, 2048, tmax] {
             cx.convert_acts(&x.slice(..t * kk), t, kk, &mut scratch).unwrap();
-            let mut us = Vec::new();
-            for on in [false, true] {
-                cx.set_gemm_bf16_weights(on);
-                us.push(s.time_graph(reps, || {
-                    for _ in 0..8 {
-                        let mut yv = yd.slice_mut(..t * n);
-                        cx.qgemm_converted(&mut yv, &dmc, &scratch, t, Epilogue::Store).unwrap();
-                    }
-                }) / 8.0);
-            }
+            let us = time_dense(s, &dmc, &scratch, &mut yd, t, false, reps, 2, |i| cx.set_gemm_bf16_weights(i == 1));
             let fl = gemm_flops(t, n, kk);
             println!(
                 "{SEC:<10} q4 {name} [{n}x{kk}] T={t:<5} {:>7.1} / {:>7.1} us ({:+.1}%; {:.0} / {:.0} TFLOP/s)",
